@@ -1,0 +1,393 @@
+package iptables
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// Variant names, as FORCE_IPTABLES_BINARY spells them.
+const (
+	VariantLegacy = "legacy"
+	VariantNFT    = "nft"
+	VariantPlain  = "default"
+)
+
+// Applier programs rule sets into network namespaces.
+type Applier struct {
+	// Force selects a variant ("legacy" or "nft") instead of detecting it.
+	Force string
+	// LookPath finds binaries; exec.LookPath with sbin fallbacks if nil.
+	LookPath func(string) (string, error)
+}
+
+// FamilyReport says what happened to one family.
+type FamilyReport struct {
+	Family  ruleset.Family
+	Variant string
+	// Action is "applied", "replaced", "unchanged", "removed" or "none".
+	Action   string
+	Duration time.Duration
+}
+
+// Report describes one Apply or Remove.
+type Report struct {
+	Families []FamilyReport
+}
+
+func (r Report) String() string {
+	var parts []string
+	for _, f := range r.Families {
+		parts = append(parts, fmt.Sprintf("%s:%s(%s,%s)", f.Family, f.Action, f.Variant, f.Duration.Round(10*time.Microsecond)))
+	}
+	return strings.Join(parts, " ")
+}
+
+// Apply makes the namespace hold exactly the plan's rules: nothing is done
+// when they are already there, old rules of ours are replaced in the same
+// transaction as the new ones are added, and the TPROXY policy route and
+// the IPv6 passthrough address are set up as needed.
+func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
+	var rep Report
+	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
+			set := planSet(plan, fam)
+			fr, err := a.sync(netNS, netnsPath, fam, set)
+			if err != nil {
+				return err
+			}
+			rep.Families = append(rep.Families, fr)
+		}
+		if plan.V6 != nil {
+			if err := ensurePassthroughV6(); err != nil {
+				return err
+			}
+		}
+		return syncTProxyRoutes(plan.TProxyRoutes, plan.V6 != nil)
+	})
+	return rep, err
+}
+
+// Remove deletes every rule and chain of ours and the TPROXY policy route.
+func (a *Applier) Remove(netnsPath string) (Report, error) {
+	return a.Apply(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
+}
+
+// Check returns an error describing every difference between the
+// namespace and the plan.
+func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
+	return ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+		var diffs []string
+		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
+			v, err := a.detect(netNS, fam)
+			if err != nil {
+				return err
+			}
+			st, err := a.state(netNS, netnsPath, v, fam)
+			if err != nil {
+				return err
+			}
+			for _, d := range Diff(st, planSet(plan, fam)) {
+				diffs = append(diffs, fam.String()+" "+d)
+			}
+		}
+		if plan.TProxyRoutes {
+			if ok, err := hasTProxyRule(netlink.FAMILY_V4); err != nil {
+				return err
+			} else if !ok {
+				diffs = append(diffs, "IPv4 policy rule fwmark 1337 lookup 133 missing")
+			}
+		}
+		if len(diffs) > 0 {
+			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
+		}
+		return nil
+	})
+}
+
+func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
+	if fam == ruleset.IPv4 && plan.V4 != nil {
+		return plan.V4
+	}
+	if fam == ruleset.IPv6 && plan.V6 != nil {
+		return plan.V6
+	}
+	return &ruleset.Set{Family: fam}
+}
+
+func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set *ruleset.Set) (FamilyReport, error) {
+	start := time.Now()
+	fr := FamilyReport{Family: fam, Action: "none"}
+	v, err := a.detect(netNS, fam)
+	if err != nil {
+		return fr, err
+	}
+	fr.Variant = v.name
+	st, err := a.state(netNS, netnsPath, v, fam)
+	if err != nil {
+		return fr, err
+	}
+	var text string
+	switch {
+	case st.Empty() && set.Empty():
+	case st.Empty():
+		text, fr.Action = set.Restore(), "applied"
+	case Diff(st, set) == nil:
+		fr.Action = "unchanged"
+	case set.Empty():
+		text, fr.Action = ReplaceText(st, set), "removed"
+	default:
+		text, fr.Action = ReplaceText(st, set), "replaced"
+	}
+	if text != "" {
+		if _, err := v.run(v.restore(fam), netnsPath, text, "--noflush", "--wait=30"); err != nil {
+			return fr, fmt.Errorf("programming %s rules with %s: %w", fam, v.restore(fam), err)
+		}
+	}
+	fr.Duration = time.Since(start)
+	return fr, nil
+}
+
+type variant struct {
+	name                             string
+	save4, restore4, save6, restore6 string
+	legacy                           bool
+}
+
+func (v *variant) save(f ruleset.Family) string {
+	if f == ruleset.IPv6 {
+		return v.save6
+	}
+	return v.save4
+}
+
+func (v *variant) restore(f ruleset.Family) string {
+	if f == ruleset.IPv6 {
+		return v.restore6
+	}
+	return v.restore4
+}
+
+// detect picks the iptables variant for a family as Istio does: legacy when
+// the namespace already has legacy tables, else nft, else the plain binary.
+// Reading /proc replaces Istio's probe commands, which cost several
+// process starts per pod.
+func (a *Applier) detect(netNS ns.NetNS, fam ruleset.Family) (*variant, error) {
+	mk := func(name, suffix string) (*variant, error) {
+		v := &variant{name: name, legacy: name == VariantLegacy}
+		var err error
+		for _, p := range []struct {
+			dst  *string
+			base string
+		}{{&v.save4, "iptables"}, {&v.restore4, "iptables"}, {&v.save6, "ip6tables"}, {&v.restore6, "ip6tables"}} {
+			kind := "-save"
+			if p.dst == &v.restore4 || p.dst == &v.restore6 {
+				kind = "-restore"
+			}
+			if *p.dst, err = a.lookPath(p.base + suffix + kind); err != nil {
+				return nil, err
+			}
+		}
+		return v, nil
+	}
+	switch a.Force {
+	case VariantLegacy:
+		return mk(VariantLegacy, "-legacy")
+	case VariantNFT:
+		return mk(VariantNFT, "-nft")
+	case "":
+	default:
+		return nil, fmt.Errorf("unknown iptables variant %q (want legacy or nft)", a.Force)
+	}
+	if hasLegacyTables(fam) {
+		if v, err := mk(VariantLegacy, "-legacy"); err == nil {
+			return v, nil
+		}
+	}
+	if v, err := mk(VariantNFT, "-nft"); err == nil {
+		return v, nil
+	}
+	v, err := mk(VariantPlain, "")
+	if err != nil {
+		return nil, fmt.Errorf("no usable iptables found on the node: %w", err)
+	}
+	return v, nil
+}
+
+func hasLegacyTables(fam ruleset.Family) bool {
+	name := "/proc/thread-self/net/ip_tables_names"
+	if fam == ruleset.IPv6 {
+		name = "/proc/thread-self/net/ip6_tables_names"
+	}
+	data, err := os.ReadFile(name)
+	return err == nil && len(bytes.TrimSpace(data)) > 0
+}
+
+// state reads our rules; it only runs iptables-save when the namespace has
+// tables of that variant at all, which a fresh pod namespace does not.
+func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam ruleset.Family) (*State, error) {
+	any, err := hasTables(v, fam)
+	if err != nil {
+		return nil, err
+	}
+	if !any {
+		return &State{}, nil
+	}
+	out, err := v.run(v.save(fam), netnsPath, "")
+	if err != nil {
+		return nil, fmt.Errorf("reading %s rules with %s: %w", fam, v.save(fam), err)
+	}
+	return ParseSave(out)
+}
+
+func hasTables(v *variant, fam ruleset.Family) (bool, error) {
+	if v.legacy {
+		return hasLegacyTables(fam), nil
+	}
+	// No explicit namespace option: the netlink library then binds its
+	// socket to the calling thread's namespace, which ns.Do has set. (An
+	// explicit fd made it list the wrong namespace's tables.)
+	conn, err := nftables.New()
+	if err != nil {
+		return false, fmt.Errorf("opening nftables netlink: %w", err)
+	}
+	defer conn.CloseLasting()
+	tf := nftables.TableFamilyIPv4
+	if fam == ruleset.IPv6 {
+		tf = nftables.TableFamilyIPv6
+	}
+	tables, err := conn.ListTablesOfFamily(tf)
+	if err != nil {
+		if errors.Is(err, unix.EPROTONOSUPPORT) {
+			return hasLegacyTables(fam), nil
+		}
+		return false, fmt.Errorf("listing nftables tables: %w", err)
+	}
+	return len(tables) > 0, nil
+}
+
+// run executes an iptables binary with a lock scoped to the pod namespace,
+// so pods never wait on each other or on the host's xtables lock.
+func (v *variant) run(bin, netnsPath, stdin string, args ...string) (string, error) {
+	cmd := exec.Command(bin, args...)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=" + netnsPath}
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		msg := strings.TrimSpace(stderr.String())
+		if stdin != "" {
+			msg += "\ninput was:\n" + stdin
+		}
+		return "", fmt.Errorf("%w: %s", err, msg)
+	}
+	return stdout.String(), nil
+}
+
+func (a *Applier) lookPath(name string) (string, error) {
+	if a.LookPath != nil {
+		return a.LookPath(name)
+	}
+	if p, err := exec.LookPath(name); err == nil {
+		return p, nil
+	}
+	// Runtimes often exec plugins with a PATH that lacks sbin.
+	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/sbin"} {
+		p := filepath.Join(dir, name)
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s not found in PATH or sbin directories", name)
+}
+
+// ensurePassthroughV6 adds ::6/128 to lo: IPv6 loopback is a single
+// address, and the proxy binds ::6 as the source of inbound passthrough.
+func ensurePassthroughV6() error {
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding lo: %w", err)
+	}
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("::6"), Mask: net.CIDRMask(128, 128)}}
+	if err := netlink.AddrAdd(lo, addr); err != nil && !errors.Is(err, syscall.EEXIST) {
+		return fmt.Errorf("adding ::6/128 to lo: %w", err)
+	}
+	return nil
+}
+
+func tproxyRule(family int) *netlink.Rule {
+	r := netlink.NewRule()
+	r.Family = family
+	r.Mark = ruleset.TProxyMarkValue
+	r.Table = ruleset.TProxyRouteTable
+	return r
+}
+
+func hasTProxyRule(family int) (bool, error) {
+	rules, err := netlink.RuleListFiltered(family, tproxyRule(family), netlink.RT_FILTER_MARK|netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return false, fmt.Errorf("listing policy rules: %w", err)
+	}
+	return len(rules) > 0, nil
+}
+
+// syncTProxyRoutes sends packets marked 1337 to a table whose only route
+// delivers everything locally, which is what lets TPROXY hand foreign
+// destinations to the proxy's socket.
+func syncTProxyRoutes(want, v6 bool) error {
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding lo: %w", err)
+	}
+	families := []int{netlink.FAMILY_V4}
+	if v6 || !want {
+		families = append(families, netlink.FAMILY_V6)
+	}
+	for _, fam := range families {
+		has, err := hasTProxyRule(fam)
+		if err != nil {
+			return err
+		}
+		dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+		if fam == netlink.FAMILY_V6 {
+			dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+		}
+		route := &netlink.Route{LinkIndex: lo.Attrs().Index, Dst: dst, Table: ruleset.TProxyRouteTable, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}
+		if !want {
+			if has {
+				if err := netlink.RuleDel(tproxyRule(fam)); err != nil && !errors.Is(err, syscall.ENOENT) {
+					return fmt.Errorf("deleting TPROXY policy rule: %w", err)
+				}
+				if err := netlink.RouteDel(route); err != nil && !errors.Is(err, syscall.ESRCH) && !errors.Is(err, syscall.ENOENT) {
+					return fmt.Errorf("deleting TPROXY route: %w", err)
+				}
+			}
+			continue
+		}
+		if !has {
+			if err := netlink.RuleAdd(tproxyRule(fam)); err != nil && !errors.Is(err, syscall.EEXIST) {
+				return fmt.Errorf("adding policy rule fwmark %d lookup %d: %w", ruleset.TProxyMarkValue, ruleset.TProxyRouteTable, err)
+			}
+		}
+		if err := netlink.RouteReplace(route); err != nil {
+			return fmt.Errorf("adding local default route in table %d: %w", ruleset.TProxyRouteTable, err)
+		}
+	}
+	return nil
+}

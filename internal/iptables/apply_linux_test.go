@@ -1,0 +1,193 @@
+package iptables
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
+
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+func newNS(t *testing.T) ns.NetNS {
+	t.Helper()
+	n, err := testutils.NewNS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A runtime brings lo up before the chain runs; so do we.
+	if err := n.Do(func(ns.NetNS) error { return exec.Command("ip", "link", "set", "lo", "up").Run() }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = n.Close()
+		_ = testutils.UnmountNS(n)
+	})
+	return n
+}
+
+func planFor(t *testing.T, c testutil.RedirectCase, v6 bool) *ruleset.Plan {
+	t.Helper()
+	p, _, err := redirect.FromPod(c.Pod())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ruleset.Build(p, v6)
+}
+
+func saveAll(t *testing.T, n ns.NetNS, variant string) string {
+	t.Helper()
+	var out strings.Builder
+	err := n.Do(func(ns.NetNS) error {
+		for _, bin := range []string{"iptables-" + variant + "-save", "ip6tables-" + variant + "-save"} {
+			b, err := exec.Command(bin).CombinedOutput()
+			if err != nil {
+				return err
+			}
+			out.Write(b)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out.String()
+}
+
+func actions(r Report) string {
+	var s []string
+	for _, f := range r.Families {
+		s = append(s, f.Action)
+	}
+	return strings.Join(s, ",")
+}
+
+// TestApplyEveryCase applies every golden case in a fresh namespace with
+// each iptables variant, for IPv4 only and for both families, and proves
+// that read-back equals the plan (so re-ADD is a no-op), that a second
+// apply changes nothing, that a different plan replaces rather than adds,
+// and that removal leaves no chain of ours.
+func TestApplyEveryCase(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-legacy-restore", "iptables-nft-restore", "ip6tables-legacy-restore", "ip6tables-nft-restore")
+	other := planFor(t, testutil.RedirectCases[0], true)
+	for _, variant := range []string{VariantLegacy, VariantNFT} {
+		for _, v6 := range []bool{false, true} {
+			for _, c := range testutil.RedirectCases {
+				name := variant + "/" + c.Name
+				if v6 {
+					name += "/v6"
+				}
+				t.Run(name, func(t *testing.T) {
+					n := newNS(t)
+					a := &Applier{Force: variant}
+					plan := planFor(t, c, v6)
+					rep, err := a.Apply(n.Path(), plan)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := a.Check(n.Path(), plan); err != nil {
+						t.Fatalf("check after apply: %v\nkernel has:\n%s", err, saveAll(t, n, variant))
+					}
+					rep, err = a.Apply(n.Path(), plan)
+					if err != nil {
+						t.Fatal(err)
+					}
+					for _, f := range rep.Families {
+						if f.Action != "unchanged" && f.Action != "none" {
+							t.Fatalf("second apply was not a no-op: %s", rep)
+						}
+					}
+					if _, err := a.Apply(n.Path(), other); err != nil {
+						t.Fatalf("replacing: %v", err)
+					}
+					if err := a.Check(n.Path(), other); err != nil {
+						t.Fatalf("check after replace: %v\nkernel has:\n%s", err, saveAll(t, n, variant))
+					}
+					if err := a.Check(n.Path(), plan); err == nil && c.Name != "basic" && c.Name != "custom-uid-zero" {
+						t.Fatalf("check passed against the old plan after replacement")
+					}
+					if _, err := a.Remove(n.Path()); err != nil {
+						t.Fatalf("remove: %v", err)
+					}
+					if got := saveAll(t, n, variant); strings.Contains(got, "ISTIO_") || strings.Contains(got, "1337") || strings.Contains(got, "0x539") {
+						t.Fatalf("rules left after remove:\n%s", got)
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestDetectPrefersExistingLegacy checks Istio's variant choice: legacy
+// only when the namespace already has legacy tables, nft otherwise.
+func TestDetectPrefersExistingLegacy(t *testing.T) {
+	testutil.RequireRoot(t)
+	plan := planFor(t, testutil.RedirectCases[0], false)
+	a := &Applier{}
+
+	fresh := newNS(t)
+	rep, err := a.Apply(fresh.Path(), plan)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Families[0].Variant != VariantNFT {
+		t.Fatalf("fresh namespace: variant %s, want nft", rep.Families[0].Variant)
+	}
+
+	seeded := newNS(t)
+	if err := seeded.Do(func(ns.NetNS) error {
+		return exec.Command("iptables-legacy", "-t", "filter", "-A", "INPUT", "-p", "255", "-j", "RETURN").Run()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	rep, err = a.Apply(seeded.Path(), plan)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Families[0].Variant != VariantLegacy {
+		t.Fatalf("namespace with legacy rules: variant %s, want legacy", rep.Families[0].Variant)
+	}
+	if got := saveAll(t, seeded, "legacy"); !strings.Contains(got, "-A INPUT -p 255 -j RETURN") || !strings.Contains(got, ":ISTIO_OUTPUT") {
+		t.Fatalf("legacy state lost the foreign rule or lacks ours:\n%s", got)
+	}
+}
+
+// TestReplaceKeepsForeignRules proves that replacing our rules leaves the
+// rules of other components in built-in chains alone.
+func TestReplaceKeepsForeignRules(t *testing.T) {
+	testutil.RequireRoot(t)
+	n := newNS(t)
+	a := &Applier{Force: VariantNFT}
+	if err := n.Do(func(ns.NetNS) error {
+		return exec.Command("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	tproxy := planFor(t, testutil.RedirectCases[4], false)
+	if _, err := a.Apply(n.Path(), tproxy); err != nil {
+		t.Fatal(err)
+	}
+	basic := planFor(t, testutil.RedirectCases[0], false)
+	rep, err := a.Apply(n.Path(), basic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if actions(rep) != "replaced,none" {
+		t.Fatalf("want replaced,none got %s", rep)
+	}
+	got := saveAll(t, n, "nft")
+	if !strings.Contains(got, "--dport 9999 -j RETURN") {
+		t.Fatalf("foreign rule lost:\n%s", got)
+	}
+	if strings.Contains(got, "ISTIO_TPROXY") || strings.Contains(got, "CONNMARK") {
+		t.Fatalf("old TPROXY rules left:\n%s", got)
+	}
+	if err := a.Check(n.Path(), basic); err != nil {
+		t.Fatal(err)
+	}
+}

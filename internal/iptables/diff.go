@@ -1,0 +1,164 @@
+package iptables
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// Diff compares what is in the kernel with a set. It returns nil when they
+// hold the same rules, else a list of differences for people to read.
+func Diff(st *State, set *ruleset.Set) []string {
+	var diffs []string
+	want := set.Final()
+	for _, table := range unionTables(st, want) {
+		for _, chain := range sortedKeys(want[table]) {
+			wantRules := normalizeAll(want[table][chain])
+			if ruleset.IsBuiltin(chain) {
+				got := normalizeAll(st.Builtin[table][chain])
+				if !equal(got, wantRules) {
+					diffs = append(diffs, fmt.Sprintf("%s/%s: want our rules %q, have %q", table, chain, wantRules, got))
+				}
+				continue
+			}
+			got, ok := st.Chains[table][chain]
+			if !ok {
+				diffs = append(diffs, fmt.Sprintf("%s/%s: chain missing", table, chain))
+				continue
+			}
+			if g := normalizeAll(got); !equal(g, wantRules) {
+				diffs = append(diffs, fmt.Sprintf("%s/%s: want %q, have %q", table, chain, wantRules, g))
+			}
+		}
+		for _, chain := range sortedKeys(st.Chains[table]) {
+			if _, ok := want[table][chain]; !ok {
+				diffs = append(diffs, fmt.Sprintf("%s/%s: unexpected chain", table, chain))
+			}
+		}
+		for _, chain := range sortedKeys(st.Builtin[table]) {
+			if _, ok := want[table][chain]; !ok && len(st.Builtin[table][chain]) > 0 {
+				diffs = append(diffs, fmt.Sprintf("%s/%s: unexpected rules %q", table, chain, normalizeAll(st.Builtin[table][chain])))
+			}
+		}
+	}
+	return diffs
+}
+
+// ReplaceText renders one iptables-restore --noflush transaction that
+// turns the current state into the set: our rules in built-in chains are
+// deleted, our chains flushed (a chain line flushes under --noflush),
+// chains no longer wanted deleted, and the new rules added.
+func ReplaceText(st *State, set *ruleset.Set) string {
+	var b strings.Builder
+	newChains := set.Chains()
+	tables := map[string]bool{}
+	for t := range st.Chains {
+		tables[t] = true
+	}
+	for t := range st.Builtin {
+		tables[t] = true
+	}
+	for _, t := range set.Tables() {
+		tables[t] = true
+	}
+	names := make([]string, 0, len(tables))
+	for t := range tables {
+		names = append(names, t)
+	}
+	sort.Strings(names)
+	for _, table := range names {
+		fmt.Fprintf(&b, "*%s\n", table)
+		keep := map[string]bool{}
+		for _, c := range newChains[table] {
+			keep[c] = true
+		}
+		old := sortedKeys(st.Chains[table])
+		for _, c := range old {
+			fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+		}
+		for _, c := range newChains[table] {
+			if _, exists := st.Chains[table][c]; !exists {
+				fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+			}
+		}
+		for _, chain := range sortedKeys(st.Builtin[table]) {
+			for _, r := range st.Builtin[table][chain] {
+				fmt.Fprintf(&b, "-D %s %s\n", chain, quoteArgs(r))
+			}
+		}
+		for _, c := range old {
+			if !keep[c] {
+				fmt.Fprintf(&b, "-X %s\n", c)
+			}
+		}
+		for _, r := range set.Rules {
+			if r.Table == table {
+				b.WriteString(r.Command())
+				b.WriteByte('\n')
+			}
+		}
+		b.WriteString("COMMIT\n")
+	}
+	return b.String()
+}
+
+func quoteArgs(args []string) string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		if a == "" || strings.ContainsAny(a, " \"\\") {
+			a = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(a) + `"`
+		}
+		out[i] = a
+	}
+	return strings.Join(out, " ")
+}
+
+func normalizeAll(rules [][]string) []string {
+	out := make([]string, len(rules))
+	for i, r := range rules {
+		out[i] = normalize(r)
+	}
+	return out
+}
+
+func equal(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func unionTables(st *State, want map[string]map[string][][]string) []string {
+	seen := map[string]bool{}
+	for t := range st.Chains {
+		seen[t] = true
+	}
+	for t := range st.Builtin {
+		seen[t] = true
+	}
+	for t := range want {
+		seen[t] = true
+	}
+	out := make([]string, 0, len(seen))
+	for t := range seen {
+		out = append(out, t)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -1,0 +1,296 @@
+// Package redirect turns a pod's annotations and its istio-proxy container
+// into validated redirect parameters. It is pure: no I/O, no clock.
+package redirect
+
+import (
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+)
+
+// Annotation keys read from the pod, the same as Istio's.
+const (
+	AnnotationInterceptionMode     = "sidecar.istio.io/interceptionMode"
+	AnnotationIncludeOutboundCIDRs = "traffic.sidecar.istio.io/includeOutboundIPRanges"
+	AnnotationExcludeOutboundCIDRs = "traffic.sidecar.istio.io/excludeOutboundIPRanges"
+	AnnotationIncludeInboundPorts  = "traffic.sidecar.istio.io/includeInboundPorts"
+	AnnotationExcludeInboundPorts  = "traffic.sidecar.istio.io/excludeInboundPorts"
+	AnnotationIncludeOutboundPorts = "traffic.sidecar.istio.io/includeOutboundPorts"
+	AnnotationExcludeOutboundPorts = "traffic.sidecar.istio.io/excludeOutboundPorts"
+	AnnotationExcludeInterfaces    = "traffic.sidecar.istio.io/excludeInterfaces"
+	AnnotationRerouteVirtualIfaces = "istio.io/reroute-virtual-interfaces"
+	// AnnotationKubevirtInterfaces is deprecated; it is read only when
+	// AnnotationRerouteVirtualIfaces is absent.
+	AnnotationKubevirtInterfaces = "traffic.sidecar.istio.io/kubevirtInterfaces"
+	AnnotationInject             = "sidecar.istio.io/inject"
+	AnnotationStatus             = "sidecar.istio.io/status"
+)
+
+// Proxy container facts.
+const (
+	ProxyContainerName = "istio-proxy"
+	EnvDNSCapture      = "ISTIO_META_DNS_CAPTURE"
+	EnvDualStack       = "ISTIO_DUAL_STACK"
+	EnvInvalidDrop     = "INVALID_DROP"
+	EnvDisableEnvoy    = "DISABLE_ENVOY"
+	DefaultProxyID     = 1337
+)
+
+// Mode is the inbound interception mode.
+type Mode string
+
+const (
+	ModeRedirect Mode = "REDIRECT"
+	ModeTProxy   Mode = "TPROXY"
+	// ModeNone asks for no interception at all. Istio's plugin rejects it
+	// and blocks the pod; this plugin honours it and programs nothing.
+	ModeNone Mode = "NONE"
+)
+
+// Ports that the proxy itself serves and that inbound capture never takes:
+// the status port, the health port and the Prometheus port.
+var alwaysExcludedInboundPorts = []string{"15020", "15021", "15090"}
+
+// Params are the redirect parameters for one pod. Port and CIDR lists keep
+// the textual order the pod gave, so the generated rules match Istio's
+// byte for byte.
+type Params struct {
+	Mode Mode
+	// IncludeOutboundCIDRs is "*" or a list of prefixes; empty means none.
+	IncludeOutboundAll   bool
+	IncludeOutboundCIDRs []netip.Prefix
+	ExcludeOutboundCIDRs []netip.Prefix
+	// IncludeInboundAll is the "*" form; otherwise IncludeInboundPorts.
+	IncludeInboundAll    bool
+	IncludeInboundPorts  []string
+	ExcludeInboundPorts  []string
+	IncludeOutboundPorts []string
+	ExcludeOutboundPorts []string
+	ExcludeInterfaces    []string
+	RerouteInterfaces    []string
+	ProxyUID             []string
+	ProxyGID             []string
+	DNSCapture           bool
+	DualStack            bool
+	DropInvalid          bool
+}
+
+// InvalidAnnotationError names the annotation and value that were rejected.
+type InvalidAnnotationError struct {
+	Key, Value, Reason string
+}
+
+func (e *InvalidAnnotationError) Error() string {
+	return fmt.Sprintf("invalid annotation %s=%q: %s", e.Key, e.Value, e.Reason)
+}
+
+// FromPod derives the parameters. Warnings are returned for values that are
+// ignored with a fallback (proxy env flags that do not parse), as Istio does.
+func FromPod(pod *podinfo.Pod) (Params, []string, error) {
+	var p Params
+	var warnings []string
+	a := pod.Annotations
+	get := func(key, def string) (string, bool) {
+		v, ok := a[key]
+		if !ok {
+			return def, false
+		}
+		return v, true
+	}
+
+	mode, _ := get(AnnotationInterceptionMode, string(ModeRedirect))
+	switch Mode(mode) {
+	case ModeRedirect, ModeTProxy, ModeNone:
+		p.Mode = Mode(mode)
+	default:
+		return p, nil, &InvalidAnnotationError{AnnotationInterceptionMode, mode, "must be REDIRECT, TPROXY or NONE"}
+	}
+
+	var err error
+	if v, _ := get(AnnotationIncludeOutboundCIDRs, "*"); v == "*" {
+		p.IncludeOutboundAll = true
+	} else if p.IncludeOutboundCIDRs, err = parseCIDRs(AnnotationIncludeOutboundCIDRs, v); err != nil {
+		return p, nil, err
+	}
+	if v, _ := get(AnnotationExcludeOutboundCIDRs, ""); v != "" {
+		if p.ExcludeOutboundCIDRs, err = parseCIDRs(AnnotationExcludeOutboundCIDRs, v); err != nil {
+			return p, nil, err
+		}
+	}
+
+	if v, _ := get(AnnotationIncludeInboundPorts, "*"); v == "*" {
+		p.IncludeInboundAll = true
+	} else if p.IncludeInboundPorts, err = parsePorts(AnnotationIncludeInboundPorts, v); err != nil {
+		return p, nil, err
+	}
+	v, _ := get(AnnotationExcludeInboundPorts, "")
+	userExcl, err := parsePorts(AnnotationExcludeInboundPorts, v)
+	if err != nil {
+		return p, nil, err
+	}
+	p.ExcludeInboundPorts = dedup(append(userExcl, alwaysExcludedInboundPorts...))
+
+	v, _ = get(AnnotationIncludeOutboundPorts, "")
+	if p.IncludeOutboundPorts, err = parsePorts(AnnotationIncludeOutboundPorts, v); err != nil {
+		return p, nil, err
+	}
+	// The status port is excluded from outbound capture only when the pod
+	// says nothing; an explicit value replaces the default, as in Istio.
+	v, _ = get(AnnotationExcludeOutboundPorts, "15020")
+	if p.ExcludeOutboundPorts, err = parsePorts(AnnotationExcludeOutboundPorts, v); err != nil {
+		return p, nil, err
+	}
+
+	v, _ = get(AnnotationExcludeInterfaces, "")
+	if p.ExcludeInterfaces, err = parseInterfaces(AnnotationExcludeInterfaces, v); err != nil {
+		return p, nil, err
+	}
+	key := AnnotationRerouteVirtualIfaces
+	v, ok := get(key, "")
+	if !ok {
+		key = AnnotationKubevirtInterfaces
+		v, _ = get(key, "")
+	}
+	if p.RerouteInterfaces, err = parseInterfaces(key, v); err != nil {
+		return p, nil, err
+	}
+
+	p.ProxyUID = []string{strconv.Itoa(DefaultProxyID)}
+	p.ProxyGID = []string{strconv.Itoa(DefaultProxyID)}
+	if proxy, ok := pod.FindContainer(ProxyContainerName); ok {
+		if id, err := proxyID(proxy.RunAsUser, "runAsUser"); err != nil {
+			return p, nil, err
+		} else if id != "" {
+			p.ProxyUID = []string{id}
+		}
+		if id, err := proxyID(proxy.RunAsGroup, "runAsGroup"); err != nil {
+			return p, nil, err
+		} else if id != "" {
+			p.ProxyGID = []string{id}
+		}
+		p.DNSCapture, warnings = envBool(proxy.Env, EnvDNSCapture, warnings)
+		p.DualStack, warnings = envBool(proxy.Env, EnvDualStack, warnings)
+		p.DropInvalid, warnings = envBool(proxy.Env, EnvInvalidDrop, warnings)
+	}
+	return p, warnings, nil
+}
+
+func proxyID(v *int64, field string) (string, error) {
+	if v == nil || *v == 0 {
+		// uid/gid 0 would exempt every root process from capture; Istio
+		// treats it as "not set", and so do we.
+		return "", nil
+	}
+	if *v < 0 || *v > 0xfffffffe {
+		return "", fmt.Errorf("invalid %s %d on container %s: out of range", field, *v, ProxyContainerName)
+	}
+	return strconv.FormatInt(*v, 10), nil
+}
+
+func envBool(env map[string]string, key string, warnings []string) (bool, []string) {
+	v, ok := env[key]
+	if !ok {
+		return false, warnings
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return false, append(warnings, fmt.Sprintf("ignoring %s=%q on %s: not a boolean", key, v, ProxyContainerName))
+	}
+	return b, warnings
+}
+
+// splitList splits a comma list, trimming spaces. An empty value is an
+// empty list; an empty item inside a non-empty list is an error, since it
+// is almost always a typo that would silently change what is captured.
+func splitList(key, value string) ([]string, error) {
+	if strings.TrimSpace(value) == "" {
+		return nil, nil
+	}
+	parts := strings.Split(value, ",")
+	for i, s := range parts {
+		parts[i] = strings.TrimSpace(s)
+		if parts[i] == "" {
+			return nil, &InvalidAnnotationError{key, value, "empty item in list"}
+		}
+	}
+	return parts, nil
+}
+
+func parsePorts(key, value string) ([]string, error) {
+	items, err := splitList(key, value)
+	if err != nil {
+		return nil, err
+	}
+	for i, s := range items {
+		n, err := strconv.ParseUint(s, 10, 16)
+		if err != nil {
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a port number (0-65535)", s)}
+		}
+		items[i] = strconv.FormatUint(n, 10)
+	}
+	return items, nil
+}
+
+func parseCIDRs(key, value string) ([]netip.Prefix, error) {
+	items, err := splitList(key, value)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]netip.Prefix, 0, len(items))
+	for _, s := range items {
+		pfx, err := netip.ParsePrefix(s)
+		if err != nil {
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a CIDR", s)}
+		}
+		out = append(out, pfx)
+	}
+	return out, nil
+}
+
+// parseInterfaces accepts Linux interface names, and the trailing "+"
+// wildcard iptables understands. Anything that could be read as another
+// option by iptables is refused.
+func parseInterfaces(key, value string) ([]string, error) {
+	items, err := splitList(key, value)
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range items {
+		if !validInterfaceName(s) {
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a valid interface name", s)}
+		}
+	}
+	return items, nil
+}
+
+func validInterfaceName(s string) bool {
+	if len(s) == 0 || len(s) > 15 || s == "." || s == ".." || s[0] == '-' || s[0] == '!' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		case c == '-' || c == '_' || c == '.' || c == '@':
+		case c == '+' && i == len(s)-1:
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+func dedup(in []string) []string {
+	seen := make(map[string]bool, len(in))
+	out := in[:0:0]
+	for _, s := range in {
+		if !seen[s] {
+			seen[s] = true
+			out = append(out, s)
+		}
+	}
+	return out
+}

@@ -1,0 +1,123 @@
+package ruleset
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+func render(p *Plan) string {
+	var b strings.Builder
+	for _, s := range p.Sets() {
+		b.WriteString("# " + s.Family.String() + "\n")
+		b.WriteString(s.Restore())
+	}
+	if p.TProxyRoutes {
+		b.WriteString("# policy routing: fwmark 1337 lookup 133; local default dev lo table 133\n")
+	}
+	return b.String()
+}
+
+func TestBuildGolden(t *testing.T) {
+	for _, tc := range testutil.RedirectCases {
+		t.Run(tc.Name, func(t *testing.T) {
+			params, _, err := redirect.FromPod(tc.Pod())
+			if err != nil {
+				t.Fatal(err)
+			}
+			testutil.CompareGolden(t, tc.Name+".v4.golden", render(Build(params, false)))
+			testutil.CompareGolden(t, tc.Name+".v6.golden", render(Build(params, true)))
+		})
+	}
+}
+
+// TestBasicMatchesIstio pins the default rule set to Istio's own golden
+// text, so the validation probe and troubleshooting guides keep working.
+func TestBasicMatchesIstio(t *testing.T) {
+	const istioBasic = `* nat
+-N ISTIO_INBOUND
+-N ISTIO_REDIRECT
+-N ISTIO_IN_REDIRECT
+-N ISTIO_OUTPUT
+-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN
+-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -p tcp --dport 15020 -j RETURN
+-A ISTIO_OUTPUT -p udp --dport 15020 -j RETURN
+-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN
+-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN
+-A ISTIO_OUTPUT -j ISTIO_REDIRECT
+COMMIT
+`
+	pod := &podinfo.Pod{
+		Annotations: map[string]string{redirect.AnnotationStatus: "true"},
+		Containers:  []podinfo.Container{{Name: redirect.ProxyContainerName}},
+	}
+	params, _, err := redirect.FromPod(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := Build(params, false).V4.Restore(); got != istioBasic {
+		t.Errorf("default rules differ from Istio's:\n%s", got)
+	}
+}
+
+func TestNeedsIPv6(t *testing.T) {
+	a := func(s ...string) []netip.Addr {
+		var out []netip.Addr
+		for _, x := range s {
+			out = append(out, netip.MustParseAddr(x))
+		}
+		return out
+	}
+	cases := []struct {
+		addrs []netip.Addr
+		dual  bool
+		want  bool
+	}{
+		{a("10.0.0.5"), false, false},
+		{a("fd00::5"), false, true},
+		{a("127.0.0.1", "fe80::1", "fd00::5"), false, true},
+		{a("10.0.0.5", "fd00::5"), false, false},
+		{a("10.0.0.5", "fd00::5"), true, true},
+		{a("10.0.0.5"), true, false},
+		{nil, true, false},
+	}
+	for _, c := range cases {
+		if got := NeedsIPv6(c.addrs, c.dual); got != c.want {
+			t.Errorf("NeedsIPv6(%v, %v) = %v, want %v", c.addrs, c.dual, got, c.want)
+		}
+	}
+}
+
+func TestFinalResolvesInserts(t *testing.T) {
+	pod := &podinfo.Pod{Annotations: map[string]string{
+		redirect.AnnotationInterceptionMode: "TPROXY",
+	}}
+	params, _, err := redirect.FromPod(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	final := Build(params, false).V4.Final()
+	in := final["mangle"][ChainInbound]
+	if len(in) < 3 || strings.Join(in[0], " ") != "-p tcp -m mark --mark 1337 -j RETURN" ||
+		strings.Join(in[2], " ") != "-p tcp -i lo -m mark ! --mark 1338 -j RETURN" {
+		t.Fatalf("inserts not at the head of ISTIO_INBOUND: %q", in)
+	}
+}
