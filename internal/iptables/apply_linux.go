@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -391,3 +392,26 @@ func syncTProxyRoutes(want, v6 bool) error {
 	}
 	return nil
 }
+
+// PodAddrs lists the namespace's addresses in the kernel's order (all IPv4
+// first), which is what decides whether IPv6 rules are needed.
+func PodAddrs(netnsPath string) ([]netip.Addr, error) {
+	var out []netip.Addr
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+		if err != nil {
+			return fmt.Errorf("listing pod addresses: %w", err)
+		}
+		for _, a := range addrs {
+			if ip, ok := netip.AddrFromSlice(a.IP); ok {
+				out = append(out, ip.Unmap())
+			}
+		}
+		return nil
+	})
+	return out, err
+}
+
+// PodAddrs is PodAddrs as a method, so an Applier serves as the plugin's
+// rule backend.
+func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) { return PodAddrs(netnsPath) }

@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+GO ?= go
+PKGS := ./...
+
+.PHONY: all build demo test lint unit e2e bench golden setup clean
+
+all: build
+
+build:
+	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni ./cmd/istio-cni
+
+setup:
+	hack/setup.sh
+
+# Runs a simulated pod through the real plugin chain and shows where its
+# traffic goes.
+demo: setup
+	$(GO) run ./test/demo
+
+# Every test, as CI runs them: lint, unit, golden, real namespaces,
+# real iptables (legacy and nft), real kube-apiserver and etcd.
+test: setup lint
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+
+# Per-pod latency of ADD and DEL through libcni, primary plugin alone vs
+# the chain with istio-cni; prints p50/p99 and ratios.
+bench: setup
+	$(GO) run ./test/bench
+
+# Rewrites the golden files from the current code.
+golden:
+	REFRESH_GOLDEN=true $(GO) test ./internal/ruleset/...
+
+clean:
+	rm -rf bin

@@ -1,0 +1,115 @@
+// Package logging gives the plugin structured JSON logs on stderr (stdout
+// belongs to the CNI result) and forwards them to the node agent's log
+// socket, so plugin lines show up in the agent's output.
+package logging
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+)
+
+// SocketName is the agent's log socket in the run directory.
+const SocketName = "log.sock"
+
+// Logger is a slog logger that also keeps its lines for forwarding.
+type Logger struct {
+	*slog.Logger
+	level *slog.LevelVar
+	mu    sync.Mutex
+	lines []string
+}
+
+type teeWriter struct {
+	out io.Writer
+	l   *Logger
+}
+
+func (w *teeWriter) Write(p []byte) (int, error) {
+	w.l.mu.Lock()
+	w.l.lines = append(w.l.lines, strings.TrimRight(string(p), "\n"))
+	w.l.mu.Unlock()
+	return w.out.Write(p)
+}
+
+// New returns a logger writing JSON lines to out at info level.
+func New(out io.Writer) *Logger {
+	l := &Logger{level: new(slog.LevelVar)}
+	h := slog.NewJSONHandler(&teeWriter{out: out, l: l}, &slog.HandlerOptions{
+		Level: l.level,
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			// Lower-case levels, as Istio's agent expects from its plugin.
+			if a.Key == slog.LevelKey {
+				return slog.String(slog.LevelKey, strings.ToLower(a.Value.String()))
+			}
+			return a
+		},
+	})
+	l.Logger = slog.New(h)
+	return l
+}
+
+// ParseLevel maps Istio's level names to slog levels.
+func ParseLevel(s string) (slog.Level, error) {
+	switch strings.ToLower(s) {
+	case "debug":
+		return slog.LevelDebug, nil
+	case "", "info":
+		return slog.LevelInfo, nil
+	case "warn", "warning":
+		return slog.LevelWarn, nil
+	case "error", "fatal":
+		return slog.LevelError, nil
+	case "none":
+		return slog.LevelError + 100, nil
+	}
+	return 0, fmt.Errorf("unknown log level %q (want debug, info, warn, error or none)", s)
+}
+
+// SetLevel changes the level of an existing logger.
+func (l *Logger) SetLevel(lv slog.Level) { l.level.Set(lv) }
+
+// Forward sends the lines logged so far to the agent socket, if there is
+// one, as one POST of a JSON array of lines. It never fails the plugin:
+// the lines are already on stderr.
+func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
+	l.mu.Lock()
+	lines := l.lines
+	l.lines = nil
+	l.mu.Unlock()
+	if len(lines) == 0 {
+		return nil
+	}
+	if _, err := os.Stat(socketPath); err != nil {
+		return nil
+	}
+	body, err := json.Marshal(lines)
+	if err != nil {
+		return err
+	}
+	client := &http.Client{
+		Timeout: timeout,
+		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", socketPath)
+		}},
+	}
+	resp, err := client.Post("http://unix/log", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("log socket answered HTTP %d", resp.StatusCode)
+	}
+	return nil
+}

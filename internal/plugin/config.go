@@ -1,0 +1,146 @@
+// Package plugin implements the istio-cni CNI commands: it decides whether
+// a pod gets sidecar redirection and has its rules programmed.
+package plugin
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/istio-cni-go/istio-cni/internal/logging"
+)
+
+// Defaults of the plugin configuration.
+const (
+	DefaultRunDir         = "/var/run/istio-cni"
+	KubeconfigName        = "istio-cni-kubeconfig"
+	DefaultRequestTimeout = 5 * time.Second
+	DefaultRetryBudget    = 30 * time.Second
+)
+
+// Config is the plugin's entry in the node's CNI config. The keys are the
+// ones Istio's installer writes, so an existing conflist works unchanged;
+// the k8s_* keys are this plugin's own.
+type Config struct {
+	types.NetConf
+
+	PluginLogLevel              string          `json:"plugin_log_level"`
+	CNIAgentRunDir              string          `json:"cni_agent_run_dir"`
+	AmbientEnabled              bool            `json:"ambient_enabled"`
+	EnablementSelectors         json.RawMessage `json:"enablement_selectors"`
+	ExcludeNamespaces           []string        `json:"exclude_namespaces"`
+	PodNamespace                string          `json:"pod_namespace"`
+	NativeNftables              bool            `json:"native_nftables"`
+	EnableAmbientDetectionRetry bool            `json:"enable_ambient_detection_retry"`
+
+	// K8sRequestTimeout bounds one API request ("5s" by default).
+	K8sRequestTimeout string `json:"k8s_request_timeout,omitempty"`
+	// K8sRetryBudget bounds all attempts to read the pod ("30s").
+	K8sRetryBudget string `json:"k8s_retry_budget,omitempty"`
+
+	requestTimeout time.Duration
+	retryBudget    time.Duration
+}
+
+// ConfigError names the configuration key that was wrong.
+type ConfigError struct {
+	Key, Msg string
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("invalid istio-cni config key %q: %s", e.Key, e.Msg)
+}
+
+// ParseConfig reads and validates the stdin config, including prevResult.
+func ParseConfig(stdin []byte) (*Config, error) {
+	conf := &Config{}
+	if err := json.Unmarshal(stdin, conf); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) && te.Field != "" {
+			return nil, &ConfigError{Key: te.Field, Msg: fmt.Sprintf("expected %s, got JSON %s", goTypeName(te.Type.String()), te.Value)}
+		}
+		return nil, fmt.Errorf("parsing istio-cni config: %w", err)
+	}
+	if conf.CNIAgentRunDir == "" {
+		conf.CNIAgentRunDir = DefaultRunDir
+	}
+	if !filepath.IsAbs(conf.CNIAgentRunDir) {
+		return nil, &ConfigError{Key: "cni_agent_run_dir", Msg: fmt.Sprintf("%q is not an absolute path", conf.CNIAgentRunDir)}
+	}
+	if _, err := logging.ParseLevel(conf.PluginLogLevel); err != nil {
+		return nil, &ConfigError{Key: "plugin_log_level", Msg: err.Error()}
+	}
+	for _, ns := range conf.ExcludeNamespaces {
+		if strings.TrimSpace(ns) == "" {
+			return nil, &ConfigError{Key: "exclude_namespaces", Msg: "empty namespace in list"}
+		}
+	}
+	var err error
+	if conf.requestTimeout, err = parseDuration("k8s_request_timeout", conf.K8sRequestTimeout, DefaultRequestTimeout); err != nil {
+		return nil, err
+	}
+	if conf.retryBudget, err = parseDuration("k8s_retry_budget", conf.K8sRetryBudget, DefaultRetryBudget); err != nil {
+		return nil, err
+	}
+	if conf.RawPrevResult != nil {
+		if err := version.ParsePrevResult(&conf.NetConf); err != nil {
+			return nil, &ConfigError{Key: "prevResult", Msg: err.Error()}
+		}
+	}
+	return conf, nil
+}
+
+func parseDuration(key, v string, def time.Duration) (time.Duration, error) {
+	if v == "" {
+		return def, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		return 0, &ConfigError{Key: key, Msg: fmt.Sprintf("%q is not a positive duration such as \"5s\"", v)}
+	}
+	return d, nil
+}
+
+func goTypeName(t string) string {
+	switch {
+	case strings.HasPrefix(t, "[]"):
+		return "a list"
+	case t == "string":
+		return "a string"
+	case t == "bool":
+		return "true or false"
+	case strings.HasPrefix(t, "map") || strings.HasPrefix(t, "struct"):
+		return "an object"
+	}
+	return t
+}
+
+// KubeconfigPath is where the node agent writes the plugin's kubeconfig.
+func (c *Config) KubeconfigPath() string { return filepath.Join(c.CNIAgentRunDir, KubeconfigName) }
+
+// LogSocketPath is the agent's log socket.
+func (c *Config) LogSocketPath() string { return filepath.Join(c.CNIAgentRunDir, logging.SocketName) }
+
+// K8sArgs are the CNI_ARGS a Kubernetes runtime passes.
+type K8sArgs struct {
+	types.CommonArgs
+	K8S_POD_NAME               types.UnmarshallableString //nolint:revive,stylecheck // CNI_ARGS key
+	K8S_POD_NAMESPACE          types.UnmarshallableString //nolint:revive,stylecheck // CNI_ARGS key
+	K8S_POD_INFRA_CONTAINER_ID types.UnmarshallableString //nolint:revive,stylecheck // CNI_ARGS key
+	K8S_POD_UID                types.UnmarshallableString //nolint:revive,stylecheck // CNI_ARGS key
+}
+
+// ParseArgs reads CNI_ARGS.
+func ParseArgs(s string) (*K8sArgs, error) {
+	a := &K8sArgs{}
+	if err := types.LoadArgs(s, a); err != nil {
+		return nil, fmt.Errorf("invalid CNI_ARGS %q: %w", s, err)
+	}
+	return a, nil
+}

@@ -1,0 +1,309 @@
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// Rules is what the plugin needs from a rule backend.
+type Rules interface {
+	Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error)
+	Remove(netnsPath string) (iptables.Report, error)
+	Check(netnsPath string, plan *ruleset.Plan) error
+	PodAddrs(netnsPath string) ([]netip.Addr, error)
+}
+
+// Plugin carries the plugin's dependencies; the cmd wires real ones.
+type Plugin struct {
+	Log    *logging.Logger
+	Stdout io.Writer
+	Rules  Rules
+	// NewSource builds the pod source for a config (the API by default).
+	NewSource func(*Config) (podinfo.Source, error)
+}
+
+// AgentPodPrefix is the name prefix of the node agent's own pods, which
+// must start even when nothing can be looked up yet (after a reboot the
+// kubeconfig only exists once the agent has run).
+const AgentPodPrefix = "istio-cni-node-"
+
+// Decision is the outcome of pod selection.
+type Decision struct {
+	// Skip, when not empty, says why the pod gets no rules.
+	Skip   string
+	Pod    *podinfo.Pod
+	Params redirect.Params
+	// Warnings are ignored inputs worth telling the operator about.
+	Warnings []string
+}
+
+// Decide runs the selection in Istio's order. A pod lookup failure or an
+// invalid annotation is an error: the pod must not start unmeshed.
+func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Config) (podinfo.Source, error)) (*Decision, error) {
+	ns, name := string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME)
+	if strings.HasPrefix(name, AgentPodPrefix) && ns == conf.PodNamespace && ns != "" {
+		return &Decision{Skip: "the node agent's own pod"}, nil
+	}
+	if ns == "" || name == "" {
+		return &Decision{Skip: "not a Kubernetes pod"}, nil
+	}
+	if slices.Contains(conf.ExcludeNamespaces, ns) {
+		return &Decision{Skip: "namespace " + ns + " is excluded"}, nil
+	}
+	src, err := newSource(conf)
+	if err != nil {
+		return nil, fmt.Errorf("cannot read pod %s/%s: %w", ns, name, err)
+	}
+	pod, err := src.GetPod(ctx, ns, name)
+	if err != nil {
+		return nil, fmt.Errorf("cannot read pod %s/%s from the API server: %w", ns, name, err)
+	}
+	d := &Decision{Pod: pod}
+	if reason := exclusion(pod); reason != "" {
+		d.Skip = reason
+		return d, nil
+	}
+	d.Params, d.Warnings, err = redirect.FromPod(pod)
+	if err != nil {
+		return nil, fmt.Errorf("pod %s/%s: %w", ns, name, err)
+	}
+	if d.Params.Mode == redirect.ModeNone {
+		d.Skip = "interception mode NONE"
+	}
+	return d, nil
+}
+
+// exclusion applies Istio's checks a to f, in order.
+func exclusion(pod *podinfo.Pod) string {
+	if _, ok := pod.FindContainer("istio-init"); ok {
+		return "already has an istio-init container"
+	}
+	proxy, ok := pod.FindContainer(redirect.ProxyContainerName)
+	if ok {
+		if v, set := proxy.Env[redirect.EnvDisableEnvoy]; set {
+			if b, err := strconv.ParseBool(v); err == nil && b {
+				return "DISABLE_ENVOY is set on istio-proxy"
+			}
+		}
+	} else {
+		return fmt.Sprintf("no istio-proxy container (has %v)", pod.ContainerNames())
+	}
+	if len(proxy.Args) >= 2 && proxy.Args[0] == "proxy" && proxy.Args[1] != "sidecar" {
+		return "proxy type " + proxy.Args[1]
+	}
+	inject, hasInject := pod.Annotations[redirect.AnnotationInject]
+	if v, ok := pod.Labels[redirect.AnnotationInject]; ok {
+		inject, hasInject = v, true
+	}
+	if hasInject {
+		if b, err := strconv.ParseBool(inject); err == nil && !b {
+			return "injection disabled by sidecar.istio.io/inject"
+		}
+	}
+	if _, ok := pod.Annotations[redirect.AnnotationStatus]; !ok {
+		return "no sidecar.istio.io/status annotation (not injected)"
+	}
+	return ""
+}
+
+// apiSource is the default pod source: the API server with the agent's
+// kubeconfig, bounded by the config's timeout and budget.
+func apiSource(conf *Config) (podinfo.Source, error) {
+	c, err := podinfo.NewAPIClient(conf.KubeconfigPath())
+	if err != nil {
+		return nil, err
+	}
+	return &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}, nil
+}
+
+func (p *Plugin) source() func(*Config) (podinfo.Source, error) {
+	if p.NewSource != nil {
+		return p.NewSource
+	}
+	return apiSource
+}
+
+type request struct {
+	conf *Config
+	args *K8sArgs
+	log  *slog.Logger
+}
+
+func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
+	conf, err := ParseConfig(args.StdinData)
+	if err != nil {
+		var ce *ConfigError
+		if errors.As(err, &ce) {
+			return nil, types.NewError(types.ErrInvalidNetworkConfig, err.Error(), "")
+		}
+		return nil, types.NewError(types.ErrDecodingFailure, err.Error(), "")
+	}
+	lv, _ := logging.ParseLevel(conf.PluginLogLevel)
+	p.Log.SetLevel(lv)
+	k8s, err := ParseArgs(args.Args)
+	if err != nil {
+		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
+	}
+	log := p.Log.Logger.With("cmd", cmd, "pod", string(k8s.K8S_POD_NAMESPACE)+"/"+string(k8s.K8S_POD_NAME),
+		"containerID", args.ContainerID)
+	if conf.AmbientEnabled {
+		log.Warn("ambient_enabled is set but this plugin serves sidecar mode only; ambient pods are not enrolled")
+	}
+	if conf.NativeNftables {
+		log.Warn("native_nftables is set but the nftables backend is not available in this build; using iptables")
+	}
+	return &request{conf: conf, args: k8s, log: log}, nil
+}
+
+func (p *Plugin) printResult(conf *Config) error {
+	var res types.Result
+	if conf.PrevResult != nil {
+		res = conf.PrevResult
+	} else {
+		res = &current.Result{CNIVersion: current.ImplementedSpecVersion}
+	}
+	out, err := res.GetAsVersion(conf.CNIVersion)
+	if err != nil {
+		return types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("converting result to %s: %v", conf.CNIVersion, err), "")
+	}
+	return out.PrintTo(p.Stdout)
+}
+
+// Add decides and programs; on every success path the previous result is
+// passed through unchanged.
+func (p *Plugin) Add(args *skel.CmdArgs) error {
+	start := time.Now()
+	req, err := p.load("ADD", args)
+	if err != nil {
+		return err
+	}
+	d, err := Decide(context.Background(), req.conf, req.args, p.source())
+	if err != nil {
+		req.log.Error("pod blocked", "error", err.Error())
+		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+	}
+	for _, w := range d.Warnings {
+		req.log.Warn(w)
+	}
+	if d.Skip != "" {
+		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
+		return p.printResult(req.conf)
+	}
+	plan, err := p.plan(args.Netns, d.Params)
+	if err != nil {
+		req.log.Error("pod blocked", "error", err.Error())
+		return types.NewError(types.ErrInternal, err.Error(), "")
+	}
+	rep, err := p.Rules.Apply(args.Netns, plan)
+	if err != nil {
+		req.log.Error("programming redirect rules failed", "error", err.Error())
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+	}
+	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+		"result", rep.String(), "duration", time.Since(start).String())
+	return p.printResult(req.conf)
+}
+
+func (p *Plugin) plan(netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
+	addrs, err := p.Rules.PodAddrs(netnsPath)
+	if err != nil {
+		return nil, err
+	}
+	global := false
+	for _, a := range addrs {
+		if !a.IsLoopback() && !a.IsLinkLocalUnicast() {
+			global = true
+		}
+	}
+	if !global {
+		return nil, fmt.Errorf("the pod network namespace has no address yet: is istio-cni chained after the primary plugin?")
+	}
+	return ruleset.Build(params, ruleset.NeedsIPv6(addrs, params.DualStack)), nil
+}
+
+// Del removes our rules when the namespace still exists. A namespace that
+// is gone, or a pod that was never redirected, is success.
+func (p *Plugin) Del(args *skel.CmdArgs) error {
+	req, err := p.load("DEL", args)
+	if err != nil {
+		return err
+	}
+	if args.Netns == "" {
+		return nil
+	}
+	if _, err := os.Stat(args.Netns); err != nil {
+		return nil
+	}
+	rep, err := p.Rules.Remove(args.Netns)
+	if err != nil {
+		var nsErr ns.NSPathNotExistErr
+		var nsfsErr ns.NSPathNotNSErr
+		if errors.As(err, &nsErr) || errors.As(err, &nsfsErr) {
+			return nil
+		}
+		req.log.Error("removing redirect rules failed", "error", err.Error())
+		return types.NewError(types.ErrInternal, err.Error(), "")
+	}
+	req.log.Debug("redirect rules removed", "result", rep.String())
+	return nil
+}
+
+// Check verifies that a redirected pod's rules are all in place and that a
+// pod that should have none has none.
+func (p *Plugin) Check(args *skel.CmdArgs) error {
+	req, err := p.load("CHECK", args)
+	if err != nil {
+		return err
+	}
+	if req.conf.PrevResult == nil {
+		return types.NewError(types.ErrInvalidNetworkConfig, "CHECK needs prevResult: istio-cni must be chained after the primary plugin", "")
+	}
+	d, err := Decide(context.Background(), req.conf, req.args, p.source())
+	if err != nil {
+		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+	}
+	plan := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
+	if d.Skip == "" {
+		if plan, err = p.plan(args.Netns, d.Params); err != nil {
+			return types.NewError(types.ErrInternal, err.Error(), "")
+		}
+	}
+	if err := p.Rules.Check(args.Netns, plan); err != nil {
+		req.log.Error("check failed", "error", err.Error())
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+	}
+	return nil
+}
+
+// Status reports readiness (CNI 1.1). The plugin itself keeps no state.
+func (p *Plugin) Status(args *skel.CmdArgs) error {
+	_, err := p.load("STATUS", args)
+	return err
+}
+
+// GC has nothing to collect: sidecar rules live and die with the pod's
+// network namespace.
+func (p *Plugin) GC(args *skel.CmdArgs) error {
+	_, err := p.load("GC", args)
+	return err
+}

@@ -1,0 +1,229 @@
+package testenv
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
+)
+
+const nodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
+
+// Addresses of the test topology. The "remote" host is an address on the
+// node namespace's lo, and that namespace has no uplink: if a redirect
+// rule were missing, traffic would still stay on this machine.
+const (
+	RemoteV4  = "198.18.0.10"
+	RemoteV6  = "fd00:198::10"
+	PodCIDRv4 = "10.244.0.0/24"
+	PodCIDRv6 = "fd00:10:244::/64"
+)
+
+// EnterNodeNamespace re-executes the running binary in a fresh network and
+// mount namespace (the "node"), unless it already runs in one, and exits
+// with the child's status. Every CNI end-to-end run goes through here, so
+// no veth ever lands in the machine's real network namespace.
+func EnterNodeNamespace() {
+	if os.Getenv(nodeNSEnv) == "1" {
+		if err := setupNode(); err != nil {
+			fmt.Fprintln(os.Stderr, "setting up the node namespace:", err)
+			os.Exit(2)
+		}
+		return
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "end-to-end tests need root (network namespaces, netfilter); run them as root, as CI does")
+		os.Exit(2)
+	}
+	args := append([]string{"--net", "--mount", "--propagation", "private", "--", os.Args[0]}, os.Args[1:]...)
+	cmd := exec.Command("unshare", args...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.Env = append(os.Environ(), nodeNSEnv+"=1")
+	err := cmd.Run()
+	if ee, ok := err.(*exec.ExitError); ok {
+		os.Exit(ee.ExitCode())
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "re-executing in a node namespace:", err)
+		os.Exit(2)
+	}
+	os.Exit(0)
+}
+
+func setupNode() error {
+	// Pod namespaces are bind-mounted under /run/netns; a private tmpfs
+	// there keeps them out of the machine's view and cleans up by itself.
+	if err := os.MkdirAll("/run/netns", 0o755); err != nil {
+		return err
+	}
+	if err := syscall.Mount("tmpfs", "/run/netns", "tmpfs", 0, "mode=0755"); err != nil {
+		return fmt.Errorf("mounting tmpfs on /run/netns: %w", err)
+	}
+	for _, c := range [][]string{
+		{"link", "set", "lo", "up"},
+		{"addr", "add", RemoteV4 + "/32", "dev", "lo"},
+		{"addr", "add", RemoteV6 + "/128", "dev", "lo"},
+	} {
+		if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
+			return fmt.Errorf("ip %v: %v: %s", c, err, out)
+		}
+	}
+	return nil
+}
+
+// Node is a simulated node: a CNI bin dir, a run dir and network configs.
+type Node struct {
+	Dir     string
+	BinDir  string
+	RunDir  string
+	CNI     *libcni.CNIConfig
+	Chained *libcni.NetworkConfigList
+	Primary *libcni.NetworkConfigList
+}
+
+// BuildPlugin compiles the plugin into dir and returns its path.
+func BuildPlugin(dir string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	out := filepath.Join(dir, "istio-cni")
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", out, "./cmd/istio-cni")
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building istio-cni: %v: %s", err, b)
+	}
+	return out, nil
+}
+
+// ReferencePluginDir is where Debian installs the CNI reference plugins.
+const ReferencePluginDir = "/usr/lib/cni"
+
+// NewNode lays out a node in dir, with the plugin binary and the
+// reference plugins in its bin dir. pluginConf is merged into the
+// istio-cni entry of the chained config.
+func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error) {
+	n := &Node{Dir: dir, BinDir: filepath.Join(dir, "bin"), RunDir: filepath.Join(dir, "run")}
+	for _, d := range []string{n.BinDir, n.RunDir, filepath.Join(dir, "cache"), filepath.Join(dir, "ipam")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	for _, p := range []string{"ptp", "host-local", "loopback"} {
+		src := filepath.Join(ReferencePluginDir, p)
+		if _, err := os.Stat(src); err != nil {
+			return nil, fmt.Errorf("CNI reference plugin %s missing (Debian package containernetworking-plugins): %w", p, err)
+		}
+		if err := os.Symlink(src, filepath.Join(n.BinDir, p)); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.Symlink(pluginBinary, filepath.Join(n.BinDir, "istio-cni")); err != nil {
+		return nil, err
+	}
+	ptp := map[string]any{
+		"type":   "ptp",
+		"ipMasq": false,
+		"ipam": map[string]any{
+			"type":    "host-local",
+			"dataDir": filepath.Join(dir, "ipam"),
+			"ranges":  [][]map[string]string{{{"subnet": PodCIDRv4}}, {{"subnet": PodCIDRv6}}},
+			"routes":  []map[string]string{{"dst": "0.0.0.0/0"}, {"dst": "::/0"}},
+		},
+	}
+	istio := map[string]any{
+		"type":              "istio-cni",
+		"name":              "istio-cni",
+		"cni_agent_run_dir": n.RunDir,
+		"plugin_log_level":  "debug",
+		"exclude_namespaces": []string{"kube-system"},
+		"pod_namespace":     "istio-system",
+	}
+	for k, v := range pluginConf {
+		istio[k] = v
+	}
+	var err error
+	if n.Chained, err = confList("k8s-pod-network", ptp, istio); err != nil {
+		return nil, err
+	}
+	if n.Primary, err = confList("k8s-pod-network", ptp); err != nil {
+		return nil, err
+	}
+	n.CNI = libcni.NewCNIConfigWithCacheDir([]string{n.BinDir}, filepath.Join(dir, "cache"), nil)
+	return n, nil
+}
+
+func confList(name string, plugins ...map[string]any) (*libcni.NetworkConfigList, error) {
+	b, err := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": name, "plugins": plugins})
+	if err != nil {
+		return nil, err
+	}
+	return libcni.ConfListFromBytes(b)
+}
+
+// Pod is a pod sandbox: its network namespace and the runtime's CNI view.
+type Pod struct {
+	Namespace, Name, UID, ContainerID string
+	NetNS                             ns.NetNS
+	RT                                *libcni.RuntimeConf
+}
+
+// NewPod creates the pod's network namespace with lo up, as a runtime does.
+func NewPod(namespace, name, uid, containerID string) (*Pod, error) {
+	netns, err := testutils.NewNS()
+	if err != nil {
+		return nil, err
+	}
+	if err := netns.Do(func(ns.NetNS) error { return exec.Command("ip", "link", "set", "lo", "up").Run() }); err != nil {
+		return nil, err
+	}
+	p := &Pod{Namespace: namespace, Name: name, UID: uid, ContainerID: containerID, NetNS: netns}
+	p.RT = &libcni.RuntimeConf{
+		ContainerID: containerID,
+		NetNS:       netns.Path(),
+		IfName:      "eth0",
+		Args: [][2]string{
+			{"IgnoreUnknown", "1"},
+			{"K8S_POD_NAMESPACE", namespace},
+			{"K8S_POD_NAME", name},
+			{"K8S_POD_INFRA_CONTAINER_ID", containerID},
+			{"K8S_POD_UID", uid},
+		},
+	}
+	return p, nil
+}
+
+// Close removes the pod's namespace.
+func (p *Pod) Close() {
+	_ = p.NetNS.Close()
+	_ = testutils.UnmountNS(p.NetNS)
+}
+
+// Add runs ADD of a network list for the pod.
+func (n *Node) Add(ctx context.Context, list *libcni.NetworkConfigList, p *Pod) (types.Result, error) {
+	return n.CNI.AddNetworkList(ctx, list, p.RT)
+}
+
+// Del runs DEL.
+func (n *Node) Del(ctx context.Context, list *libcni.NetworkConfigList, p *Pod) error {
+	return n.CNI.DelNetworkList(ctx, list, p.RT)
+}
+
+// Check runs CHECK.
+func (n *Node) Check(ctx context.Context, list *libcni.NetworkConfigList, p *Pod) error {
+	return n.CNI.CheckNetworkList(ctx, list, p.RT)
+}
+
+// InPod runs f on a thread inside the pod's network namespace; sockets
+// made there stay in that namespace after f returns.
+func (p *Pod) InPod(f func() error) error {
+	return p.NetNS.Do(func(ns.NetNS) error { return f() })
+}

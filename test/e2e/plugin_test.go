@@ -1,0 +1,476 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+var podSeq atomic.Int64
+
+// env is one node with the plugin's kubeconfig in place.
+type env struct {
+	t    *testing.T
+	node *testenv.Node
+}
+
+func newEnv(t *testing.T, pluginConf map[string]any) *env {
+	t.Helper()
+	dir := t.TempDir()
+	node, err := testenv.NewNode(dir, pluginBin, pluginConf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.PluginKubeconfig(context.Background(), filepath.Join(node.RunDir, "istio-cni-kubeconfig")); err != nil {
+		t.Fatal(err)
+	}
+	return &env{t: t, node: node}
+}
+
+// sandbox creates the pod object (when spec is not nil) and its network
+// namespace, and runs the chained ADD.
+type sandbox struct {
+	pod    *testenv.Pod
+	result *current.Result
+	v4, v6 netip.Addr
+}
+
+func (e *env) newPod(spec *testenv.PodSpec) *testenv.Pod {
+	e.t.Helper()
+	n := podSeq.Add(1)
+	name := fmt.Sprintf("pod-%d", n)
+	uid := ""
+	if spec != nil {
+		spec.Namespace, spec.Name = testNS, name
+		p, err := testenv.CreatePod(context.Background(), cluster.Client, *spec)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		uid = string(p.UID)
+	}
+	pod, err := testenv.NewPod(testNS, name, uid, fmt.Sprintf("c%060d", n))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(pod.Close)
+	return pod
+}
+
+func (e *env) add(spec *testenv.PodSpec) *sandbox {
+	e.t.Helper()
+	pod := e.newPod(spec)
+	res, err := e.node.Add(context.Background(), e.node.Chained, pod)
+	if err != nil {
+		e.t.Fatalf("chained ADD: %v", err)
+	}
+	e.t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Chained, pod) })
+	r, err := current.NewResultFromResult(res)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	sb := &sandbox{pod: pod, result: r}
+	for _, ip := range r.IPs {
+		a, _ := netip.AddrFromSlice(ip.Address.IP)
+		if a.Unmap().Is4() {
+			sb.v4 = a.Unmap()
+		} else {
+			sb.v6 = a
+		}
+	}
+	if !sb.v4.IsValid() || !sb.v6.IsValid() {
+		e.t.Fatalf("chained ADD result lost the primary plugin's addresses: %+v", r)
+	}
+	return sb
+}
+
+func rulesIn(t *testing.T, pod *testenv.Pod) string {
+	t.Helper()
+	var out strings.Builder
+	err := pod.InPod(func() error {
+		for _, bin := range []string{"iptables-legacy-save", "iptables-nft-save", "ip6tables-legacy-save", "ip6tables-nft-save"} {
+			b, err := exec.Command(bin).CombinedOutput()
+			if err != nil {
+				return fmt.Errorf("%s: %v: %s", bin, err, b)
+			}
+			out.Write(b)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out.String()
+}
+
+// expectRedirect listens on port inside the pod, runs dial, and asserts
+// that the connection arrives there with the original destination want.
+func expectRedirect(t *testing.T, pod *testenv.Pod, network, listen string, want netip.AddrPort, dial func() (net.Conn, error)) {
+	t.Helper()
+	l, err := testenv.Listen(pod, network, listen, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := testenv.Accept(l, 5*time.Second)
+		if err == nil {
+			accepted <- c
+		}
+		close(accepted)
+	}()
+	c, err := dial()
+	if err != nil {
+		t.Fatalf("dial towards %s: %v", want, err)
+	}
+	defer c.Close()
+	got, ok := <-accepted
+	if !ok {
+		t.Fatalf("connection towards %s did not arrive on %s", want, listen)
+	}
+	defer got.Close()
+	orig, err := testenv.OriginalDst(got)
+	if err != nil {
+		t.Fatalf("SO_ORIGINAL_DST: %v", err)
+	}
+	if orig != want {
+		t.Fatalf("SO_ORIGINAL_DST = %s, want %s", orig, want)
+	}
+}
+
+// expectDirect asserts that a connection reaches a listener in the node
+// (not the proxy): it was not redirected.
+func expectDirect(t *testing.T, listenAddr string, dial func() error) {
+	t.Helper()
+	l, err := testenv.Listen(nil, "tcp", listenAddr, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	done := make(chan error, 1)
+	go func() {
+		c, err := testenv.Accept(l, 5*time.Second)
+		if err != nil {
+			done <- err
+			return
+		}
+		defer c.Close()
+		_, _ = bufio.NewReader(c).ReadString('\n')
+		_, err = c.Write([]byte("pong\n"))
+		done <- err
+	}()
+	if err := dial(); err != nil {
+		t.Fatalf("direct connection to %s failed: %v", listenAddr, err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("direct connection to %s did not arrive: %v", listenAddr, err)
+	}
+}
+
+func dialPing(pod *testenv.Pod, network, addr string) func() error {
+	return func() error {
+		c, err := testenv.Dial(pod, network, addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("ping\n")); err != nil {
+			return err
+		}
+		_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+		_, err = bufio.NewReader(c).ReadString('\n')
+		return err
+	}
+}
+
+func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
+
+// TestTraffic runs every traffic case on both iptables variants.
+func TestTraffic(t *testing.T) {
+	for _, variant := range []string{"nft", "legacy"} {
+		t.Run(variant, func(t *testing.T) {
+			t.Setenv("FORCE_IPTABLES_BINARY", variant)
+			e := newEnv(t, nil)
+			remote := testenv.RemoteV4
+
+			t.Run("outbound-to-15001", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true})
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp4", remote+":80")
+				})
+				if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
+					t.Fatalf("CHECK on a redirected pod: %v", err)
+				}
+			})
+
+			t.Run("proxy-uid-bypasses", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true})
+				expectDirect(t, remote+":81", func() error {
+					_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp4", remote+":81")
+					return err
+				})
+				// And an ordinary uid is redirected on the same port.
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":81"), func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp4", remote+":81")
+				})
+			})
+
+			t.Run("custom-proxy-uid", func(t *testing.T) {
+				uid, gid := int64(1000670000), int64(1000670001)
+				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyUID: &uid, ProxyGID: &gid})
+				expectDirect(t, remote+":82", func() error {
+					_, err := testenv.DialAs(sb.pod.NetNS.Path(), int(uid), int(gid), "tcp4", remote+":82")
+					return err
+				})
+			})
+
+			t.Run("inbound-to-15006", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true})
+				target := netip.AddrPortFrom(sb.v4, 8080)
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15006", target, func() (net.Conn, error) {
+					return testenv.Dial(nil, "tcp4", target.String())
+				})
+			})
+
+			t.Run("excluded-inbound-port", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+					"traffic.sidecar.istio.io/excludeInboundPorts": "9000"}})
+				l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:9000", false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				c, err := testenv.Dial(nil, "tcp4", netip.AddrPortFrom(sb.v4, 9000).String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				got, err := testenv.Accept(l, 5*time.Second)
+				if err != nil {
+					t.Fatalf("excluded inbound port did not reach the app: %v", err)
+				}
+				got.Close()
+			})
+
+			t.Run("excluded-outbound-port", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+					"traffic.sidecar.istio.io/excludeOutboundPorts": "9090"}})
+				expectDirect(t, remote+":9090", dialPing(sb.pod, "tcp4", remote+":9090"))
+			})
+
+			t.Run("excluded-outbound-cidr", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+					"traffic.sidecar.istio.io/excludeOutboundIPRanges": "198.18.0.0/24"}})
+				expectDirect(t, remote+":80", dialPing(sb.pod, "tcp4", remote+":80"))
+			})
+
+			t.Run("included-outbound-cidr-only", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+					"traffic.sidecar.istio.io/includeOutboundIPRanges": "10.96.0.0/12"}})
+				expectDirect(t, remote+":83", dialPing(sb.pod, "tcp4", remote+":83"))
+			})
+
+			t.Run("tproxy-keeps-addresses", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+					"sidecar.istio.io/interceptionMode": "TPROXY"}})
+				l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:15006", true)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				target := netip.AddrPortFrom(sb.v4, 8080)
+				c, err := testenv.Dial(nil, "tcp4", target.String())
+				if err != nil {
+					t.Fatalf("dial %s: %v", target, err)
+				}
+				defer c.Close()
+				got, err := testenv.Accept(l, 5*time.Second)
+				if err != nil {
+					t.Fatalf("TPROXY connection did not reach 15006: %v", err)
+				}
+				defer got.Close()
+				if got.LocalAddr().String() != target.String() {
+					t.Fatalf("TPROXY local address %s, want the original %s", got.LocalAddr(), target)
+				}
+				if got.RemoteAddr().String() != c.LocalAddr().String() {
+					t.Fatalf("TPROXY peer %s, want the client %s", got.RemoteAddr(), c.LocalAddr())
+				}
+			})
+
+			t.Run("dns-capture", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"}})
+				u, err := testenv.ListenUDP(sb.pod, "udp4", "0.0.0.0:15053")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer u.Close()
+				c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				if _, err := c.Write([]byte("query")); err != nil {
+					t.Fatal(err)
+				}
+				buf := make([]byte, 64)
+				_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
+				n, _, err := u.ReadFromUDP(buf)
+				if err != nil || string(buf[:n]) != "query" {
+					t.Fatalf("UDP DNS did not reach 15053: %v %q", err, buf[:n])
+				}
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15053", ap(remote+":53"), func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp4", remote+":53")
+				})
+			})
+
+			t.Run("ipv6-dual-stack", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_DUAL_STACK": "true"}})
+				want := netip.AddrPortFrom(netip.MustParseAddr(testenv.RemoteV6), 80)
+				expectRedirect(t, sb.pod, "tcp6", "[::]:15001", want, func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp6", want.String())
+				})
+				inbound := netip.AddrPortFrom(sb.v6, 8080)
+				expectRedirect(t, sb.pod, "tcp6", "[::]:15006", inbound, func() (net.Conn, error) {
+					return testenv.Dial(nil, "tcp6", inbound.String())
+				})
+				expectDirect(t, "["+testenv.RemoteV6+"]:84", func() error {
+					_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp6", "["+testenv.RemoteV6+"]:84")
+					return err
+				})
+			})
+
+			t.Run("ipv6-not-captured-without-dual-stack", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{Sidecar: true})
+				expectDirect(t, "["+testenv.RemoteV6+"]:85", dialPing(sb.pod, "tcp6", "["+testenv.RemoteV6+"]:85"))
+			})
+
+			t.Run("native-sidecar", func(t *testing.T) {
+				sb := e.add(&testenv.PodSpec{NativeSidecar: true})
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp4", remote+":80")
+				})
+			})
+		})
+	}
+}
+
+// TestSelection covers pods that must get no rules, CHECK and DEL.
+func TestSelection(t *testing.T) {
+	e := newEnv(t, nil)
+	cases := []struct {
+		name string
+		spec testenv.PodSpec
+	}{
+		{"not-injected", testenv.PodSpec{}},
+		{"inject-false-label", testenv.PodSpec{Sidecar: true, Labels: map[string]string{"sidecar.istio.io/inject": "false"}}},
+		{"inject-false-annotation", testenv.PodSpec{Sidecar: true, Annotations: map[string]string{"sidecar.istio.io/inject": "false"}}},
+		{"istio-init-present", testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-init"}}},
+		{"gateway", testenv.PodSpec{Sidecar: true, ProxyArgs: []string{"proxy", "router"}}},
+		{"disable-envoy", testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"DISABLE_ENVOY": "true"}}},
+		{"interception-none", testenv.PodSpec{Sidecar: true, Annotations: map[string]string{"sidecar.istio.io/interceptionMode": "NONE"}}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			spec := c.spec
+			sb := e.add(&spec)
+			if rules := rulesIn(t, sb.pod); strings.Contains(rules, "ISTIO_") {
+				t.Fatalf("pod got rules:\n%s", rules)
+			}
+			if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
+				t.Fatalf("CHECK of an unredirected pod: %v", err)
+			}
+		})
+	}
+
+	t.Run("no-api-call-for-excluded-namespace", func(t *testing.T) {
+		pod, err := testenv.NewPod("kube-system", "coredns-1", "", "cexcluded")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pod.Close()
+		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatalf("ADD in an excluded namespace (pod not even in the API): %v", err)
+		}
+		_ = e.node.Del(context.Background(), e.node.Chained, pod)
+	})
+
+	t.Run("agent-pod-without-kubeconfig", func(t *testing.T) {
+		bare := newEnv(t, nil)
+		if err := os.Remove(filepath.Join(bare.node.RunDir, "istio-cni-kubeconfig")); err != nil {
+			t.Fatal(err)
+		}
+		pod, err := testenv.NewPod("istio-system", "istio-cni-node-abcde", "", "cagent")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pod.Close()
+		if _, err := bare.node.Add(context.Background(), bare.node.Chained, pod); err != nil {
+			t.Fatalf("the agent's own pod must start without a kubeconfig: %v", err)
+		}
+	})
+
+	t.Run("check-detects-tampering", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		if err := sb.pod.InPod(func() error {
+			return exec.Command("iptables-nft", "-t", "nat", "-D", "ISTIO_OUTPUT", "-j", "ISTIO_REDIRECT").Run()
+		}); err != nil {
+			t.Fatal(err)
+		}
+		err := e.node.Check(context.Background(), e.node.Chained, sb.pod)
+		if err == nil || !strings.Contains(err.Error(), "ISTIO_OUTPUT") {
+			t.Fatalf("CHECK after a rule was deleted: %v, want an error naming ISTIO_OUTPUT", err)
+		}
+	})
+
+	t.Run("del-removes-and-is-idempotent", func(t *testing.T) {
+		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
+		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(rulesIn(t, pod), "ISTIO_OUTPUT") {
+			t.Fatal("no rules after ADD")
+		}
+		for i := 0; i < 2; i++ {
+			if err := e.node.Del(context.Background(), e.node.Chained, pod); err != nil {
+				t.Fatalf("DEL #%d: %v", i+1, err)
+			}
+		}
+		if rules := rulesIn(t, pod); strings.Contains(rules, "ISTIO_") {
+			t.Fatalf("rules left after DEL:\n%s", rules)
+		}
+	})
+
+	t.Run("del-after-namespace-gone", func(t *testing.T) {
+		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
+		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
+		}
+		pod.Close()
+		if err := e.node.Del(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatalf("DEL with the namespace gone: %v", err)
+		}
+	})
+
+	t.Run("del-of-never-redirected-pod", func(t *testing.T) {
+		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
+		if _, err := e.node.Add(context.Background(), e.node.Primary, pod); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.node.Del(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatalf("chained DEL of a pod istio-cni never saw: %v", err)
+		}
+	})
+}
