@@ -140,12 +140,12 @@ func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error)
 		},
 	}
 	istio := map[string]any{
-		"type":              "istio-cni",
-		"name":              "istio-cni",
-		"cni_agent_run_dir": n.RunDir,
-		"plugin_log_level":  "debug",
+		"type":               "istio-cni",
+		"name":               "istio-cni",
+		"cni_agent_run_dir":  n.RunDir,
+		"plugin_log_level":   "debug",
 		"exclude_namespaces": []string{"kube-system"},
-		"pod_namespace":     "istio-system",
+		"pod_namespace":      "istio-system",
 	}
 	for k, v := range pluginConf {
 		istio[k] = v
