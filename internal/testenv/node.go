@@ -182,7 +182,15 @@ func NewPod(namespace, name, uid, containerID string) (*Pod, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := netns.Do(func(ns.NetNS) error { return exec.Command("ip", "link", "set", "lo", "up").Run() }); err != nil {
+	// Duplicate address detection would hold every ADD for a second or two
+	// while ptp waits for the IPv6 address to settle; the addresses here are
+	// unique by construction.
+	if err := netns.Do(func(ns.NetNS) error {
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/accept_dad", []byte("0"), 0o644); err != nil {
+			return err
+		}
+		return exec.Command("ip", "link", "set", "lo", "up").Run()
+	}); err != nil {
 		return nil, err
 	}
 	p := &Pod{Namespace: namespace, Name: name, UID: uid, ContainerID: containerID, NetNS: netns}

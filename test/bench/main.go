@@ -1,0 +1,239 @@
+// Command bench measures what istio-cni adds to pod start: ADD and DEL
+// through libcni, as a runtime calls them, for the primary plugin alone and
+// for the chain with istio-cni, sequentially and with pods in parallel,
+// against a real kube-apiserver. It prints p50/p99 and ratios measured in
+// the same run.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+var (
+	seqPods  = flag.Int("pods", 40, "pods per sequential series")
+	parallel = flag.Int("parallel", 20, "pods started at once in the parallel series")
+	rounds   = flag.Int("rounds", 3, "rounds of the parallel series")
+)
+
+func main() {
+	testenv.EnterNodeNamespace()
+	flag.Parse()
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+type bench struct {
+	node    *testenv.Node
+	istio   *libcni.NetworkConfig
+	seq     int
+	mu      sync.Mutex
+	samples map[string][]time.Duration
+}
+
+func run() error {
+	dir, err := os.MkdirTemp("", "istio-cni-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	bin, err := testenv.BuildPlugin(dir)
+	if err != nil {
+		return err
+	}
+	cluster, err := testenv.StartCluster(filepath.Join(dir, "cluster"))
+	if err != nil {
+		return err
+	}
+	defer cluster.Stop()
+	ctx := context.Background()
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "bench"); err != nil {
+		return err
+	}
+	node, err := testenv.NewNode(filepath.Join(dir, "node"), bin, map[string]any{"plugin_log_level": "warn"})
+	if err != nil {
+		return err
+	}
+	if err := cluster.PluginKubeconfig(ctx, filepath.Join(node.RunDir, "istio-cni-kubeconfig")); err != nil {
+		return err
+	}
+	// istio-cni as a network of its own, to time it on a namespace the
+	// primary plugin has already set up.
+	var raw map[string]any
+	if err := json.Unmarshal(node.Chained.Plugins[1].Bytes, &raw); err != nil {
+		return err
+	}
+	raw["cniVersion"] = "1.0.0"
+	raw["name"] = "istio-cni-alone"
+	b, err := json.Marshal(raw)
+	if err != nil {
+		return err
+	}
+	istio, err := libcni.ConfFromBytes(b)
+	if err != nil {
+		return err
+	}
+	bn := &bench{node: node, istio: istio, samples: map[string][]time.Duration{}}
+
+	// Warm up: page cache, API server caches, first TLS session.
+	for i := 0; i < 3; i++ {
+		if err := bn.pod(ctx, cluster, "warmup", node.Chained, false); err != nil {
+			return err
+		}
+	}
+	bn.samples = map[string][]time.Duration{}
+
+	for i := 0; i < *seqPods; i++ {
+		if err := bn.pod(ctx, cluster, "seq/primary", node.Primary, false); err != nil {
+			return err
+		}
+		if err := bn.pod(ctx, cluster, "seq/chain", node.Chained, false); err != nil {
+			return err
+		}
+		if err := bn.pod(ctx, cluster, "seq/istio-cni-only", node.Primary, true); err != nil {
+			return err
+		}
+	}
+	for r := 0; r < *rounds; r++ {
+		for _, series := range []struct {
+			name string
+			list *libcni.NetworkConfigList
+		}{{"par/primary", node.Primary}, {"par/chain", node.Chained}} {
+			var wg sync.WaitGroup
+			errs := make(chan error, *parallel)
+			for i := 0; i < *parallel; i++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := bn.pod(ctx, cluster, series.name, series.list, false); err != nil {
+						errs <- err
+					}
+				}()
+			}
+			wg.Wait()
+			close(errs)
+			if err := <-errs; err != nil {
+				return err
+			}
+		}
+	}
+	return bn.report(bin)
+}
+
+// pod creates a pod object and sandbox, times ADD, then times DEL. With
+// alone set, it ADDs the list first (untimed) and times istio-cni by
+// itself on the ready namespace: the plugin's own share of pod start.
+func (b *bench) pod(ctx context.Context, c *testenv.Cluster, series string, list *libcni.NetworkConfigList, alone bool) error {
+	b.mu.Lock()
+	b.seq++
+	n := b.seq
+	b.mu.Unlock()
+	name := fmt.Sprintf("p%d", n)
+	p, err := testenv.CreatePod(ctx, c.Client, testenv.PodSpec{Namespace: "bench", Name: name, Sidecar: true})
+	if err != nil {
+		return err
+	}
+	pod, err := testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
+	if err != nil {
+		return err
+	}
+	defer pod.Close()
+	start := time.Now()
+	if _, err := b.node.Add(ctx, list, pod); err != nil {
+		return fmt.Errorf("%s ADD: %w", series, err)
+	}
+	addTook := time.Since(start)
+	if alone {
+		start = time.Now()
+		if _, err := b.node.CNI.AddNetwork(ctx, b.istio, pod.RT); err != nil {
+			return fmt.Errorf("istio-cni ADD: %w", err)
+		}
+		addTook = time.Since(start)
+		start = time.Now()
+		if err := b.node.CNI.DelNetwork(ctx, b.istio, pod.RT); err != nil {
+			return fmt.Errorf("istio-cni DEL: %w", err)
+		}
+		b.record(series+" DEL", time.Since(start))
+		if err := b.node.Del(ctx, list, pod); err != nil {
+			return err
+		}
+		b.record(series+" ADD", addTook)
+		return nil
+	}
+	start = time.Now()
+	if err := b.node.Del(ctx, list, pod); err != nil {
+		return fmt.Errorf("%s DEL: %w", series, err)
+	}
+	b.record(series+" DEL", time.Since(start))
+	b.record(series+" ADD", addTook)
+	return nil
+}
+
+func (b *bench) record(k string, d time.Duration) {
+	b.mu.Lock()
+	b.samples[k] = append(b.samples[k], d)
+	b.mu.Unlock()
+}
+
+func pct(ds []time.Duration, p float64) time.Duration {
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	if len(s) == 0 {
+		return 0
+	}
+	i := int(p*float64(len(s))+0.5) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+func ms(d time.Duration) string { return fmt.Sprintf("%7.2f ms", float64(d)/float64(time.Millisecond)) }
+
+func (b *bench) report(bin string) error {
+	fmt.Printf("%-26s %5s %10s %10s\n", "series", "n", "p50", "p99")
+	keys := make([]string, 0, len(b.samples))
+	for k := range b.samples {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Printf("%-26s %5d %s %s\n", k, len(b.samples[k]), ms(pct(b.samples[k], .5)), ms(pct(b.samples[k], .99)))
+	}
+	p50 := func(k string) time.Duration { return pct(b.samples[k], .5) }
+	ratio := func(a, c string) float64 { return float64(p50(a)) / float64(p50(c)) }
+	fmt.Println()
+	fmt.Printf("istio-cni own share of ADD, sequential p50: %s (target <= 10 ms)\n", ms(p50("seq/istio-cni-only ADD")))
+	fmt.Printf("chain - primary ADD, sequential p50:        %s\n", ms(p50("seq/chain ADD")-p50("seq/primary ADD")))
+	fmt.Printf("chain / primary ADD p50, sequential:        %.2fx\n", ratio("seq/chain ADD", "seq/primary ADD"))
+	fmt.Printf("chain / primary ADD p50, %d in parallel:    %.2fx (target <= 1.5x)\n", *parallel, ratio("par/chain ADD", "par/primary ADD"))
+
+	fi, err := os.Stat(bin)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("plugin binary size:                         %.1f MB (target <= 20 MB)\n", float64(fi.Size())/1e6)
+	var vs []time.Duration
+	for i := 0; i < 30; i++ {
+		cmd := exec.Command(bin)
+		cmd.Env = []string{"CNI_COMMAND=VERSION"}
+		start := time.Now()
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("VERSION: %w", err)
+		}
+		vs = append(vs, time.Since(start))
+	}
+	fmt.Printf("VERSION start-up p50 / p99:                 %s / %s\n", ms(pct(vs, .5)), ms(pct(vs, .99)))
+	return nil
+}
