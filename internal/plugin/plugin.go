@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -16,7 +15,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
-	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
@@ -129,7 +127,7 @@ func exclusion(pod *podinfo.Pod) string {
 // apiSource is the default pod source: the API server with the agent's
 // kubeconfig, bounded by the config's timeout and budget.
 func apiSource(conf *Config) (podinfo.Source, error) {
-	c, err := podinfo.NewAPIClient(conf.KubeconfigPath())
+	c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
 	if err != nil {
 		return nil, err
 	}
@@ -202,6 +200,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
 	}
+	decided := time.Now()
 	for _, w := range d.Warnings {
 		req.log.Warn(w)
 	}
@@ -214,13 +213,15 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
+	planned := time.Now()
 	rep, err := p.Rules.Apply(args.Netns, plan)
 	if err != nil {
 		req.log.Error("programming redirect rules failed", "error", err.Error())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
 	}
 	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
-		"result", rep.String(), "duration", time.Since(start).String())
+		"result", rep.String(), "duration", time.Since(start).String(),
+		"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String(), "apply", time.Since(planned).String())
 	return p.printResult(req.conf)
 }
 
@@ -241,30 +242,17 @@ func (p *Plugin) plan(netnsPath string, params redirect.Params) (*ruleset.Plan, 
 	return ruleset.Build(params, ruleset.NeedsIPv6(addrs, params.DualStack)), nil
 }
 
-// Del removes our rules when the namespace still exists. A namespace that
-// is gone, or a pod that was never redirected, is success.
+// Del succeeds without touching the namespace, as Istio's plugin does:
+// the rules live in the pod's own namespace, which the runtime destroys
+// right after DEL, so removing them would only slow every pod's teardown.
+// A later ADD on the same namespace replaces whatever is there. DEL never
+// fails for a namespace that is gone or a pod that was never redirected.
 func (p *Plugin) Del(args *skel.CmdArgs) error {
 	req, err := p.load("DEL", args)
 	if err != nil {
 		return err
 	}
-	if args.Netns == "" {
-		return nil
-	}
-	if _, err := os.Stat(args.Netns); err != nil {
-		return nil
-	}
-	rep, err := p.Rules.Remove(args.Netns)
-	if err != nil {
-		var nsErr ns.NSPathNotExistErr
-		var nsfsErr ns.NSPathNotNSErr
-		if errors.As(err, &nsErr) || errors.As(err, &nsfsErr) {
-			return nil
-		}
-		req.log.Error("removing redirect rules failed", "error", err.Error())
-		return types.NewError(types.ErrInternal, err.Error(), "")
-	}
-	req.log.Debug("redirect rules removed", "result", rep.String())
+	req.log.Debug("pod deleted; its rules go with its network namespace")
 	return nil
 }
 

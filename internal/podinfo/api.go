@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"time"
@@ -73,8 +74,10 @@ type kubeconfig struct {
 
 // NewAPIClient loads a kubeconfig file. Only what the agent writes (and
 // what an operator is likely to hand-write) is supported: token or client
-// certificate auth, CA data or file, or insecure-skip-tls-verify.
-func NewAPIClient(path string) (*APIClient, error) {
+// certificate auth, CA data or file, or insecure-skip-tls-verify. When
+// sessionCacheDir is set, TLS sessions are resumed across processes
+// through a file there.
+func NewAPIClient(path, sessionCacheDir string) (*APIClient, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("reading kubeconfig: %w", err)
@@ -156,9 +159,16 @@ func NewAPIClient(path string) (*APIClient, error) {
 			tlsConf.Certificates = []tls.Certificate{cert}
 		}
 	}
+	if sessionCacheDir != "" {
+		tlsConf.ClientSessionCache = &fileSessionCache{path: filepath.Join(sessionCacheDir, SessionCacheName)}
+	}
 	c.client = &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConf, ForceAttemptHTTP2: false, Proxy: nil}}
 	return c, nil
 }
+
+// SessionCacheName is the file in the run directory that holds the TLS
+// session shared by plugin processes.
+const SessionCacheName = "istio-cni-tls-session"
 
 var (
 	dns1123Label     = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
@@ -177,7 +187,9 @@ func ValidateName(namespace, name string) error {
 	return nil
 }
 
-// GetPod does one GET. The caller bounds it with ctx.
+// GetPod does one consistent GET (never from a possibly stale cache: an
+// annotation changed just before the sandbox starts must be seen). The
+// caller bounds it with ctx.
 func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, error) {
 	if err := ValidateName(namespace, name); err != nil {
 		return nil, &PermanentError{err}

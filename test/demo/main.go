@@ -116,7 +116,9 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	from := make(chan string, 1)
 	go func() {
+		defer close(from)
 		c, err := testenv.Accept(l, 5*time.Second)
 		if err != nil {
 			return
@@ -124,12 +126,17 @@ func run() error {
 		defer c.Close()
 		_, _ = bufio.NewReader(c).ReadString('\n')
 		_, _ = c.Write([]byte("hello from the remote service\n"))
-		say("   -> it reached the remote service directly, from %s: the proxy's own traffic is never captured.", c.RemoteAddr())
+		from <- c.RemoteAddr().String()
 	}()
 	if _, err := testenv.DialAs(pod.NetNS.Path(), 1337, 1337, "tcp4", testenv.RemoteV4+":80"); err != nil {
 		return err
 	}
+	src, ok := <-from
 	l.Close()
+	if !ok {
+		return fmt.Errorf("the proxy's connection did not reach the remote service")
+	}
+	say("   -> it reached the remote service directly, from %s: the proxy's own traffic is never captured.", src)
 
 	target := netip.AddrPortFrom(podIP, 8080)
 	say("\n3. A client on the node connects to the pod at %s.", target)

@@ -16,6 +16,9 @@ import (
 
 	current "github.com/containernetworking/cni/pkg/types/100"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
+
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -435,21 +438,43 @@ func TestSelection(t *testing.T) {
 		}
 	})
 
-	t.Run("del-removes-and-is-idempotent", func(t *testing.T) {
+	t.Run("del-is-idempotent", func(t *testing.T) {
 		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
 		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
 			t.Fatal(err)
-		}
-		if !strings.Contains(rulesIn(t, pod), "ISTIO_OUTPUT") {
-			t.Fatal("no rules after ADD")
 		}
 		for i := 0; i < 2; i++ {
 			if err := e.node.Del(context.Background(), e.node.Chained, pod); err != nil {
 				t.Fatalf("DEL #%d: %v", i+1, err)
 			}
 		}
-		if rules := rulesIn(t, pod); strings.Contains(rules, "ISTIO_") {
-			t.Fatalf("rules left after DEL:\n%s", rules)
+	})
+
+	t.Run("re-add-on-same-namespace-replaces", func(t *testing.T) {
+		// A runtime may DEL and ADD again on the same namespace; the second
+		// ADD, with other parameters, must leave exactly the new rules.
+		pod := e.newPod(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"sidecar.istio.io/interceptionMode": "TPROXY"}})
+		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.node.Del(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
+		}
+		patch := []byte(`{"metadata":{"annotations":{"sidecar.istio.io/interceptionMode":"REDIRECT"}}}`)
+		if _, err := cluster.Client.CoreV1().Pods(testNS).Patch(context.Background(), pod.Name, k8stypes.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Chained, pod) })
+		rules := rulesIn(t, pod)
+		if strings.Contains(rules, "ISTIO_TPROXY") || strings.Count(rules, "-A OUTPUT -j ISTIO_OUTPUT") != 1 {
+			t.Fatalf("re-ADD did not replace the old rules:\n%s", rules)
+		}
+		if err := e.node.Check(context.Background(), e.node.Chained, pod); err != nil {
+			t.Fatal(err)
 		}
 	})
 
