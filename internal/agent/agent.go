@@ -1,0 +1,358 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/istio-cni-go/istio-cni/internal/install"
+)
+
+// Metrics are the agent's Prometheus metrics; the first two carry Istio's
+// names so existing dashboards and alerts keep working.
+type Metrics struct {
+	Registry      *prometheus.Registry
+	InstallReady  prometheus.Gauge
+	Installs      *prometheus.CounterVec
+	Reinsertions  prometheus.Counter
+	Conflicts     prometheus.Counter
+	ReinsertDelay prometheus.Histogram
+}
+
+// NewMetrics registers the metrics on a fresh registry.
+func NewMetrics() *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		InstallReady: prometheus.NewGauge(prometheus.GaugeOpts{Name: "istio_cni_install_ready",
+			Help: "1 when the plugin binary, its kubeconfig and its CNI config entry are all in place."}),
+		Installs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_installs_total",
+			Help: "Install passes by result."}, []string{"result"}),
+		Reinsertions: prometheus.NewCounter(prometheus.CounterOpts{Name: "istio_cni_config_reinsertions_total",
+			Help: "Times the istio-cni entry was put back after another component rewrote the CNI config."}),
+		Conflicts: prometheus.NewCounter(prometheus.CounterOpts{Name: "istio_cni_config_conflicts_total",
+			Help: "Times the agent backed off because another component keeps reverting the CNI config."}),
+		ReinsertDelay: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "istio_cni_config_reinsert_seconds",
+			Help:    "Time from seeing the CNI config change to our entry being back.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1}}),
+	}
+	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay)
+	return m
+}
+
+// Agent is the running node agent.
+type Agent struct {
+	opts    *Options
+	log     *slog.Logger
+	in      *install.Installer
+	metrics *Metrics
+	getenv  func(string) string
+	// DaemonSetPresent reports whether the agent's DaemonSet still exists
+	// (and is not being deleted); nil means it cannot be checked.
+	DaemonSetPresent func(ctx context.Context) (bool, error)
+
+	mu       sync.Mutex
+	notReady string
+	rewrites []time.Time
+	backoff  time.Duration
+}
+
+// New builds an agent from options.
+func New(opts *Options, log *slog.Logger, getenv func(string) string) *Agent {
+	cfg := install.Config{
+		MountedCNINetDir: opts.CNINetDir,
+		CNIConfName:      opts.CNIConfName,
+		Chained:          opts.Chained,
+		RunDir:           opts.RunDir,
+		BinSourceDir:     opts.BinSourceDir,
+		BinTargetDirs:    opts.BinTargetDirs,
+		KubeconfigMode:   opts.KubeconfigMode,
+		ConfGroupRead:    opts.ConfGroupRead,
+		Kubeconfig: install.KubeconfigSettings{
+			Protocol:          getenv("KUBERNETES_SERVICE_PROTOCOL"),
+			Host:              getenv("KUBERNETES_SERVICE_HOST"),
+			Port:              getenv("KUBERNETES_SERVICE_PORT"),
+			CAFile:            opts.KubeCAFile,
+			SkipTLSVerify:     opts.SkipTLSVerify,
+			ServiceAccountDir: opts.ServiceAccountDir,
+		},
+		Entry: install.EntrySettings{
+			LogLevel:          opts.PluginLogLevel,
+			RunDir:            opts.RunDir,
+			ExcludeNamespaces: opts.ExcludeNamespaces,
+			PodNamespace:      opts.PodNamespace,
+			NativeNftables:    opts.NativeNftables,
+			AmbientEnabled:    opts.AmbientEnabled,
+		},
+	}
+	return &Agent{opts: opts, log: log, in: install.New(cfg, log), metrics: NewMetrics(), getenv: getenv,
+		notReady: "starting"}
+}
+
+// Metrics returns the agent's metrics.
+func (a *Agent) Metrics() *Metrics { return a.metrics }
+
+func (a *Agent) setReady(reason string) {
+	a.mu.Lock()
+	changed := a.notReady != reason
+	a.notReady = reason
+	a.mu.Unlock()
+	if reason == "" {
+		a.metrics.InstallReady.Set(1)
+		if changed {
+			a.log.Info("ready: plugin binary, kubeconfig and CNI config entry in place", "config", a.in.ConfPath())
+		}
+		return
+	}
+	a.metrics.InstallReady.Set(0)
+	if changed {
+		a.log.Warn("not ready", "reason", reason)
+	}
+}
+
+// ReadyReason is "" when ready, else why not.
+func (a *Agent) ReadyReason() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.notReady
+}
+
+// Handler serves /healthz and /readyz.
+func (a *Agent) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if r := a.ReadyReason(); r != "" {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = fmt.Fprintf(w, "not ready: %s\n", r)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	return mux
+}
+
+func serve(ctx context.Context, port int, h http.Handler) (net.Listener, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort("", strconv.Itoa(port)))
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	go func() {
+		<-ctx.Done()
+		_ = srv.Close()
+	}()
+	return l, nil
+}
+
+// Run installs, keeps the installation in place until ctx ends, then
+// removes it (unless this is an upgrade). It returns nil on a clean stop.
+func (a *Agent) Run(ctx context.Context) error {
+	srvCtx, stopServers := context.WithCancel(context.Background())
+	defer stopServers()
+	if a.opts.ReadinessPort > 0 {
+		if _, err := serve(srvCtx, a.opts.ReadinessPort, a.Handler()); err != nil {
+			return fmt.Errorf("readiness server: %w", err)
+		}
+	}
+	if a.opts.MonitoringPort > 0 {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{}))
+		if _, err := serve(srvCtx, a.opts.MonitoringPort, mux); err != nil {
+			return fmt.Errorf("metrics server: %w", err)
+		}
+	}
+	a.setReady("starting")
+	watcher, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("creating file watcher: %w", err)
+	}
+	defer watcher.Close()
+	if err := os.MkdirAll(a.opts.RunDir, 0o755); err != nil {
+		return fmt.Errorf("creating run dir: %w", err)
+	}
+	for _, dir := range append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...) {
+		if err := watcher.Add(dir); err != nil {
+			return fmt.Errorf("watching %s: %w", dir, err)
+		}
+	}
+	loopErr := a.loop(ctx, watcher)
+	a.setReady("shutting down")
+	return errors.Join(loopErr, a.shutdown())
+}
+
+func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
+	first := true
+	var changedAt time.Time
+	for {
+		wrote, err := a.installOnce()
+		if wrote && !first {
+			a.metrics.Reinsertions.Inc()
+			if !changedAt.IsZero() {
+				a.metrics.ReinsertDelay.Observe(time.Since(changedAt).Seconds())
+			}
+			if d := a.noteRewrite(); d > 0 {
+				a.metrics.Conflicts.Inc()
+				hint := ""
+				if strings.Contains(strings.ToLower(a.in.ConfPath()), "cilium") {
+					hint = "; Cilium was detected: set cni.exclusive=false in its configuration"
+				}
+				a.log.Warn("another component keeps rewriting the CNI config; backing off"+hint,
+					"file", a.in.ConfPath(), "backoff", d.String())
+				select {
+				case <-ctx.Done():
+					return nil
+				case <-time.After(d):
+				}
+			}
+		}
+		if err == nil {
+			first = false
+		}
+		switch {
+		case errors.Is(err, install.ErrNoPrimary):
+			a.setReady("waiting for the primary CNI plugin to write its config in " + a.opts.CNINetDir)
+		case err != nil:
+			a.setReady(err.Error())
+			var se *install.StepError
+			if errors.As(err, &se) {
+				a.metrics.Installs.WithLabelValues(se.Result).Inc()
+			}
+		default:
+			if r := a.in.Ready(); r != nil {
+				a.setReady(r.Error())
+			} else {
+				if a.ReadyReason() != "" {
+					a.metrics.Installs.WithLabelValues(install.ResultSuccess).Inc()
+				}
+				a.setReady("")
+			}
+		}
+		// Wait for a change that matters; anything else is ignored so our
+		// own writes do not wake us in a loop.
+		changedAt = time.Time{}
+		retry := time.Duration(0)
+		if err != nil && !errors.Is(err, install.ErrNoPrimary) {
+			retry = 5 * time.Second
+		}
+		var timer <-chan time.Time
+		if retry > 0 {
+			timer = time.After(retry)
+		}
+	wait:
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-timer:
+				break wait
+			case ev, ok := <-watcher.Events:
+				if !ok {
+					return errors.New("file watcher closed")
+				}
+				if a.relevant(ev) {
+					changedAt = time.Now()
+					break wait
+				}
+			case err, ok := <-watcher.Errors:
+				if !ok {
+					return errors.New("file watcher closed")
+				}
+				return fmt.Errorf("file watcher: %w", err)
+			}
+		}
+	}
+}
+
+func (a *Agent) relevant(ev fsnotify.Event) bool {
+	base := filepath.Base(ev.Name)
+	if strings.Contains(base, ".istio-cni-tmp-") {
+		return false
+	}
+	if ev.Op == fsnotify.Chmod {
+		return false
+	}
+	dir := filepath.Dir(ev.Name)
+	switch {
+	case dir == filepath.Clean(a.opts.CNINetDir):
+		return strings.HasSuffix(base, ".conf") || strings.HasSuffix(base, ".conflist") || strings.HasSuffix(base, ".json")
+	case dir == filepath.Clean(a.opts.ServiceAccountDir):
+		return true
+	default:
+		return base == install.PluginType
+	}
+}
+
+// installOnce runs every install step and reports whether the CNI config
+// was written.
+func (a *Agent) installOnce() (bool, error) {
+	if err := a.in.InstallBinaries(); err != nil {
+		return false, err
+	}
+	if changed, err := a.in.WriteKubeconfig(); err != nil {
+		return false, err
+	} else if changed {
+		a.log.Info("wrote the plugin kubeconfig", "path", a.in.KubeconfigPath())
+	}
+	return a.in.EnsureConf()
+}
+
+// noteRewrite records a re-insertion and returns how long to back off when
+// the rewrites come faster than the conflict limit allows.
+func (a *Agent) noteRewrite() time.Duration {
+	now := time.Now()
+	keep := a.rewrites[:0]
+	for _, t := range a.rewrites {
+		if now.Sub(t) < a.opts.ConflictWindow {
+			keep = append(keep, t)
+		}
+	}
+	a.rewrites = append(keep, now)
+	if len(a.rewrites) <= a.opts.ConflictLimit {
+		a.backoff = 0
+		return 0
+	}
+	if a.backoff == 0 {
+		a.backoff = time.Second
+	} else {
+		a.backoff = min(2*a.backoff, 30*time.Second)
+	}
+	return a.backoff
+}
+
+func (a *Agent) shutdown() error {
+	if !a.opts.DisableSafeUpgrade && a.DaemonSetPresent != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		present, err := a.DaemonSetPresent(ctx)
+		cancel()
+		switch {
+		case err != nil:
+			a.log.Warn("cannot tell an upgrade from an uninstall; leaving the plugin in place so new pods stay meshed",
+				"error", err.Error())
+			return nil
+		case present:
+			a.log.Info("DaemonSet still exists (rollout or node restart): leaving the plugin in place so pods started meanwhile stay meshed",
+				"daemonset", a.opts.PodNamespace+"/"+a.opts.DaemonSetName)
+			return nil
+		}
+	}
+	if err := a.in.Cleanup(); err != nil {
+		a.log.Error("clean-up incomplete", "error", err.Error())
+		return fmt.Errorf("clean-up: %w", err)
+	}
+	a.log.Info("removed the plugin: CNI config entry, kubeconfig and binary")
+	return nil
+}

@@ -1,0 +1,153 @@
+// Package agent composes the node agent (install-cni): installer, watch
+// loop, health and metrics servers, and clean-up on termination.
+package agent
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Options are the agent's settings. Each is a flag (--kebab-case) and an
+// environment variable (UPPER_SNAKE_CASE) with Istio's names; a flag that
+// is set wins over the environment.
+type Options struct {
+	CNINetDir         string
+	CNIConfName       string
+	Chained           bool
+	RunDir            string
+	BinSourceDir      string
+	BinTargetDirs     []string
+	KubeconfigMode    os.FileMode
+	ConfGroupRead     bool
+	KubeCAFile        string
+	SkipTLSVerify     bool
+	ServiceAccountDir string
+	MonitoringPort    int
+	ReadinessPort     int
+	ExcludeNamespaces []string
+	PodNamespace      string
+	PluginLogLevel    string
+	NativeNftables    bool
+	AmbientEnabled    bool
+	// DisableSafeUpgrade removes the plugin on every termination, even
+	// while the DaemonSet still exists (a rollout or a node reboot).
+	DisableSafeUpgrade bool
+	DaemonSetName      string
+	NodeName           string
+	// Kubeconfig is for the agent's own API access outside a pod.
+	Kubeconfig string
+	// ConflictWindow and ConflictLimit: more rewrites than the limit within
+	// the window means another component keeps reverting us.
+	ConflictWindow time.Duration
+	ConflictLimit  int
+}
+
+type optDef struct {
+	name, help, def string
+	set             func(string) error
+}
+
+// ParseOptions reads flags from args and the environment from getenv.
+func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
+	o := &Options{}
+	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
+	boolean := func(p *bool) func(string) error {
+		return func(v string) error {
+			b, err := strconv.ParseBool(v)
+			*p = b
+			return err
+		}
+	}
+	integer := func(p *int) func(string) error {
+		return func(v string) error {
+			n, err := strconv.Atoi(v)
+			*p = n
+			return err
+		}
+	}
+	list := func(p *[]string) func(string) error {
+		return func(v string) error {
+			*p = nil
+			for _, s := range strings.Split(v, ",") {
+				if s = strings.TrimSpace(s); s != "" {
+					*p = append(*p, s)
+				}
+			}
+			return nil
+		}
+	}
+	defs := []optDef{
+		{"mounted-cni-net-dir", "host CNI config dir as mounted in the agent", "/host/etc/cni/net.d", str(&o.CNINetDir)},
+		{"cni-conf-name", "CNI config file to use (empty: the runtime's choice)", "", str(&o.CNIConfName)},
+		{"chained-cni-plugin", "insert into the primary config (false: write a standalone config)", "true", boolean(&o.Chained)},
+		{"cni-agent-run-dir", "run dir shared with the plugin", "/var/run/istio-cni", str(&o.RunDir)},
+		{"cni-bin-source-dir", "binaries to install", "/opt/cni/bin", str(&o.BinSourceDir)},
+		{"cni-bin-target-dirs", "host CNI bin dirs, comma separated", "/host/opt/cni/bin", list(&o.BinTargetDirs)},
+		{"kubeconfig-mode", "mode of the plugin kubeconfig", "0600", func(v string) error {
+			m, err := strconv.ParseUint(v, 0, 32)
+			o.KubeconfigMode = os.FileMode(m)
+			return err
+		}},
+		{"cni-conf-group-read", "make files the agent creates group readable", "false", boolean(&o.ConfGroupRead)},
+		{"kube-ca-file", "CA for the plugin kubeconfig (default: the service account's)", "", str(&o.KubeCAFile)},
+		{"skip-tls-verify", "let the plugin skip API server certificate checks", "false", boolean(&o.SkipTLSVerify)},
+		{"service-account-dir", "service account mount", "/var/run/secrets/kubernetes.io/serviceaccount", str(&o.ServiceAccountDir)},
+		{"monitoring-port", "Prometheus metrics port (0 disables)", "15014", integer(&o.MonitoringPort)},
+		{"readiness-port", "health and readiness port", "8000", integer(&o.ReadinessPort)},
+		{"exclude-namespaces", "namespaces whose pods are never redirected", "", list(&o.ExcludeNamespaces)},
+		{"pod-namespace", "the agent's namespace", "", str(&o.PodNamespace)},
+		{"plugin-log-level", "plugin log level written into its config", "info", str(&o.PluginLogLevel)},
+		{"native-nftables", "ask the plugin for the nftables backend", "false", boolean(&o.NativeNftables)},
+		{"ambient-enabled", "ambient mode flag passed to the plugin", "false", boolean(&o.AmbientEnabled)},
+		{"disable-safe-upgrade", "remove the plugin on every termination, even during a rollout", "false", boolean(&o.DisableSafeUpgrade)},
+		{"daemonset-name", "the agent's DaemonSet, checked on termination", "istio-cni-node", str(&o.DaemonSetName)},
+		{"kubernetes-node-name", "this node", "", str(&o.NodeName)},
+		{"kubeconfig", "kubeconfig for the agent itself (default: in-cluster)", "", str(&o.Kubeconfig)},
+		{"conflict-window", "window for detecting a component that reverts us", "10s", func(v string) error {
+			d, err := time.ParseDuration(v)
+			o.ConflictWindow = d
+			return err
+		}},
+		{"conflict-limit", "rewrites within the window before backing off", "5", integer(&o.ConflictLimit)},
+	}
+	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
+	values := map[string]*string{}
+	for _, d := range defs {
+		values[d.name] = fs.String(d.name, "", fmt.Sprintf("%s (env %s, default %q)", d.help, envName(d.name), d.def))
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	setFlags := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { setFlags[f.Name] = true })
+	for _, d := range defs {
+		v, src := d.def, "default"
+		if e := getenv(envName(d.name)); e != "" {
+			v, src = e, "env "+envName(d.name)
+		}
+		if setFlags[d.name] {
+			v, src = *values[d.name], "flag --"+d.name
+		}
+		if err := d.set(v); err != nil {
+			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
+		}
+	}
+	if o.NodeName == "" {
+		o.NodeName = getenv("NODE_NAME")
+	}
+	if o.NodeName == "" {
+		o.NodeName, _ = os.Hostname()
+	}
+	if o.KubeconfigMode&^0o777 != 0 {
+		return nil, fmt.Errorf("invalid kubeconfig-mode %o", o.KubeconfigMode)
+	}
+	return o, nil
+}
+
+func envName(flagName string) string {
+	return strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
