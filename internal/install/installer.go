@@ -80,7 +80,8 @@ func (in *Installer) InstallBinaries() error {
 			in.log.Info("removed stale temp files", "files", removed)
 		}
 		for _, e := range entries {
-			if !e.Type().IsRegular() {
+			// Follow links: images often link binaries into place.
+			if fi, err := os.Stat(filepath.Join(in.cfg.BinSourceDir, e.Name())); err != nil || !fi.Mode().IsRegular() {
 				continue
 			}
 			dst := filepath.Join(dir, e.Name())

@@ -259,28 +259,43 @@ func (c *Cluster) Stop() {
 // to pods only, mints a token for it and writes a kubeconfig at path with
 // mode 0600, as the node agent does.
 func (c *Cluster) PluginKubeconfig(ctx context.Context, path string) error {
+	tok, err := c.PluginToken(ctx)
+	if err != nil {
+		return err
+	}
+	return WriteKubeconfig(path, c.URL, c.CAFile, tok)
+}
+
+// PluginToken ensures the istio-cni service account (read access to pods)
+// and mints a token for it, as a projected service account volume holds.
+func (c *Cluster) PluginToken(ctx context.Context) (string, error) {
 	const ns, name = "kube-system", "istio-cni"
 	cs := c.Client
 	if _, err := cs.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil && !isExists(err) {
-		return err
+		return "", err
 	}
 	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name},
 		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}}}
 	if _, err := cs.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil && !isExists(err) {
-		return err
+		return "", err
 	}
 	binding := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: name},
 		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: name},
 		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: name, Namespace: ns}}}
 	if _, err := cs.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil && !isExists(err) {
-		return err
+		return "", err
 	}
 	exp := int64(3600)
 	tr, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
 	if err != nil {
-		return fmt.Errorf("minting plugin token: %w", err)
+		return "", fmt.Errorf("minting plugin token: %w", err)
 	}
-	return WriteKubeconfig(path, c.URL, c.CAFile, tr.Status.Token)
+	return tr.Status.Token, nil
+}
+
+// AdminKubeconfig writes a kubeconfig with the cluster's admin token.
+func (c *Cluster) AdminKubeconfig(path string) error {
+	return WriteKubeconfig(path, c.URL, c.CAFile, c.Token)
 }
 
 // WriteKubeconfig writes a token kubeconfig with the CA embedded.

@@ -90,16 +90,19 @@ type Node struct {
 }
 
 // BuildPlugin compiles the plugin into dir and returns its path.
-func BuildPlugin(dir string) (string, error) {
+func BuildPlugin(dir string) (string, error) { return BuildCommand(dir, "istio-cni") }
+
+// BuildCommand compiles ./cmd/<name> into dir and returns its path.
+func BuildCommand(dir, name string) (string, error) {
 	root, err := RepoRoot()
 	if err != nil {
 		return "", err
 	}
-	out := filepath.Join(dir, "istio-cni")
-	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", out, "./cmd/istio-cni")
+	out := filepath.Join(dir, name)
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", out, "./cmd/"+name)
 	cmd.Dir = root
 	if b, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("building istio-cni: %v: %s", err, b)
+		return "", fmt.Errorf("building %s: %v: %s", name, err, b)
 	}
 	return out, nil
 }

@@ -17,6 +17,7 @@ import (
 var (
 	cluster   *testenv.Cluster
 	pluginBin string
+	agentBin  string
 	workDir   string
 )
 
@@ -39,6 +40,10 @@ func run(m *testing.M) int {
 	// Built binaries must be executable by the uid-1337 helper too.
 	_ = os.Chmod(workDir, 0o755)
 	if pluginBin, err = testenv.BuildPlugin(workDir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if agentBin, err = testenv.BuildCommand(workDir, "install-cni"); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}

@@ -1,0 +1,533 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/fsnotify/fsnotify"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/install"
+)
+
+// host is a simulated node file system for the agent: the host CNI config
+// and bin dirs, the run dir and the service account mount.
+type host struct {
+	t                                     *testing.T
+	netDir, binDir, runDir, saDir, srcDir string
+	readyPort, metricsPort                int
+	cmd                                   *exec.Cmd
+	logs                                  *syncBuffer
+	done                                  chan struct{}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func freePort(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func newHost(t *testing.T) *host {
+	t.Helper()
+	root := t.TempDir()
+	h := &host{t: t, netDir: filepath.Join(root, "etc-cni-net.d"), binDir: filepath.Join(root, "opt-cni-bin"),
+		runDir: filepath.Join(root, "run"), saDir: filepath.Join(root, "sa"), srcDir: filepath.Join(root, "image-bin"),
+		readyPort: freePort(t), metricsPort: freePort(t)}
+	for _, d := range []string{h.netDir, h.binDir, h.saDir, h.srcDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(pluginBin, filepath.Join(h.srcDir, "istio-cni")); err != nil {
+		t.Fatal(err)
+	}
+	h.rotateToken()
+	return h
+}
+
+// rotateToken writes a fresh token the way the kubelet updates a projected
+// volume: a new timestamped dir and an atomic swap of the ..data link.
+func (h *host) rotateToken() string {
+	h.t.Helper()
+	tok, err := cluster.PluginToken(context.Background())
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	ca, err := os.ReadFile(cluster.CAFile)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	ts := filepath.Join(h.saDir, fmt.Sprintf("..%d", time.Now().UnixNano()))
+	if err := os.Mkdir(ts, 0o755); err != nil {
+		h.t.Fatal(err)
+	}
+	for name, data := range map[string][]byte{"token": []byte(tok), "ca.crt": ca, "namespace": []byte("istio-system")} {
+		if err := os.WriteFile(filepath.Join(ts, name), data, 0o644); err != nil {
+			h.t.Fatal(err)
+		}
+		link := filepath.Join(h.saDir, name)
+		if _, err := os.Lstat(link); err != nil {
+			if err := os.Symlink(filepath.Join("..data", name), link); err != nil {
+				h.t.Fatal(err)
+			}
+		}
+	}
+	tmp := filepath.Join(h.saDir, "..data_tmp")
+	_ = os.Remove(tmp)
+	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
+		h.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(h.saDir, "..data")); err != nil {
+		h.t.Fatal(err)
+	}
+	return tok
+}
+
+func (h *host) start(extraArgs ...string) {
+	h.t.Helper()
+	kc := filepath.Join(filepath.Dir(h.runDir), "admin.kubeconfig")
+	if err := cluster.AdminKubeconfig(kc); err != nil {
+		h.t.Fatal(err)
+	}
+	u := strings.TrimPrefix(cluster.URL, "https://")
+	hostPart, port, _ := net.SplitHostPort(u)
+	args := append([]string{
+		"--mounted-cni-net-dir", h.netDir, "--cni-bin-target-dirs", h.binDir, "--cni-bin-source-dir", h.srcDir,
+		"--cni-agent-run-dir", h.runDir, "--service-account-dir", h.saDir,
+		"--readiness-port", strconv.Itoa(h.readyPort), "--monitoring-port", strconv.Itoa(h.metricsPort),
+		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc,
+	}, extraArgs...)
+	h.cmd = exec.Command(agentBin, args...)
+	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + hostPart, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
+	h.logs = &syncBuffer{}
+	h.cmd.Stdout, h.cmd.Stderr = h.logs, h.logs
+	if err := h.cmd.Start(); err != nil {
+		h.t.Fatal(err)
+	}
+	h.done = make(chan struct{})
+	go func() { _ = h.cmd.Wait(); close(h.done) }()
+	h.t.Cleanup(func() {
+		_ = h.cmd.Process.Kill()
+		<-h.done
+		if h.t.Failed() {
+			h.t.Logf("agent log:\n%s", h.logs.String())
+		}
+	})
+}
+
+// stop sends a signal and returns the exit code.
+func (h *host) stop(sig syscall.Signal) int {
+	h.t.Helper()
+	_ = h.cmd.Process.Signal(sig)
+	select {
+	case <-h.done:
+	case <-time.After(20 * time.Second):
+		h.t.Fatalf("agent did not exit after %v", sig)
+	}
+	return h.cmd.ProcessState.ExitCode()
+}
+
+func (h *host) readyz() (int, string) {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/readyz", h.readyPort))
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// waitReadyz polls the agent's readiness endpoint (an outside process's
+// state; there is nothing to subscribe to) until it answers want.
+func (h *host) waitReadyz(want int, timeout time.Duration) string {
+	h.t.Helper()
+	deadline := time.Now().Add(timeout)
+	var body string
+	var code int
+	for time.Now().Before(deadline) {
+		if code, body = h.readyz(); code == want {
+			return body
+		}
+		select {
+		case <-h.done:
+			h.t.Fatalf("agent exited while waiting for readiness %d; log:\n%s", want, h.logs.String())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	h.t.Fatalf("readyz is %d (%q), want %d after %s", code, body, want, timeout)
+	return ""
+}
+
+func (h *host) metric(name string) string {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", h.metricsPort))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, name+" ") || strings.HasPrefix(l, name+"{") {
+			return l
+		}
+	}
+	return ""
+}
+
+// waitMetric polls the agent's metrics (an outside process) until name
+// has the value want.
+func (h *host) waitMetric(name, want string, timeout time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		m := h.metric(name)
+		if strings.HasSuffix(m, " "+want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("metric %q, want %s", m, want)
+		}
+		time.Sleep(10 * time.Millisecond) // polling an outside process
+	}
+}
+
+// waitDir waits, on file events rather than sleeps, until cond holds for
+// the directory.
+func waitDir(t *testing.T, dir string, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if err := w.Add(dir); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.After(timeout)
+	for !cond() {
+		select {
+		case <-w.Events:
+		case err := <-w.Errors:
+			t.Fatal(err)
+		case <-deadline:
+			t.Fatalf("condition on %s not met within %s", dir, timeout)
+		}
+	}
+}
+
+func entryCount(t *testing.T, path string) (int, bool) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	var l struct {
+		Plugins []map[string]any `json:"plugins"`
+	}
+	if json.Unmarshal(data, &l) != nil {
+		return 0, false
+	}
+	n := 0
+	for _, p := range l.Plugins {
+		if p["type"] == "istio-cni" {
+			n++
+		}
+	}
+	last := len(l.Plugins) > 0 && l.Plugins[len(l.Plugins)-1]["type"] == "istio-cni"
+	return n, last
+}
+
+func copyFile(t *testing.T, src, dst string) {
+	t.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dst, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+const primaryDir = "../../internal/install/testdata/primary"
+
+func ensureDaemonSet(t *testing.T, present bool) {
+	t.Helper()
+	ctx := context.Background()
+	dss := cluster.Client.AppsV1().DaemonSets("istio-system")
+	_ = dss.Delete(ctx, "istio-cni-node", metav1.DeleteOptions{})
+	if !present {
+		return
+	}
+	labels := map[string]string{"k8s-app": "istio-cni-node"}
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "istio-cni-node"},
+		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "install-cni", Image: "install-cni:test"}}}}}}
+	if _, err := dss.Create(ctx, ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dss.Delete(context.Background(), "istio-cni-node", metav1.DeleteOptions{}) })
+}
+
+func TestAgentInstallGuardRemove(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	calico := filepath.Join(h.netDir, "10-calico.conflist")
+	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+	if err := os.Chmod(calico, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	orig, _ := os.ReadFile(calico)
+	// Rewrites here come from the test, not a fight: no back-off.
+	h.start("--conflict-limit", "1000")
+	h.waitReadyz(200, 20*time.Second)
+
+	if n, last := entryCount(t, calico); n != 1 || !last {
+		t.Fatalf("entry count %d, last %v", n, last)
+	}
+	if _, err := libcni.ConfListFromFile(calico); err != nil {
+		t.Fatalf("libcni rejects the installed config: %v", err)
+	}
+	if fi, _ := os.Stat(calico); fi.Mode().Perm() != 0o640 {
+		t.Fatalf("config mode changed to %v", fi.Mode().Perm())
+	}
+	if fi, err := os.Stat(filepath.Join(h.binDir, "istio-cni")); err != nil || fi.Mode().Perm() != 0o755 {
+		t.Fatalf("binary not installed executable: %v %v", fi, err)
+	}
+	kc := filepath.Join(h.runDir, "istio-cni-kubeconfig")
+	if fi, err := os.Stat(kc); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("kubeconfig not 0600: %v %v", fi, err)
+	}
+	if m := h.metric("istio_cni_install_ready"); !strings.HasSuffix(m, " 1") {
+		t.Fatalf("install_ready metric: %q", m)
+	}
+
+	t.Run("reinsert-after-primary-rewrites-100-times", func(t *testing.T) {
+		var worst time.Duration
+		for i := 0; i < 100; i++ {
+			// Half the rewrites in place, half by rename, as CNI agents do.
+			start := time.Now()
+			if i%2 == 0 {
+				copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+			} else {
+				tmp := filepath.Join(h.netDir, ".calico-tmp")
+				copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), tmp)
+				if err := os.Rename(tmp, calico); err != nil {
+					t.Fatal(err)
+				}
+			}
+			waitDir(t, h.netDir, 10*time.Second, func() bool {
+				n, last := entryCount(t, calico)
+				return n == 1 && last
+			})
+			worst = max(worst, time.Since(start))
+			if n, _ := entryCount(t, calico); n != 1 {
+				t.Fatalf("rewrite %d: %d entries", i, n)
+			}
+		}
+		t.Logf("worst re-insertion time over 100 rewrites: %s", worst)
+		// The counter is bumped just after the write the loop above saw.
+		h.waitMetric("istio_cni_config_reinsertions_total", "100", 5*time.Second)
+	})
+
+	t.Run("token-rotation-rewrites-kubeconfig", func(t *testing.T) {
+		tok := h.rotateToken()
+		waitDir(t, h.runDir, 10*time.Second, func() bool {
+			b, _ := os.ReadFile(kc)
+			return strings.Contains(string(b), tok)
+		})
+	})
+
+	t.Run("uninstall-removes-entry-then-kubeconfig-then-binary", func(t *testing.T) {
+		h.waitReadyz(200, 20*time.Second)
+		if code := h.stop(syscall.SIGTERM); code != 0 {
+			t.Fatalf("exit code %d", code)
+		}
+		after, _ := os.ReadFile(calico)
+		var a, o map[string]any
+		_ = json.Unmarshal(after, &a)
+		_ = json.Unmarshal(orig, &o)
+		ab, _ := json.Marshal(a)
+		ob, _ := json.Marshal(o)
+		if string(ab) != string(ob) {
+			t.Fatalf("primary config not restored:\n%s", after)
+		}
+		for _, p := range []string{kc, filepath.Join(h.binDir, "istio-cni")} {
+			if _, err := os.Stat(p); !os.IsNotExist(err) {
+				t.Fatalf("%s left after uninstall", p)
+			}
+		}
+	})
+}
+
+// TestAgentConflictBackoff: a component that keeps reverting the config
+// is named in a warning (with the Cilium hint), counted, and still loses.
+func TestAgentConflictBackoff(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	cilium := filepath.Join(h.netDir, "05-cilium.conflist")
+	copyFile(t, filepath.Join(primaryDir, "05-cilium.conflist"), cilium)
+	h.start("--conflict-limit", "2", "--conflict-window", "30s")
+	h.waitReadyz(200, 20*time.Second)
+	for i := 0; i < 4; i++ {
+		copyFile(t, filepath.Join(primaryDir, "05-cilium.conflist"), cilium)
+		waitDir(t, h.netDir, 20*time.Second, func() bool {
+			n, last := entryCount(t, cilium)
+			return n == 1 && last
+		})
+	}
+	logs := h.logs.String()
+	if !strings.Contains(logs, "keeps rewriting the CNI config") || !strings.Contains(logs, "cni.exclusive=false") || !strings.Contains(logs, "05-cilium.conflist") {
+		t.Fatalf("no conflict warning naming the file with the Cilium hint:\n%s", logs)
+	}
+	if m := h.metric("istio_cni_config_conflicts_total"); m == "" || strings.HasSuffix(m, " 0") {
+		t.Fatalf("conflicts metric: %q", m)
+	}
+}
+
+func TestAgentUpgradeKeepsPlugin(t *testing.T) {
+	ensureDaemonSet(t, true)
+	h := newHost(t)
+	calico := filepath.Join(h.netDir, "10-calico.conflist")
+	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+	h.start()
+	h.waitReadyz(200, 20*time.Second)
+	if code := h.stop(syscall.SIGTERM); code != 0 {
+		t.Fatalf("exit code %d", code)
+	}
+	if n, last := entryCount(t, calico); n != 1 || !last {
+		t.Fatal("entry removed during an upgrade")
+	}
+	for _, p := range []string{filepath.Join(h.runDir, "istio-cni-kubeconfig"), filepath.Join(h.binDir, "istio-cni")} {
+		if _, err := os.Stat(p); err != nil {
+			t.Fatalf("%s removed during an upgrade", p)
+		}
+	}
+	if !strings.Contains(h.logs.String(), "leaving the plugin in place") {
+		t.Fatal("no log line explaining why the plugin stayed")
+	}
+}
+
+func TestAgentWaitsForPrimaryAndWrapsConf(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	if err := os.WriteFile(filepath.Join(h.netDir, "00-broken.conflist"), []byte(`{"plugins":[`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.start()
+	body := h.waitReadyz(503, 10*time.Second)
+	for !strings.Contains(body, "waiting for the primary") {
+		body = h.waitReadyz(503, 10*time.Second)
+	}
+	bridge := filepath.Join(h.netDir, "10-bridge.conf")
+	copyFile(t, filepath.Join(primaryDir, "10-bridge.conf"), bridge)
+	h.waitReadyz(200, 20*time.Second)
+	if _, err := os.Stat(bridge); !os.IsNotExist(err) {
+		t.Fatal("the wrapped .conf is still there")
+	}
+	if n, last := entryCount(t, bridge+"list"); n != 1 || !last {
+		t.Fatal("no entry in the wrapped .conflist")
+	}
+	if !strings.Contains(h.logs.String(), "00-broken.conflist") {
+		t.Fatal("the invalid config was not named in a warning")
+	}
+}
+
+func TestAgentStandalone(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	h.start("--chained-cni-plugin=false")
+	h.waitReadyz(200, 20*time.Second)
+	p := filepath.Join(h.netDir, install.StandaloneConfName)
+	conf, err := libcni.ConfFromFile(p)
+	if err != nil || conf.Network.Type != "istio-cni" {
+		t.Fatalf("standalone config: %v %v", conf, err)
+	}
+	if code := h.stop(syscall.SIGTERM); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+	if _, err := os.Stat(p); !os.IsNotExist(err) {
+		t.Fatal("standalone config left after uninstall")
+	}
+}
+
+func TestAgentBadInput(t *testing.T) {
+	ensureDaemonSet(t, false)
+	t.Run("missing-token", func(t *testing.T) {
+		h := newHost(t)
+		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), filepath.Join(h.netDir, "10-calico.conflist"))
+		if err := os.Remove(filepath.Join(h.saDir, "token")); err != nil {
+			t.Fatal(err)
+		}
+		h.start()
+		body := h.waitReadyz(503, 10*time.Second)
+		for !strings.Contains(body, "token") {
+			body = h.waitReadyz(503, 10*time.Second)
+		}
+		if n, _ := entryCount(t, filepath.Join(h.netDir, "10-calico.conflist")); n != 0 {
+			t.Fatal("config written although the kubeconfig could not be")
+		}
+	})
+	t.Run("read-only-conf-dir", func(t *testing.T) {
+		h := newHost(t)
+		calico := filepath.Join(h.netDir, "10-calico.conflist")
+		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+		orig, _ := os.ReadFile(calico)
+		if err := syscall.Mount(h.netDir, h.netDir, "", syscall.MS_BIND, ""); err != nil {
+			t.Fatal(err)
+		}
+		defer syscall.Unmount(h.netDir, syscall.MNT_DETACH)
+		if err := syscall.Mount("", h.netDir, "", syscall.MS_BIND|syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
+			t.Fatal(err)
+		}
+		h.start()
+		body := h.waitReadyz(503, 10*time.Second)
+		for !strings.Contains(body, "read-only") {
+			body = h.waitReadyz(503, 10*time.Second)
+		}
+		if now, _ := os.ReadFile(calico); !bytes.Equal(now, orig) {
+			t.Fatal("config changed in a read-only dir")
+		}
+	})
+	t.Run("bad-flag", func(t *testing.T) {
+		out, err := exec.Command(agentBin, "--kubeconfig-mode", "rw").CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "kubeconfig-mode") {
+			t.Fatalf("want exit 2 naming the flag, got %v: %s", err, out)
+		}
+	})
+}
