@@ -184,6 +184,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := os.MkdirAll(a.opts.RunDir, 0o755); err != nil {
 		return fmt.Errorf("creating run dir: %w", err)
 	}
+	if err := serveLogSocket(srvCtx, a.opts.RunDir, a.log); err != nil {
+		return fmt.Errorf("plugin log socket: %w", err)
+	}
 	for _, dir := range append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...) {
 		if err := watcher.Add(dir); err != nil {
 			return fmt.Errorf("watching %s: %w", dir, err)

@@ -1,0 +1,96 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// LogSocketName is the socket plugin processes send their log lines to.
+const LogSocketName = "log.sock"
+
+// serveLogSocket receives plugin log lines (POST /log, a JSON array of
+// JSON lines) and re-emits each through the agent's logger with scope
+// cni-plugin, so plugin activity shows in `kubectl logs` of the agent.
+func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error {
+	path := filepath.Join(runDir, LogSocketName)
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return err
+	}
+	// Plugins run as root too, but keep the socket usable whatever the
+	// runtime's umask was.
+	if err := os.Chmod(path, 0o666); err != nil {
+		_ = l.Close()
+		return err
+	}
+	scoped := log.With("scope", "cni-plugin")
+	mux := http.NewServeMux()
+	mux.HandleFunc("/log", func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			w.WriteHeader(http.StatusMethodNotAllowed)
+			return
+		}
+		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+		if err != nil {
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		var lines []string
+		if err := json.Unmarshal(body, &lines); err != nil {
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		for _, line := range lines {
+			emitPluginLine(scoped, line)
+		}
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(l) }()
+	go func() {
+		<-ctx.Done()
+		_ = srv.Close()
+		_ = os.Remove(path)
+	}()
+	return nil
+}
+
+func emitPluginLine(log *slog.Logger, line string) {
+	var entry map[string]any
+	if err := json.Unmarshal([]byte(line), &entry); err != nil {
+		log.Info(strings.TrimSpace(line))
+		return
+	}
+	msg, _ := entry["msg"].(string)
+	level := slog.LevelInfo
+	switch entry["level"] {
+	case "debug":
+		level = slog.LevelDebug
+	case "warn", "warning":
+		level = slog.LevelWarn
+	case "error", "fatal":
+		level = slog.LevelError
+	}
+	attrs := make([]any, 0, 2*len(entry))
+	for k, v := range entry {
+		switch k {
+		case "msg", "level":
+			continue
+		case "time":
+			k = "pluginTime"
+		}
+		attrs = append(attrs, k, v)
+	}
+	log.Log(context.Background(), level, strings.TrimSpace(msg), attrs...)
+}
