@@ -17,6 +17,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/istio-cni-go/istio-cni/internal/install"
 )
@@ -62,6 +63,8 @@ type Agent struct {
 	// DaemonSetPresent reports whether the agent's DaemonSet still exists
 	// (and is not being deleted); nil means it cannot be checked.
 	DaemonSetPresent func(ctx context.Context) (bool, error)
+	// Clientset, when set, feeds the node-local pod cache.
+	Clientset kubernetes.Interface
 
 	mu       sync.Mutex
 	notReady string
@@ -186,6 +189,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	if err := serveLogSocket(srvCtx, a.opts.RunDir, a.log); err != nil {
 		return fmt.Errorf("plugin log socket: %w", err)
+	}
+	var pods *PodCache
+	if a.Clientset != nil {
+		pods = StartPodCache(srvCtx, a.Clientset, a.opts.NodeName)
+	}
+	if err := pods.Serve(srvCtx, a.opts.RunDir, a.ReadyReason, a.log); err != nil {
+		return fmt.Errorf("agent socket: %w", err)
 	}
 	for _, dir := range append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...) {
 		if err := watcher.Add(dir); err != nil {

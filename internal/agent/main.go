@@ -35,6 +35,7 @@ func Main(args []string) int {
 	if cs, err := clientset(opts); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {
+		a.Clientset = cs
 		a.DaemonSetPresent = func(ctx context.Context) (bool, error) {
 			ds, err := cs.AppsV1().DaemonSets(opts.PodNamespace).Get(ctx, opts.DaemonSetName, metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {

@@ -14,6 +14,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
 
 // Defaults of the plugin configuration.
@@ -123,6 +124,11 @@ func goTypeName(t string) string {
 
 // KubeconfigPath is where the node agent writes the plugin's kubeconfig.
 func (c *Config) KubeconfigPath() string { return filepath.Join(c.CNIAgentRunDir, KubeconfigName) }
+
+// AgentSocketPath is the node agent's pod-cache and readiness socket.
+func (c *Config) AgentSocketPath() string {
+	return filepath.Join(c.CNIAgentRunDir, podinfo.AgentSocketName)
+}
 
 // LogSocketPath is the agent's log socket.
 func (c *Config) LogSocketPath() string { return filepath.Join(c.CNIAgentRunDir, logging.SocketName) }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -36,8 +37,9 @@ type Plugin struct {
 	Log    *logging.Logger
 	Stdout io.Writer
 	Rules  Rules
-	// NewSource builds the pod source for a config (the API by default).
-	NewSource func(*Config) (podinfo.Source, error)
+	// NewSource builds the pod source for a config and the pod's UID (the
+	// agent's cache, then the API, by default).
+	NewSource func(conf *Config, uid string) (podinfo.Source, error)
 }
 
 // AgentPodPrefix is the name prefix of the node agent's own pods, which
@@ -57,7 +59,7 @@ type Decision struct {
 
 // Decide runs the selection in Istio's order. A pod lookup failure or an
 // invalid annotation is an error: the pod must not start unmeshed.
-func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Config) (podinfo.Source, error)) (*Decision, error) {
+func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Config, string) (podinfo.Source, error)) (*Decision, error) {
 	ns, name := string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME)
 	if strings.HasPrefix(name, AgentPodPrefix) && ns == conf.PodNamespace && ns != "" {
 		return &Decision{Skip: "the node agent's own pod"}, nil
@@ -68,7 +70,7 @@ func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Confi
 	if slices.Contains(conf.ExcludeNamespaces, ns) {
 		return &Decision{Skip: "namespace " + ns + " is excluded"}, nil
 	}
-	src, err := newSource(conf)
+	src, err := newSource(conf, string(a.K8S_POD_UID))
 	if err != nil {
 		return nil, fmt.Errorf("cannot read pod %s/%s: %w", ns, name, err)
 	}
@@ -124,21 +126,39 @@ func exclusion(pod *podinfo.Pod) string {
 	return ""
 }
 
-// apiSource is the default pod source: the API server with the agent's
-// kubeconfig, bounded by the config's timeout and budget.
-func apiSource(conf *Config) (podinfo.Source, error) {
-	c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
-	if err != nil {
-		return nil, err
+// agentTimeout bounds a lookup in the agent's cache; past it the plugin
+// asks the API server, so a wedged agent costs a pod this much at most.
+const agentTimeout = 500 * time.Millisecond
+
+// defaultSource asks the node agent's cache first (no API request per
+// pod), then the API server with the agent's kubeconfig, bounded by the
+// config's timeout and budget.
+func defaultSource(log *slog.Logger) func(*Config, string) (podinfo.Source, error) {
+	return func(conf *Config, uid string) (podinfo.Source, error) {
+		f := &podinfo.Fallback{API: func() (podinfo.Source, error) {
+			c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
+			if err != nil {
+				return nil, err
+			}
+			return &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}, nil
+		}}
+		if sock := conf.AgentSocketPath(); fileExists(sock) {
+			ac := podinfo.NewAgentClient(sock, agentTimeout)
+			ac.UID = uid
+			f.Agent = ac
+			f.OnAgent = func(hit bool, err error) {
+				if !hit {
+					log.Debug("pod not served by the node agent; asking the API server", "reason", err.Error())
+				}
+			}
+		}
+		return f, nil
 	}
-	return &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}, nil
 }
 
-func (p *Plugin) source() func(*Config) (podinfo.Source, error) {
-	if p.NewSource != nil {
-		return p.NewSource
-	}
-	return apiSource
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 type request struct {
@@ -195,7 +215,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source())
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
@@ -266,7 +286,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	if req.conf.PrevResult == nil {
 		return types.NewError(types.ErrInvalidNetworkConfig, "CHECK needs prevResult: istio-cni must be chained after the primary plugin", "")
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source())
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
 	}
@@ -283,10 +303,35 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	return nil
 }
 
-// Status reports readiness (CNI 1.1). The plugin itself keeps no state.
+func (p *Plugin) source(log *slog.Logger) func(*Config, string) (podinfo.Source, error) {
+	if p.NewSource != nil {
+		return p.NewSource
+	}
+	return defaultSource(log)
+}
+
+// Status (CNI 1.1) fails while the node agent says the node is not ready,
+// or has died leaving its socket, or when there is no agent and no
+// kubeconfig: a runtime then reports the network not ready and keeps new
+// pods off the node instead of starting them unmeshed.
 func (p *Plugin) Status(args *skel.CmdArgs) error {
-	_, err := p.load("STATUS", args)
-	return err
+	req, err := p.load("STATUS", args)
+	if err != nil {
+		return err
+	}
+	sock := req.conf.AgentSocketPath()
+	if fileExists(sock) {
+		ctx, cancel := context.WithTimeout(context.Background(), agentTimeout)
+		defer cancel()
+		if err := podinfo.NewAgentClient(sock, agentTimeout).Ready(ctx); err != nil {
+			return types.NewError(errPluginNotAvailable, "istio-cni node agent not ready: "+err.Error(), "")
+		}
+		return nil
+	}
+	if !fileExists(req.conf.KubeconfigPath()) {
+		return types.NewError(errPluginNotAvailable, "istio-cni is not installed on this node yet: no agent and no "+req.conf.KubeconfigPath(), "")
+	}
+	return nil
 }
 
 // GC has nothing to collect: sidecar rules live and die with the pod's
@@ -295,3 +340,7 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 	_, err := p.load("GC", args)
 	return err
 }
+
+// errPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot
+// service ADD requests.
+const errPluginNotAvailable uint = 50

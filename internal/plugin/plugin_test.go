@@ -107,7 +107,7 @@ func decide(t *testing.T, ns, name string, src *fakeSource) (*Decision, error) {
 	a := &K8sArgs{}
 	a.K8S_POD_NAMESPACE.UnmarshalText([]byte(ns))
 	a.K8S_POD_NAME.UnmarshalText([]byte(name))
-	return Decide(context.Background(), conf, a, func(*Config) (podinfo.Source, error) { return src, nil })
+	return Decide(context.Background(), conf, a, func(*Config, string) (podinfo.Source, error) { return src, nil })
 }
 
 func TestDecideOrder(t *testing.T) {

@@ -51,7 +51,7 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 				var out bytes.Buffer
 				rules := &fakeRules{}
 				p := &Plugin{Log: logging.New(os.Stderr), Stdout: &out, Rules: rules,
-					NewSource: func(*Config) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
+					NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
 				err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: "/var/run/netns/x", IfName: "eth0",
 					Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=" + podNS + ";K8S_POD_NAME=web", StdinData: []byte(conf)})
 				if err != nil {

@@ -1,0 +1,111 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+)
+
+// PodCache is an informer on the pods of this node, served to the plugin
+// over a Unix socket so that a pod start costs no API request.
+type PodCache struct {
+	lister listersv1.PodLister
+	synced cache.InformerSynced
+	ready  func() string
+}
+
+// StartPodCache starts the informer. It does not wait for the sync: until
+// then the socket answers "unknown" and the plugin asks the API server.
+func StartPodCache(ctx context.Context, cs kubernetes.Interface, node string) *PodCache {
+	factory := informers.NewSharedInformerFactoryWithOptions(cs, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "spec.nodeName=" + node }))
+	inf := factory.Core().V1().Pods()
+	// Keep only what pod selection reads; managed fields alone are often
+	// larger than the rest of a pod.
+	_ = inf.Informer().SetTransform(func(obj any) (any, error) {
+		if p, ok := obj.(*corev1.Pod); ok {
+			p.ManagedFields = nil
+		}
+		return obj, nil
+	})
+	pc := &PodCache{lister: inf.Lister(), synced: inf.Informer().HasSynced}
+	factory.Start(ctx.Done())
+	return pc
+}
+
+// Serve answers GET /pod?namespace=&name=&uid= with the pod's JSON (404
+// when the cache does not hold it, or holds another pod of that name) and
+// GET /readyz with the agent's readiness, for the plugin's STATUS.
+func (pc *PodCache) Serve(ctx context.Context, runDir string, readyReason func() string, log *slog.Logger) error {
+	path := filepath.Join(runDir, podinfo.AgentSocketName)
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		_ = l.Close()
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/pod", func(w http.ResponseWriter, r *http.Request) {
+		q := r.URL.Query()
+		ns, name, uid := q.Get("namespace"), q.Get("name"), q.Get("uid")
+		if pc == nil || !pc.synced() {
+			http.Error(w, "pod cache not synced", http.StatusServiceUnavailable)
+			return
+		}
+		pod, err := pc.lister.Pods(ns).Get(name)
+		if err != nil || (uid != "" && string(pod.UID) != uid) {
+			http.Error(w, "pod not in the node's cache", http.StatusNotFound)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(pod)
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if reason := readyReason(); reason != "" {
+			http.Error(w, "not ready: "+reason, http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("agent socket stopped", "error", err.Error())
+		}
+	}()
+	go func() {
+		<-ctx.Done()
+		_ = srv.Close()
+		_ = os.Remove(path)
+	}()
+	return nil
+}
+
+// WaitSynced waits for the first list of the node's pods.
+func (pc *PodCache) WaitSynced(ctx context.Context) error {
+	if !cache.WaitForCacheSync(ctx.Done(), pc.synced) {
+		return fmt.Errorf("pod cache did not sync")
+	}
+	return nil
+}
