@@ -88,9 +88,15 @@ func TestBadInput(t *testing.T) {
 		}
 	})
 	t.Run("status", func(t *testing.T) {
-		res, _ := execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"n","type":"istio-cni"}`))
+		// No agent, but a kubeconfig: the plugin can serve ADD.
+		res, _ := execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"n","type":"istio-cni","cni_agent_run_dir":"`+e.node.RunDir+`"}`))
 		if res != nil {
 			t.Fatalf("STATUS: %v", res)
+		}
+		// Nothing installed: not available (code 50).
+		res, _ = execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"n","type":"istio-cni","cni_agent_run_dir":"`+t.TempDir()+`"}`))
+		if res == nil || res["code"] != float64(50) {
+			t.Fatalf("STATUS with nothing installed: %v, want code 50", res)
 		}
 	})
 
