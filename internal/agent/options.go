@@ -51,6 +51,17 @@ type optDef struct {
 	set             func(string) error
 }
 
+// rawFlag keeps a flag's text for later parsing; boolean options accept
+// the bare form (--disable-safe-upgrade).
+type rawFlag struct {
+	v      string
+	isBool bool
+}
+
+func (f *rawFlag) String() string     { return f.v }
+func (f *rawFlag) Set(v string) error { f.v = v; return nil }
+func (f *rawFlag) IsBoolFlag() bool   { return f.isBool }
+
 // ParseOptions reads flags from args and the environment from getenv.
 func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 	o := &Options{}
@@ -115,9 +126,10 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 		{"conflict-limit", "rewrites within the window before backing off", "5", integer(&o.ConflictLimit)},
 	}
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
-	values := map[string]*string{}
+	values := map[string]*rawFlag{}
 	for _, d := range defs {
-		values[d.name] = fs.String(d.name, "", fmt.Sprintf("%s (env %s, default %q)", d.help, envName(d.name), d.def))
+		values[d.name] = &rawFlag{isBool: d.def == "true" || d.def == "false"}
+		fs.Var(values[d.name], d.name, fmt.Sprintf("%s (env %s, default %q)", d.help, envName(d.name), d.def))
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -130,7 +142,7 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 			v, src = e, "env "+envName(d.name)
 		}
 		if setFlags[d.name] {
-			v, src = *values[d.name], "flag --"+d.name
+			v, src = values[d.name].v, "flag --"+d.name
 		}
 		if err := d.set(v); err != nil {
 			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
