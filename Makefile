@@ -8,6 +8,7 @@ all: build
 
 build:
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni ./cmd/istio-cni
+	$(GO) build -trimpath -ldflags="-s -w" -o bin/install-cni ./cmd/install-cni
 
 setup:
 	hack/setup.sh
