@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds Kubernetes server binaries (kube-apiserver by default) from the Go module
-# proxy and caches them under .cache/kube/<version>/. Usage: hack/build-kube.sh [binary...]
+# proxy and caches them under $KUBE_CACHE_DIR (default ~/.cache/istio-cni-go/kube)
+# /<version>/, outside the work tree so fresh clones on the same machine reuse them.
+# Usage: hack/build-kube.sh [binary...]
 set -euo pipefail
 KUBE_VERSION=${KUBE_VERSION:-v1.34.4}
 STAGING_VERSION=v0${KUBE_VERSION#v1}
-root=$(cd "$(dirname "$0")/.." && pwd)
-cache="$root/.cache/kube/$KUBE_VERSION"
+cache="${KUBE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/kube}/$KUBE_VERSION"
 mkdir -p "$cache"
 bins=("$@")
 [ ${#bins[@]} -gt 0 ] || bins=(kube-apiserver)

@@ -65,17 +65,21 @@ func RepoRoot() (string, error) {
 	}
 }
 
-// APIServerBinary returns the cached kube-apiserver, built by
-// hack/build-kube.sh (make test does that first).
+// APIServerBinary returns the kube-apiserver built by hack/build-kube.sh
+// (make test does that first), from the same cache directory.
 func APIServerBinary() (string, error) {
 	if p := os.Getenv("KUBE_APISERVER"); p != "" {
 		return p, nil
 	}
-	root, err := RepoRoot()
-	if err != nil {
-		return "", err
+	dir := os.Getenv("KUBE_CACHE_DIR")
+	if dir == "" {
+		base, err := os.UserCacheDir()
+		if err != nil {
+			return "", err
+		}
+		dir = filepath.Join(base, "istio-cni-go", "kube")
 	}
-	p := filepath.Join(root, ".cache", "kube", KubeVersion, "kube-apiserver")
+	p := filepath.Join(dir, KubeVersion, "kube-apiserver")
 	if _, err := os.Stat(p); err != nil {
 		return "", fmt.Errorf("kube-apiserver not built at %s: run hack/build-kube.sh (make test does): %w", p, err)
 	}
