@@ -73,14 +73,34 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 			}
 			rep.Families = append(rep.Families, fr)
 		}
-		if plan.V6 != nil {
-			if err := ensurePassthroughV6(); err != nil {
-				return err
-			}
-		}
-		return syncTProxyRoutes(plan.TProxyRoutes, plan.V6 != nil)
+		return SyncRouting(plan)
 	})
 	return rep, err
+}
+
+// SyncRouting sets up what the rules need besides netfilter: the IPv6
+// passthrough address and the TPROXY policy route (removed when not
+// wanted). It must run inside the pod's namespace.
+func SyncRouting(plan *ruleset.Plan) error {
+	if plan.V6 != nil {
+		if err := ensurePassthroughV6(); err != nil {
+			return err
+		}
+	}
+	return syncTProxyRoutes(plan.TProxyRoutes, plan.V6 != nil)
+}
+
+// CheckRouting reports what routing the plan needs but the namespace
+// lacks. It must run inside the pod's namespace.
+func CheckRouting(plan *ruleset.Plan) ([]string, error) {
+	if !plan.TProxyRoutes {
+		return nil, nil
+	}
+	ok, err := hasTProxyRule(netlink.FAMILY_V4)
+	if err != nil || ok {
+		return nil, err
+	}
+	return []string{"IPv4 policy rule fwmark 1337 lookup 133 missing"}, nil
 }
 
 // Remove deletes every rule and chain of ours and the TPROXY policy route.
@@ -106,13 +126,11 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 				diffs = append(diffs, fam.String()+" "+d)
 			}
 		}
-		if plan.TProxyRoutes {
-			if ok, err := hasTProxyRule(netlink.FAMILY_V4); err != nil {
-				return err
-			} else if !ok {
-				diffs = append(diffs, "IPv4 policy rule fwmark 1337 lookup 133 missing")
-			}
+		missing, err := CheckRouting(plan)
+		if err != nil {
+			return err
 		}
+		diffs = append(diffs, missing...)
 		if len(diffs) > 0 {
 			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
 		}

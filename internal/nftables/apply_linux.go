@@ -1,0 +1,264 @@
+package nftables
+
+import (
+	"bytes"
+	"fmt"
+	"net/netip"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// VariantName is how reports name this backend.
+const VariantName = "nftables"
+
+// Applier programs rule sets through netlink. It runs no binary.
+type Applier struct{}
+
+// Apply makes the pod's namespace hold exactly the plan's tables: nothing
+// happens when they already match; otherwise our old tables are deleted
+// and the new ones added in the same netlink transaction.
+func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error) {
+	var rep iptables.Report
+	start := time.Now()
+	rs, err := Build(plan)
+	if err != nil {
+		return rep, err
+	}
+	err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		// The library binds its socket to this thread's namespace.
+		conn, err := nftables.New()
+		if err != nil {
+			return fmt.Errorf("opening nftables netlink: %w", err)
+		}
+		defer conn.CloseLasting()
+		existing, err := ourTables(conn)
+		if err != nil {
+			return err
+		}
+		action := "applied"
+		if len(existing) > 0 {
+			diffs, err := diff(conn, existing, rs)
+			if err != nil {
+				return err
+			}
+			action = "replaced"
+			if len(diffs) == 0 {
+				action = "unchanged"
+			}
+		}
+		if len(rs.Rules) == 0 && len(existing) == 0 {
+			action = "none"
+		}
+		if action != "unchanged" && action != "none" {
+			for _, t := range existing {
+				conn.DelTable(t)
+			}
+			program(conn, rs)
+			if err := conn.Flush(); err != nil {
+				return fmt.Errorf("programming nftables rules: %w", err)
+			}
+		}
+		rep.Families = append(rep.Families, iptables.FamilyReport{Family: ruleset.IPv4, Variant: VariantName, Action: action, Duration: time.Since(start)})
+		return iptables.SyncRouting(plan)
+	})
+	return rep, err
+}
+
+// Remove deletes our tables and the TPROXY policy route.
+func (a *Applier) Remove(netnsPath string) (iptables.Report, error) {
+	return a.Apply(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
+}
+
+// Check lists every difference between the namespace and the plan.
+func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
+	rs, err := Build(plan)
+	if err != nil {
+		return err
+	}
+	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return fmt.Errorf("opening nftables netlink: %w", err)
+		}
+		defer conn.CloseLasting()
+		existing, err := ourTables(conn)
+		if err != nil {
+			return err
+		}
+		diffs, err := diff(conn, existing, rs)
+		if err != nil {
+			return err
+		}
+		missing, err := iptables.CheckRouting(plan)
+		if err != nil {
+			return err
+		}
+		diffs = append(diffs, missing...)
+		if len(diffs) > 0 {
+			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
+		}
+		return nil
+	})
+}
+
+// PodAddrs lists the namespace's addresses.
+func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) { return iptables.PodAddrs(netnsPath) }
+
+func ourTables(conn *nftables.Conn) ([]*nftables.Table, error) {
+	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return nil, fmt.Errorf("listing nftables tables: %w", err)
+	}
+	var out []*nftables.Table
+	for _, t := range tables {
+		if strings.HasPrefix(t.Name, TablePrefix) {
+			out = append(out, t)
+		}
+	}
+	return out, nil
+}
+
+func program(conn *nftables.Conn, rs *Ruleset) {
+	tables := map[string]*nftables.Table{}
+	for _, name := range rs.Tables {
+		tables[name] = conn.AddTable(&nftables.Table{Name: name, Family: nftables.TableFamilyINet})
+	}
+	chains := map[string]*nftables.Chain{}
+	for _, c := range rs.Chains {
+		ch := &nftables.Chain{Name: c.Name, Table: tables[c.Table]}
+		if c.Base != nil {
+			ch.Type, ch.Hooknum, ch.Priority = c.Base.Type, c.Base.Hook, c.Base.Priority
+		}
+		chains[c.Table+"/"+c.Name] = conn.AddChain(ch)
+	}
+	for _, r := range rs.Rules {
+		conn.AddRule(&nftables.Rule{Table: tables[r.Table], Chain: chains[r.Table+"/"+r.Chain], Exprs: r.Exprs})
+	}
+}
+
+// diff compares the kernel's tables with the ruleset, rule by rule, on
+// the netlink encoding of each expression (counters zeroed).
+func diff(conn *nftables.Conn, existing []*nftables.Table, rs *Ruleset) ([]string, error) {
+	var diffs []string
+	want := map[string]bool{}
+	for _, t := range rs.Tables {
+		want[t] = true
+	}
+	have := map[string]*nftables.Table{}
+	for _, t := range existing {
+		have[t.Name] = t
+		if !want[t.Name] {
+			diffs = append(diffs, "unexpected table "+t.Name)
+		}
+	}
+	for _, t := range rs.Tables {
+		if have[t] == nil {
+			diffs = append(diffs, "table "+t+" missing")
+		}
+	}
+	if len(diffs) > 0 {
+		return diffs, nil
+	}
+	kernelChains, err := conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return nil, fmt.Errorf("listing nftables chains: %w", err)
+	}
+	haveChains := map[string]*nftables.Chain{}
+	for _, c := range kernelChains {
+		if c.Table != nil && want[c.Table.Name] {
+			haveChains[c.Table.Name+"/"+c.Name] = c
+		}
+	}
+	wantRules := map[string][]Rule{}
+	for _, r := range rs.Rules {
+		wantRules[r.Table+"/"+r.Chain] = append(wantRules[r.Table+"/"+r.Chain], r)
+	}
+	wantChains := map[string]bool{}
+	for _, c := range rs.Chains {
+		key := c.Table + "/" + c.Name
+		wantChains[key] = true
+		kc := haveChains[key]
+		if kc == nil {
+			diffs = append(diffs, "chain "+key+" missing")
+			continue
+		}
+		rules, err := conn.GetRules(have[c.Table], kc)
+		if err != nil {
+			return nil, fmt.Errorf("reading rules of %s: %w", key, err)
+		}
+		wr := wantRules[key]
+		if len(rules) != len(wr) {
+			diffs = append(diffs, fmt.Sprintf("chain %s has %d rules, want %d", key, len(rules), len(wr)))
+			continue
+		}
+		for i := range wr {
+			if !sameExprs(rules[i].Exprs, wr[i].Exprs) {
+				diffs = append(diffs, fmt.Sprintf("chain %s rule %d differs, want %q", key, i+1, wr[i].Text))
+			}
+		}
+	}
+	var extra []string
+	for key := range haveChains {
+		if !wantChains[key] {
+			extra = append(extra, key)
+		}
+	}
+	sort.Strings(extra)
+	for _, key := range extra {
+		diffs = append(diffs, "unexpected chain "+key)
+	}
+	return diffs, nil
+}
+
+func sameExprs(a, b []expr.Any) bool {
+	a, b = decodable(a), decodable(b)
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		x, y := canonical(a[i]), canonical(b[i])
+		xb, err1 := expr.Marshal(byte(nftables.TableFamilyINet), x)
+		yb, err2 := expr.Marshal(byte(nftables.TableFamilyINet), y)
+		if err1 != nil || err2 != nil || !bytes.Equal(xb, yb) {
+			return false
+		}
+	}
+	return true
+}
+
+// decodable leaves out the expressions the netlink library cannot decode
+// from the kernel (tproxy), so both sides are compared on the same terms;
+// everything around them still is.
+func decodable(in []expr.Any) []expr.Any {
+	out := make([]expr.Any, 0, len(in))
+	for _, e := range in {
+		if _, ok := e.(*expr.TProxy); !ok {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// canonical drops what differs between an expression as built and as the
+// library decodes it from the kernel: counter values, and the registers
+// of ct and meta expressions (the decoder does not report a source
+// register, so a load and a store of the same key look alike).
+func canonical(e expr.Any) expr.Any {
+	switch v := e.(type) {
+	case *expr.Counter:
+		return &expr.Counter{}
+	case *expr.Ct:
+		return &expr.Ct{Key: v.Key}
+	case *expr.Meta:
+		return &expr.Meta{Key: v.Key}
+	}
+	return e
+}
