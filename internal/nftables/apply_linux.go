@@ -110,7 +110,9 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 }
 
 // PodAddrs lists the namespace's addresses.
-func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) { return iptables.PodAddrs(netnsPath) }
+func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) {
+	return iptables.PodAddrs(netnsPath)
+}
 
 func ourTables(conn *nftables.Conn) ([]*nftables.Table, error) {
 	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
