@@ -10,6 +10,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
 )
 
 // Version is set at build time.
@@ -21,9 +22,10 @@ func Main() int {
 	runtime.LockOSThread()
 	log := logging.New(os.Stderr)
 	p := &Plugin{
-		Log:    log,
-		Stdout: os.Stdout,
-		Rules:  &iptables.Applier{Force: os.Getenv("FORCE_IPTABLES_BINARY")},
+		Log:      log,
+		Stdout:   os.Stdout,
+		Rules:    &iptables.Applier{Force: os.Getenv("FORCE_IPTABLES_BINARY")},
+		NFTables: &nftables.Applier{},
 	}
 	var sockPath string
 	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {

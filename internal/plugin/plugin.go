@@ -37,6 +37,8 @@ type Plugin struct {
 	Log    *logging.Logger
 	Stdout io.Writer
 	Rules  Rules
+	// NFTables is the backend for native_nftables: true.
+	NFTables Rules
 	// NewSource builds the pod source for a config and the pod's UID (the
 	// agent's cache, then the API, by default).
 	NewSource func(conf *Config, uid string) (podinfo.Source, error)
@@ -162,9 +164,10 @@ func fileExists(p string) bool {
 }
 
 type request struct {
-	conf *Config
-	args *K8sArgs
-	log  *slog.Logger
+	conf  *Config
+	args  *K8sArgs
+	log   *slog.Logger
+	rules Rules
 }
 
 func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
@@ -187,10 +190,11 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 	if conf.AmbientEnabled {
 		log.Warn("ambient_enabled is set but this plugin serves sidecar mode only; ambient pods are not enrolled")
 	}
-	if conf.NativeNftables {
-		log.Warn("native_nftables is set but the nftables backend is not available in this build; using iptables")
+	rules := p.Rules
+	if conf.NativeNftables && p.NFTables != nil {
+		rules = p.NFTables
 	}
-	return &request{conf: conf, args: k8s, log: log}, nil
+	return &request{conf: conf, args: k8s, log: log, rules: rules}, nil
 }
 
 func (p *Plugin) printResult(conf *Config) error {
@@ -228,13 +232,13 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
 		return p.printResult(req.conf)
 	}
-	plan, err := p.plan(args.Netns, d.Params)
+	plan, err := buildPlan(req.rules, args.Netns, d.Params)
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	planned := time.Now()
-	rep, err := p.Rules.Apply(args.Netns, plan)
+	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
 		req.log.Error("programming redirect rules failed", "error", err.Error())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
@@ -245,8 +249,8 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	return p.printResult(req.conf)
 }
 
-func (p *Plugin) plan(netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
-	addrs, err := p.Rules.PodAddrs(netnsPath)
+func buildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
+	addrs, err := rules.PodAddrs(netnsPath)
 	if err != nil {
 		return nil, err
 	}
@@ -290,13 +294,13 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
 	}
-	plan := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
+	want := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
 	if d.Skip == "" {
-		if plan, err = p.plan(args.Netns, d.Params); err != nil {
+		if want, err = buildPlan(req.rules, args.Netns, d.Params); err != nil {
 			return types.NewError(types.ErrInternal, err.Error(), "")
 		}
 	}
-	if err := p.Rules.Check(args.Netns, plan); err != nil {
+	if err := req.rules.Check(args.Netns, want); err != nil {
 		req.log.Error("check failed", "error", err.Error())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
 	}

@@ -201,12 +201,24 @@ func dialPing(pod *testenv.Pod, network, addr string) func() error {
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 
-// TestTraffic runs every traffic case on both iptables variants.
+// TestTraffic runs every traffic case on both iptables variants and on
+// the native nftables backend, with the same assertions.
 func TestTraffic(t *testing.T) {
-	for _, variant := range []string{"nft", "legacy"} {
+	for _, variant := range []string{"nft", "legacy", "nftables"} {
 		t.Run(variant, func(t *testing.T) {
-			t.Setenv("FORCE_IPTABLES_BINARY", variant)
-			e := newEnv(t, nil)
+			var conf map[string]any
+			if variant == "nftables" {
+				conf = map[string]any{"native_nftables": true}
+				// No firewall binary reachable: only ip, for the test itself.
+				bin := t.TempDir()
+				if err := os.Symlink("/usr/sbin/ip", filepath.Join(bin, "ip")); err != nil {
+					t.Fatal(err)
+				}
+				t.Setenv("PATH", bin)
+			} else {
+				t.Setenv("FORCE_IPTABLES_BINARY", variant)
+			}
+			e := newEnv(t, conf)
 			remote := testenv.RemoteV4
 
 			t.Run("outbound-to-15001", func(t *testing.T) {
