@@ -96,6 +96,30 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	raw["native_nftables"] = true
+	raw["name"] = "istio-cni-alone-nft"
+	b, err = json.Marshal(raw)
+	if err != nil {
+		return err
+	}
+	istioNFT, err := libcni.ConfFromBytes(b)
+	if err != nil {
+		return err
+	}
+	var chained map[string]any
+	if err := json.Unmarshal(node.Chained.Bytes, &chained); err != nil {
+		return err
+	}
+	plugins := chained["plugins"].([]any)
+	plugins[len(plugins)-1].(map[string]any)["native_nftables"] = true
+	b, err = json.Marshal(chained)
+	if err != nil {
+		return err
+	}
+	chainedNFT, err := libcni.ConfListFromBytes(b)
+	if err != nil {
+		return err
+	}
 	bn := &bench{node: node, istio: istio, samples: map[string][]time.Duration{}}
 
 	// Warm up: page cache, API server caches, first TLS session.
@@ -116,6 +140,12 @@ func run() error {
 		if err := bn.pod(ctx, cluster, "seq/istio-cni-only", node.Primary, true); err != nil {
 			return err
 		}
+		bn.istio, istio = istioNFT, bn.istio
+		err := bn.pod(ctx, cluster, "seq/istio-cni-only/nftables", node.Primary, true)
+		bn.istio, istio = istio, bn.istio
+		if err != nil {
+			return err
+		}
 	}
 	// The same with the node agent running: pods come from its cache.
 	stopAgent, err := bn.startAgent(ctx, cluster, dir)
@@ -128,12 +158,18 @@ func run() error {
 		if err := bn.pod(ctx, cluster, "seq/istio-cni-only+agent", node.Primary, true); err != nil {
 			return err
 		}
+		bn.istio, istio = istioNFT, bn.istio
+		err := bn.pod(ctx, cluster, "seq/istio-cni-only+agent/nftables", node.Primary, true)
+		bn.istio, istio = istio, bn.istio
+		if err != nil {
+			return err
+		}
 	}
 	for r := 0; r < *rounds; r++ {
 		for _, series := range []struct {
 			name string
 			list *libcni.NetworkConfigList
-		}{{"par/primary", node.Primary}, {"par/chain+agent", node.Chained}} {
+		}{{"par/primary", node.Primary}, {"par/chain+agent", node.Chained}, {"par/chain+agent/nftables", chainedNFT}} {
 			var wg sync.WaitGroup
 			errs := make(chan error, *parallel)
 			for i := 0; i < *parallel; i++ {
@@ -376,6 +412,9 @@ func (b *bench) report(bin string) error {
 	fmt.Printf("chain / primary ADD p50, sequential:        %.2fx\n", ratio("seq/chain ADD", "seq/primary ADD"))
 	fmt.Printf("istio-cni own share with the agent, p50:    %s (target <= 3 ms)\n", ms(p50("seq/istio-cni-only+agent ADD")))
 	fmt.Printf("chain+agent / primary ADD p50, %d parallel: %.2fx (target <= 1.5x)\n", *parallel, ratio("par/chain+agent ADD", "par/primary ADD"))
+	fmt.Printf("nftables backend: own share p50, API / agent: %s / %s (target <= 2 ms)\n",
+		ms(p50("seq/istio-cni-only/nftables ADD")), ms(p50("seq/istio-cni-only+agent/nftables ADD")))
+	fmt.Printf("nftables chain+agent / primary ADD p50, %d parallel: %.2fx (target <= 1.2x)\n", *parallel, ratio("par/chain+agent/nftables ADD", "par/primary ADD"))
 	if rs := b.samples["reinsert"]; len(rs) > 0 {
 		fmt.Printf("config re-insertion after a rewrite p50/p99: %s / %s (target <= 100 ms)\n", ms(pct(rs, .5)), ms(pct(rs, .99)))
 	}
