@@ -9,6 +9,7 @@ all: build
 build:
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni ./cmd/istio-cni
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/install-cni ./cmd/install-cni
+	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni-validate ./cmd/istio-cni-validate
 
 setup:
 	hack/setup.sh

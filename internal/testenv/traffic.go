@@ -2,7 +2,6 @@ package testenv
 
 import (
 	"bufio"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -13,55 +12,15 @@ import (
 	"strings"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/istio-cni-go/istio-cni/internal/origdst"
 	"golang.org/x/sys/unix"
 )
 
-// OriginalDst reads SO_ORIGINAL_DST of a redirected TCP connection: where
-// the client meant to connect before netfilter sent it to the proxy.
-func OriginalDst(c net.Conn) (netip.AddrPort, error) {
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return netip.AddrPort{}, errors.New("not a TCP connection")
-	}
-	raw, err := tc.SyscallConn()
-	if err != nil {
-		return netip.AddrPort{}, err
-	}
-	v6 := tc.LocalAddr().(*net.TCPAddr).IP.To4() == nil
-	var out netip.AddrPort
-	var serr error
-	err = raw.Control(func(fd uintptr) {
-		const soOriginalDst = 80
-		if v6 {
-			var sa unix.RawSockaddrInet6
-			l := uint32(unsafe.Sizeof(sa))
-			_, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IPV6, soOriginalDst, uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0)
-			if e != 0 {
-				serr = e
-				return
-			}
-			port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:])
-			out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), port)
-			return
-		}
-		var sa unix.RawSockaddrInet4
-		l := uint32(unsafe.Sizeof(sa))
-		_, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IP, soOriginalDst, uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0)
-		if e != 0 {
-			serr = e
-			return
-		}
-		port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:])
-		out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), port)
-	})
-	if err != nil {
-		return out, err
-	}
-	return out, serr
-}
+// OriginalDst reads SO_ORIGINAL_DST of a redirected TCP connection.
+func OriginalDst(c net.Conn) (netip.AddrPort, error) { return origdst.Get(c) }
 
 // Listen opens a listener inside the pod (or the node when pod is nil).
 func Listen(pod *Pod, network, addr string, transparent bool) (net.Listener, error) {

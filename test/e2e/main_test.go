@@ -18,6 +18,7 @@ var (
 	cluster   *testenv.Cluster
 	pluginBin string
 	agentBin  string
+	validBin  string
 	workDir   string
 )
 
@@ -44,6 +45,10 @@ func run(m *testing.M) int {
 		return 2
 	}
 	if agentBin, err = testenv.BuildCommand(workDir, "install-cni"); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if validBin, err = testenv.BuildCommand(workDir, "istio-cni-validate"); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
