@@ -1,12 +1,10 @@
 package nftables
 
 import (
-	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/google/nftables"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -14,21 +12,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
-func newNS(t *testing.T) ns.NetNS {
-	t.Helper()
-	n, err := testutils.NewNS()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := n.Do(func(ns.NetNS) error { return exec.Command("ip", "link", "set", "lo", "up").Run() }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = n.Close()
-		_ = testutils.UnmountNS(n)
-	})
-	return n
-}
+func newNS(t *testing.T) ns.NetNS { return testutil.NewNS(t) }
 
 func planFor(t *testing.T, c testutil.RedirectCase, v6 bool) *ruleset.Plan {
 	t.Helper()
