@@ -20,6 +20,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
 
 // Metrics are the agent's Prometheus metrics; the first two carry Istio's
@@ -31,6 +35,8 @@ type Metrics struct {
 	Reinsertions  prometheus.Counter
 	Conflicts     prometheus.Counter
 	ReinsertDelay prometheus.Histogram
+	Repaired      *prometheus.CounterVec
+	RepairLatency prometheus.Histogram
 }
 
 // NewMetrics registers the metrics on a fresh registry.
@@ -49,7 +55,11 @@ func NewMetrics() *Metrics {
 			Help:    "Time from seeing the CNI config change to our entry being back.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1}}),
 	}
-	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay)
+	m.Repaired = repair.NewMetric()
+	m.RepairLatency = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "istio_cni_repair_latency_seconds",
+		Help:    "Time from a pod first seen broken to the repair controller's successful action.",
+		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
+	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay, m.Repaired, m.RepairLatency)
 	return m
 }
 
@@ -197,6 +207,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := pods.Serve(srvCtx, a.opts.RunDir, a.ReadyReason, a.log); err != nil {
 		return fmt.Errorf("agent socket: %w", err)
 	}
+	if a.opts.RepairEnabled && a.Clientset != nil {
+		a.startRepair(srvCtx)
+	}
 	for _, dir := range append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...) {
 		if err := watcher.Add(dir); err != nil {
 			return fmt.Errorf("watching %s: %w", dir, err)
@@ -288,6 +301,30 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 			}
 		}
 	}
+}
+
+func (a *Agent) startRepair(ctx context.Context) {
+	cfg := repair.Config{
+		RepairPods: a.opts.RepairPods, DeletePods: a.opts.RepairDeletePods, LabelPods: a.opts.RepairLabelPods,
+		LabelKey: a.opts.RepairLabelKey, LabelValue: a.opts.RepairLabelValue,
+		SidecarAnnotation: a.opts.RepairSidecarAnno, InitContainerName: a.opts.RepairInitContainer,
+		ExitCode: int32(a.opts.RepairExitCode), TerminationMessage: a.opts.RepairTermMessage,
+	}
+	if cfg.Mode() == "" {
+		a.log.Warn("repair is enabled but no mode is: set repair-repair-pods, repair-delete-pods or repair-label-pods")
+		return
+	}
+	var rules plugin.Rules = &iptables.Applier{}
+	if a.opts.NativeNftables {
+		rules = &nftables.Applier{}
+	}
+	c := repair.New(cfg, a.Clientset, rules, a.opts.HostProcDir, a.metrics.Repaired, a.log)
+	c.Latency = a.metrics.RepairLatency
+	go func() {
+		if err := c.Run(ctx, a.opts.NodeName); err != nil {
+			a.log.Error("repair controller stopped", "error", err.Error())
+		}
+	}()
 }
 
 func (a *Agent) relevant(ev fsnotify.Event) bool {

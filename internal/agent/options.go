@@ -44,6 +44,18 @@ type Options struct {
 	// the window means another component keeps reverting us.
 	ConflictWindow time.Duration
 	ConflictLimit  int
+
+	RepairEnabled       bool
+	RepairPods          bool
+	RepairDeletePods    bool
+	RepairLabelPods     bool
+	RepairLabelKey      string
+	RepairLabelValue    string
+	RepairInitContainer string
+	RepairExitCode      int
+	RepairTermMessage   string
+	RepairSidecarAnno   string
+	HostProcDir         string
 }
 
 type optDef struct {
@@ -124,6 +136,17 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 			return err
 		}},
 		{"conflict-limit", "rewrites within the window before backing off", "5", integer(&o.ConflictLimit)},
+		{"repair-enabled", "run the repair controller", "true", boolean(&o.RepairEnabled)},
+		{"repair-repair-pods", "repair broken pods in place", "true", boolean(&o.RepairPods)},
+		{"repair-delete-pods", "delete broken pods (when not repairing)", "false", boolean(&o.RepairDeletePods)},
+		{"repair-label-pods", "label broken pods (when not repairing or deleting)", "false", boolean(&o.RepairLabelPods)},
+		{"repair-broken-pod-label-key", "label key for broken pods", "cni.istio.io/uninitialized", str(&o.RepairLabelKey)},
+		{"repair-broken-pod-label-value", "label value for broken pods", "true", str(&o.RepairLabelValue)},
+		{"repair-init-container-name", "the validation init container", "istio-validation", str(&o.RepairInitContainer)},
+		{"repair-init-container-exit-code", "its exit code when the rules are missing", "126", integer(&o.RepairExitCode)},
+		{"repair-init-container-termination-message", "its termination message (empty: any)", "", str(&o.RepairTermMessage)},
+		{"repair-sidecar-annotation", "annotation that marks pods with a sidecar", "sidecar.istio.io/status", str(&o.RepairSidecarAnno)},
+		{"repair-host-proc", "the host's /proc, to find pod network namespaces", "/host/proc", str(&o.HostProcDir)},
 	}
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	values := map[string]*rawFlag{}
@@ -148,8 +171,10 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
 		}
 	}
-	if o.NodeName == "" {
-		o.NodeName = getenv("NODE_NAME")
+	for _, k := range []string{"REPAIR_NODE_NAME", "NODE_NAME"} {
+		if o.NodeName == "" {
+			o.NodeName = getenv(k)
+		}
 	}
 	if o.NodeName == "" {
 		o.NodeName, _ = os.Hostname()

@@ -249,6 +249,12 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	return p.printResult(req.conf)
 }
 
+// BuildPlan computes the rules for a pod in a namespace: the same function
+// serves the plugin and the repair controller, so both write the same rules.
+func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
+	return buildPlan(rules, netnsPath, params)
+}
+
 func buildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
 	addrs, err := rules.PodAddrs(netnsPath)
 	if err != nil {

@@ -39,6 +39,8 @@ type PodSpec struct {
 	ProxyGID      *int64
 	ProxyArgs     []string
 	InitNames     []string
+	// Node overrides NodeName.
+	Node string
 }
 
 // InjectedStatus is a typical sidecar.istio.io/status value.
@@ -47,10 +49,14 @@ const InjectedStatus = `{"initContainers":["istio-validation"],"containers":["is
 // CreatePod creates the pod object bound to NodeName.
 func CreatePod(ctx context.Context, cs kubernetes.Interface, s PodSpec) (*corev1.Pod, error) {
 	falseV := false
+	node := NodeName
+	if s.Node != "" {
+		node = s.Node
+	}
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: s.Namespace, Name: s.Name, Annotations: map[string]string{}, Labels: s.Labels},
 		Spec: corev1.PodSpec{
-			NodeName:                     NodeName,
+			NodeName:                     node,
 			AutomountServiceAccountToken: &falseV,
 			Containers:                   []corev1.Container{{Name: "app", Image: "app:test"}},
 		},

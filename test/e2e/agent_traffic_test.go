@@ -152,3 +152,12 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		}
 	})
 }
+
+func calicoBytes(t *testing.T) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(primaryDir, "10-calico.conflist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}

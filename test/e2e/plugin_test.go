@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -97,6 +98,21 @@ func (e *env) add(spec *testenv.PodSpec) *sandbox {
 		e.t.Fatalf("chained ADD result lost the primary plugin's addresses: %+v", r)
 	}
 	return sb
+}
+
+func resultIPs(t *testing.T, res types.Result) []netip.Addr {
+	t.Helper()
+	r, err := current.NewResultFromResult(res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []netip.Addr
+	for _, ip := range r.IPs {
+		if a, ok := netip.AddrFromSlice(ip.Address.IP); ok {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
 }
 
 func rulesIn(t *testing.T, pod *testenv.Pod) string {

@@ -1,0 +1,184 @@
+package e2e
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+// markValidation records the pod's IP and the validation container's
+// state in the pod status, as the kubelet would.
+func markValidation(t *testing.T, name, ip string, exitCode int32) {
+	t.Helper()
+	ctx := context.Background()
+	pod, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod.Status.Phase = corev1.PodPending
+	pod.Status.PodIP = ip
+	pod.Status.PodIPs = []corev1.PodIP{{IP: ip}}
+	term := &corev1.ContainerStateTerminated{ExitCode: exitCode, Reason: "Error"}
+	if exitCode == 0 {
+		term.Reason = "Completed"
+	}
+	pod.Status.InitContainerStatuses = []corev1.ContainerStatus{{Name: "istio-validation", Image: "proxyv2:test",
+		State: corev1.ContainerState{Terminated: term}}}
+	if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func waitEvent(t *testing.T, podName, reason string) *corev1.Event {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		evs, err := cluster.Client.CoreV1().Events(testNS).List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, ev := range evs.Items {
+			if ev.InvolvedObject.Name == podName && ev.Reason == reason {
+				return &evs.Items[i]
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s event for pod %s", reason, podName)
+		}
+		time.Sleep(50 * time.Millisecond) // polling the API server
+	}
+}
+
+// racedPod is a pod whose sandbox was set up without istio-cni (it was not
+// installed yet), with a process living in its namespace.
+func racedPod(t *testing.T, e *env, spec testenv.PodSpec) (*testenv.Pod, string) {
+	t.Helper()
+	pod := e.newPod(&spec)
+	res, err := e.node.Add(context.Background(), e.node.Primary, pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Primary, pod) })
+	var sleeper *exec.Cmd
+	if err := pod.InPod(func() error {
+		sleeper = exec.Command("sleep", "600")
+		return sleeper.Start()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sleeper.Process.Kill(); _ = sleeper.Wait() })
+	ip := ""
+	for _, r := range resultIPs(t, res) {
+		if r.Is4() {
+			ip = r.String()
+		}
+	}
+	return pod, ip
+}
+
+var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
+
+func TestRepairInPlace(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+	h.waitReadyz(200, 20*time.Second)
+	e := newEnv(t, nil)
+
+	pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
+	if code, out, _ := runValidation(t, pod); code != 126 {
+		t.Fatalf("validation before repair: exit %d, want 126:\n%s", code, out)
+	}
+	markValidation(t, pod.Name, ip, 126)
+	waitEvent(t, pod.Name, "RepairedPod")
+
+	if code, out, _ := runValidation(t, pod); code != 0 {
+		t.Fatalf("validation after repair: exit %d, want 0:\n%s", code, out)
+	}
+	expectRedirect(t, pod, "tcp4", "0.0.0.0:15001", ap(testenv.RemoteV4+":80"), func() (net.Conn, error) {
+		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
+	})
+	// Repair writes exactly what the plugin writes for the same pod.
+	ref := e.add(&testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
+	got, want := saveNoise.ReplaceAllString(rulesIn(t, pod), ""), saveNoise.ReplaceAllString(rulesIn(t, ref.pod), "")
+	if got != want {
+		t.Fatalf("repaired rules differ from the plugin's:\n--- repair\n%s\n--- plugin\n%s", got, want)
+	}
+	h.waitMetric(`istio_cni_repair_pods_repaired_total{result="success",type="repair"}`, "1", 5*time.Second)
+
+	t.Run("namespace-not-found", func(t *testing.T) {
+		_, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: "ghost", Sidecar: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		markValidation(t, "ghost", "10.99.99.99", 126)
+		ev := waitEvent(t, "ghost", "RepairPodFailed")
+		if !strings.Contains(ev.Message, "no network namespace") {
+			t.Fatalf("event does not say why: %q", ev.Message)
+		}
+	})
+}
+
+func TestRepairDeleteAndLabel(t *testing.T) {
+	ensureDaemonSet(t, false)
+	for _, mode := range []string{"delete", "label"} {
+		t.Run(mode, func(t *testing.T) {
+			h := newHost(t)
+			if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods=false", "--repair-"+mode+"-pods")
+			h.waitReadyz(200, 20*time.Second)
+			ctx := context.Background()
+			mk := func(name string, spec testenv.PodSpec, exit int32) {
+				spec.Namespace, spec.Name = testNS, mode+"-"+name
+				if _, err := testenv.CreatePod(ctx, cluster.Client, spec); err != nil {
+					t.Fatal(err)
+				}
+				markValidation(t, spec.Name, "10.250.0.1", exit)
+			}
+			mk("broken", testenv.PodSpec{Sidecar: true}, 126)
+			mk("healthy", testenv.PodSpec{Sidecar: true}, 0)
+			mk("plain", testenv.PodSpec{}, 126)
+			mk("elsewhere", testenv.PodSpec{Sidecar: true, Node: "other-node"}, 126)
+			reason := map[string]string{"delete": "DeleteBrokenPod", "label": "LabelBrokenPod"}[mode]
+			waitEvent(t, mode+"-broken", reason)
+			broken, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, mode+"-broken", metav1.GetOptions{})
+			switch mode {
+			case "delete":
+				// Without a kubelet the pod stays, marked for deletion.
+				if !apierrors.IsNotFound(err) && (err != nil || broken.DeletionTimestamp == nil) {
+					t.Fatalf("broken pod not deleted: %v", err)
+				}
+			case "label":
+				if err != nil || broken.Labels["cni.istio.io/uninitialized"] != "true" {
+					t.Fatalf("broken pod not labeled: %v %v", err, broken.Labels)
+				}
+			}
+			for _, other := range []string{"healthy", "plain", "elsewhere"} {
+				p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, mode+"-"+other, metav1.GetOptions{})
+				if err != nil || p.DeletionTimestamp != nil {
+					t.Fatalf("%s pod deleted: %v", other, err)
+				}
+				if _, ok := p.Labels["cni.istio.io/uninitialized"]; ok {
+					t.Fatalf("%s pod labeled", other)
+				}
+			}
+		})
+	}
+}
