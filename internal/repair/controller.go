@@ -3,7 +3,6 @@ package repair
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -14,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -100,9 +100,63 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 		return nil
 	}
 	c.log.Info("repair controller watching the node's pods", "node", node, "mode", c.cfg.Mode())
+	if pods, err := inf.Lister().List(labels.Everything()); err == nil {
+		c.scan(ctx, pods)
+	}
 	for c.next(ctx) {
 	}
 	return nil
+}
+
+// scan runs once at start-up, beyond Istio: pods that carry the sidecar
+// annotation but whose namespace lacks our rules started while no agent
+// was there, and their validation may not have failed (yet); they are
+// treated as broken now instead of waiting for it.
+func (c *Controller) scan(ctx context.Context, pods []*corev1.Pod) {
+	index, err := IndexNetNS(c.procDir)
+	if err != nil {
+		c.log.Warn("start-up scan skipped", "error", err.Error())
+		return
+	}
+	for _, pod := range pods {
+		if _, ok := pod.Annotations[c.cfg.SidecarAnnotation]; !ok || pod.Spec.HostNetwork || pod.DeletionTimestamp != nil {
+			continue
+		}
+		ip, err := netip.ParseAddr(pod.Status.PodIP)
+		if err != nil {
+			continue
+		}
+		netns, ok := index[ip]
+		if !ok {
+			continue
+		}
+		facts, err := toFacts(pod)
+		if err != nil {
+			continue
+		}
+		params, _, err := redirect.FromPod(facts)
+		if err != nil || params.Mode == redirect.ModeNone {
+			continue
+		}
+		plan, err := plugin.BuildPlan(c.rules, netns, params)
+		if err != nil || c.rules.Check(netns, plan) == nil {
+			continue
+		}
+		reason := "running without redirect rules (found at agent start-up)"
+		c.log.Warn("pod runs without redirect rules", "pod", pod.Namespace+"/"+pod.Name)
+		var actErr error
+		switch c.cfg.Mode() {
+		case "repair":
+			actErr = c.repair(pod, reason)
+		case "delete":
+			actErr = c.delete(ctx, pod, reason)
+		case "label":
+			actErr = c.label(ctx, pod, reason)
+		}
+		if actErr != nil {
+			c.log.Error("start-up scan could not act", "pod", pod.Namespace+"/"+pod.Name, "error", actErr.Error())
+		}
+	}
 }
 
 func (c *Controller) next(ctx context.Context) bool {
@@ -128,6 +182,7 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 		c.mu.Lock()
 		delete(c.repaired, key)
 		c.mu.Unlock()
+		c.log.Debug("pod gone; nothing to repair", "pod", key.String())
 		return nil
 	}
 	if err != nil {
@@ -260,6 +315,3 @@ func toFacts(pod *corev1.Pod) (*podinfo.Pod, error) {
 	}
 	return podinfo.DecodeJSON(b)
 }
-
-// ErrDisabled is returned when no mode is configured.
-var ErrDisabled = errors.New("repair enabled with no mode (repair, delete or label)")

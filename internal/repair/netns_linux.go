@@ -18,22 +18,37 @@ import (
 var ErrNoNetNS = errors.New("no network namespace on this node holds the pod's IP")
 
 // FindNetNS returns /proc/<pid>/ns/net of the oldest process whose network
-// namespace holds ip. Each namespace is entered once, however many
-// processes share it. The host's own namespace (pid 1's) is skipped.
+// namespace holds ip.
 func FindNetNS(procDir string, ip netip.Addr) (string, error) {
+	index, err := IndexNetNS(procDir)
+	if err != nil {
+		return "", err
+	}
+	if p, ok := index[ip]; ok {
+		return p, nil
+	}
+	return "", fmt.Errorf("%w (%s)", ErrNoNetNS, ip)
+}
+
+// IndexNetNS maps every address of every network namespace on the node
+// (but the host's, pid 1's) to /proc/<pid>/ns/net of the oldest process in
+// it: the sandbox's pause process rather than a later container. Each
+// namespace is entered once, however many processes share it.
+func IndexNetNS(procDir string) (map[netip.Addr]string, error) {
 	entries, err := os.ReadDir(procDir)
 	if err != nil {
-		return "", fmt.Errorf("reading %s: %w", procDir, err)
+		return nil, fmt.Errorf("reading %s: %w", procDir, err)
 	}
 	type nsKey struct{ dev, ino uint64 }
 	hostNS := nsKey{}
 	if st, err := statNS(filepath.Join(procDir, "1", "ns", "net")); err == nil {
 		hostNS = nsKey{uint64(st.Dev), st.Ino}
 	}
-	oldest := map[nsKey]struct {
+	type proc struct {
 		pid   string
 		start uint64
-	}{}
+	}
+	oldest := map[nsKey]proc{}
 	for _, e := range entries {
 		pid := e.Name()
 		if _, err := strconv.Atoi(pid); err != nil {
@@ -49,32 +64,28 @@ func FindNetNS(procDir string, ip netip.Addr) (string, error) {
 		}
 		start := startTime(filepath.Join(procDir, pid, "stat"))
 		if cur, ok := oldest[k]; !ok || start < cur.start {
-			oldest[k] = struct {
-				pid   string
-				start uint64
-			}{pid, start}
+			oldest[k] = proc{pid, start}
 		}
 	}
+	index := map[netip.Addr]string{}
 	for _, p := range oldest {
 		path := filepath.Join(procDir, p.pid, "ns", "net")
-		found := false
-		err := ns.WithNetNSPath(path, func(ns.NetNS) error {
+		_ = ns.WithNetNSPath(path, func(ns.NetNS) error {
 			addrs, err := net.InterfaceAddrs()
 			if err != nil {
 				return err
 			}
 			for _, a := range addrs {
-				if pfx, err := netip.ParsePrefix(a.String()); err == nil && pfx.Addr().Unmap() == ip {
-					found = true
+				pfx, err := netip.ParsePrefix(a.String())
+				if err != nil || pfx.Addr().IsLoopback() || pfx.Addr().IsLinkLocalUnicast() {
+					continue
 				}
+				index[pfx.Addr().Unmap()] = path
 			}
 			return nil
 		})
-		if err == nil && found {
-			return path, nil
-		}
 	}
-	return "", fmt.Errorf("%w (%s)", ErrNoNetNS, ip)
+	return index, nil
 }
 
 func statNS(path string) (*syscall.Stat_t, error) {

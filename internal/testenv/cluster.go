@@ -273,13 +273,18 @@ func (c *Cluster) PluginKubeconfig(ctx context.Context, path string) error {
 // PluginToken ensures the istio-cni service account (read access to pods)
 // and mints a token for it, as a projected service account volume holds.
 func (c *Cluster) PluginToken(ctx context.Context) (string, error) {
-	const ns, name = "kube-system", "istio-cni"
+	return c.TokenFor(ctx, "istio-cni", []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}})
+}
+
+// TokenFor ensures a service account in kube-system bound to a cluster
+// role with exactly rules, and mints a token for it.
+func (c *Cluster) TokenFor(ctx context.Context, name string, rules []rbacv1.PolicyRule) (string, error) {
+	const ns = "kube-system"
 	cs := c.Client
 	if _, err := cs.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil && !isExists(err) {
 		return "", err
 	}
-	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name},
-		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}}}
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: rules}
 	if _, err := cs.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil && !isExists(err) {
 		return "", err
 	}

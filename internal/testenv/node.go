@@ -13,6 +13,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 const nodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
@@ -237,4 +239,14 @@ func (n *Node) Check(ctx context.Context, list *libcni.NetworkConfigList, p *Pod
 // made there stay in that namespace after f returns.
 func (p *Pod) InPod(f func() error) error {
 	return p.NetNS.Do(func(ns.NetNS) error { return f() })
+}
+
+// RulesPresent reports whether any of our chains exist in the pod's
+// namespace, reading them the way the plugin does.
+func (p *Pod) RulesPresent(a interface {
+	Check(string, *ruleset.Plan) error
+}) (bool, error) {
+	empty := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
+	err := a.Check(p.NetNS.Path(), empty)
+	return err != nil, nil
 }

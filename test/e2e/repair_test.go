@@ -12,6 +12,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -181,4 +182,89 @@ func TestRepairDeleteAndLabel(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRepairStartupScan: a pod that started while no agent ran, whose
+// validation has not failed (yet), is found and repaired at start-up.
+func TestRepairStartupScan(t *testing.T) {
+	ensureDaemonSet(t, false)
+	e := newEnv(t, nil)
+	pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
+	ctx := context.Background()
+	p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+	if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	h := newHost(t)
+	if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+	ev := waitEvent(t, pod.Name, "RepairedPod")
+	if !strings.Contains(ev.Message, "start-up") {
+		t.Fatalf("event: %q", ev.Message)
+	}
+	if code, out, _ := runValidation(t, pod); code != 0 {
+		t.Fatalf("validation after the start-up repair: exit %d:\n%s", code, out)
+	}
+}
+
+// TestRepairGoesOn: a pod that vanishes before it is repaired, and an API
+// server that refuses a delete, each leave an Event or a log line, and the
+// controller still acts on the next broken pod.
+func TestRepairGoesOn(t *testing.T) {
+	ensureDaemonSet(t, false)
+	ctx := context.Background()
+	t.Run("vanished-pod", func(t *testing.T) {
+		h := newHost(t)
+		if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+		h.waitReadyz(200, 20*time.Second)
+		e := newEnv(t, nil)
+		gone, goneIP := racedPod(t, e, testenv.PodSpec{Sidecar: true})
+		markValidation(t, gone.Name, goneIP, 126)
+		zero := int64(0)
+		if err := cluster.Client.CoreV1().Pods(testNS).Delete(ctx, gone.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+			t.Fatal(err)
+		}
+		next, nextIP := racedPod(t, e, testenv.PodSpec{Sidecar: true})
+		markValidation(t, next.Name, nextIP, 126)
+		waitEvent(t, next.Name, "RepairedPod")
+	})
+	t.Run("delete-refused", func(t *testing.T) {
+		tok, err := cluster.TokenFor(ctx, "repair-without-delete", []rbacv1.PolicyRule{
+			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+			{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+			{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"get"}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := newHost(t)
+		if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		kc := filepath.Join(t.TempDir(), "restricted.kubeconfig")
+		if err := testenv.WriteKubeconfig(kc, cluster.URL, cluster.CAFile, tok); err != nil {
+			t.Fatal(err)
+		}
+		h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods=false", "--repair-delete-pods", "--kubeconfig", kc)
+		h.waitReadyz(200, 20*time.Second)
+		for _, name := range []string{"refused-1", "refused-2"} {
+			if _, err := testenv.CreatePod(ctx, cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true}); err != nil {
+				t.Fatal(err)
+			}
+			markValidation(t, name, "10.250.0.2", 126)
+			ev := waitEvent(t, name, "DeleteBrokenPod")
+			if !strings.Contains(ev.Message, "failed to delete") || !strings.Contains(ev.Message, "forbidden") {
+				t.Fatalf("event does not say why: %q", ev.Message)
+			}
+		}
+	})
 }
