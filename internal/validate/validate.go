@@ -70,7 +70,10 @@ func Run(ctx context.Context, cfg Config) error {
 		defer l.Close()
 		go serve(l, success)
 	}
-	dialer := net.Dialer{Timeout: cfg.Interval}
+	// The probe leaves from the loopback address, not from the target's
+	// own address: traffic from 127.0.0.6/::6 is the proxy's passthrough
+	// and is never redirected.
+	dialer := net.Dialer{Timeout: cfg.Interval, LocalAddr: &net.TCPAddr{IP: net.ParseIP(listenHost)}}
 	ticker := time.NewTicker(cfg.Interval)
 	defer ticker.Stop()
 	for {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os/exec"
 	"strings"
 	"syscall"
@@ -70,4 +71,35 @@ func TestValidation(t *testing.T) {
 			t.Fatalf("want exit 2 explaining --run-validation: %v %s", err, out)
 		}
 	})
+}
+
+// TestValidationIPv6: in a pod whose first address is IPv6 the probe uses
+// [::1] and [::6], and passes once the plugin has programmed the pod.
+func TestValidationIPv6(t *testing.T) {
+	e := newEnv(t, nil)
+	pod := e.newPod(&testenv.PodSpec{Sidecar: true})
+	if err := pod.InPod(func() error {
+		for _, c := range [][]string{
+			{"link", "add", "v0", "type", "veth", "peer", "name", "v1"},
+			{"link", "set", "v0", "up"}, {"link", "set", "v1", "up"},
+			{"addr", "add", "fd00:77::5/64", "dev", "v0", "nodad"},
+		} {
+			if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
+				return fmt.Errorf("ip %v: %v %s", c, err, out)
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if code, out, _ := runValidation(t, pod); code != 126 || !strings.Contains(out, "[::6]:15002") {
+		t.Fatalf("IPv6 probe before the rules: exit %d, want 126 naming [::6]:15002:\n%s", code, out)
+	}
+	conf := []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + e.node.RunDir + `"}`)
+	if res, stderr := execPlugin(t, "ADD", pod.NetNS.Path(), "IgnoreUnknown=1;K8S_POD_NAMESPACE="+testNS+";K8S_POD_NAME="+pod.Name, conf); res != nil {
+		t.Fatalf("ADD: %v\n%s", res, stderr)
+	}
+	if code, out, _ := runValidation(t, pod); code != 0 {
+		t.Fatalf("IPv6 probe with the rules: exit %d, want 0:\n%s", code, out)
+	}
 }
