@@ -84,6 +84,20 @@ type Agent struct {
 
 // New builds an agent from options.
 func New(opts *Options, log *slog.Logger, getenv func(string) string) *Agent {
+	if opts.NftablesAuto {
+		// Decided once here and written into the plugin's config, so no
+		// pod start pays for detection.
+		has, err := HostHasIPTables(opts.HostRoot)
+		switch {
+		case err != nil:
+			log.Warn("cannot inspect the host for iptables; using the iptables backend", "error", err.Error())
+		case !has:
+			opts.NativeNftables = true
+			log.Info("no iptables on the host: the plugin will program nftables over netlink", "hostRoot", opts.HostRoot)
+		default:
+			log.Info("iptables found on the host: the plugin will use it", "hostRoot", opts.HostRoot)
+		}
+	}
 	cfg := install.Config{
 		MountedCNINetDir: opts.CNINetDir,
 		CNIConfName:      opts.CNIConfName,
@@ -405,4 +419,22 @@ func (a *Agent) shutdown() error {
 	}
 	a.log.Info("removed the plugin: CNI config entry, kubeconfig and binary")
 	return nil
+}
+
+// HostHasIPTables reports whether the host has an iptables-restore of any
+// variant in the usual directories under root.
+func HostHasIPTables(root string) (bool, error) {
+	if _, err := os.Stat(root); err != nil {
+		return false, err
+	}
+	for _, dir := range []string{"usr/sbin", "sbin", "usr/local/sbin", "usr/bin", "bin"} {
+		for _, name := range []string{"iptables-restore", "iptables-nft-restore", "iptables-legacy-restore"} {
+			// Lstat: on merged-/usr hosts these are often links whose
+			// targets only resolve inside the host's own root.
+			if _, err := os.Lstat(filepath.Join(root, dir, name)); err == nil {
+				return true, nil
+			}
+		}
+	}
+	return false, nil
 }

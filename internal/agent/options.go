@@ -32,7 +32,11 @@ type Options struct {
 	PodNamespace      string
 	PluginLogLevel    string
 	NativeNftables    bool
-	AmbientEnabled    bool
+	// NftablesAuto picks nftables when the host has no iptables binary.
+	NftablesAuto bool
+	// HostRoot is the host's root file system as the agent sees it.
+	HostRoot       string
+	AmbientEnabled bool
 	// DisableSafeUpgrade removes the plugin on every termination, even
 	// while the DaemonSet still exists (a rollout or a node reboot).
 	DisableSafeUpgrade bool
@@ -124,7 +128,16 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 		{"exclude-namespaces", "namespaces whose pods are never redirected", "", list(&o.ExcludeNamespaces)},
 		{"pod-namespace", "the agent's namespace", "", str(&o.PodNamespace)},
 		{"plugin-log-level", "plugin log level written into its config", "info", str(&o.PluginLogLevel)},
-		{"native-nftables", "ask the plugin for the nftables backend", "false", boolean(&o.NativeNftables)},
+		{"native-nftables", "rule backend: true (nftables over netlink), false (iptables) or auto (nftables when the host has no iptables)", "false", func(v string) error {
+			if strings.EqualFold(v, "auto") {
+				o.NftablesAuto = true
+				return nil
+			}
+			b, err := strconv.ParseBool(v)
+			o.NativeNftables = b
+			return err
+		}},
+		{"host-root", "the host's root file system, for native-nftables=auto", "/host/proc/1/root", str(&o.HostRoot)},
 		{"ambient-enabled", "ambient mode flag passed to the plugin", "false", boolean(&o.AmbientEnabled)},
 		{"disable-safe-upgrade", "remove the plugin on every termination, even during a rollout", "false", boolean(&o.DisableSafeUpgrade)},
 		{"daemonset-name", "the agent's DaemonSet, checked on termination", "istio-cni-node", str(&o.DaemonSetName)},
@@ -151,11 +164,14 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	values := map[string]*rawFlag{}
 	for _, d := range defs {
-		values[d.name] = &rawFlag{isBool: d.def == "true" || d.def == "false"}
+		values[d.name] = &rawFlag{isBool: (d.def == "true" || d.def == "false") && d.name != "native-nftables"}
 		fs.Var(values[d.name], d.name, fmt.Sprintf("%s (env %s, default %q)", d.help, envName(d.name), d.def))
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q (flags take --name=value)", fs.Args())
 	}
 	setFlags := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { setFlags[f.Name] = true })

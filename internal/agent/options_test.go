@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -27,5 +29,32 @@ func TestParseOptions(t *testing.T) {
 	}
 	if _, err := ParseOptions(nil, func(k string) string { return map[string]string{"REPAIR_ENABLED": "x", "MONITORING_PORT": "abc"}[k] }); err == nil || !strings.Contains(err.Error(), "MONITORING_PORT") {
 		t.Errorf("bad env value must name the variable: %v", err)
+	}
+}
+
+func TestNftablesAuto(t *testing.T) {
+	o, err := ParseOptions([]string{"--native-nftables", "auto"}, func(string) string { return "" })
+	if err != nil || !o.NftablesAuto || o.NativeNftables {
+		t.Fatalf("auto: %+v %v", o, err)
+	}
+	if _, err := ParseOptions([]string{"--native-nftables", "sometimes"}, func(string) string { return "" }); err == nil {
+		t.Fatal("bad backend accepted")
+	}
+	bare := t.TempDir()
+	if has, err := HostHasIPTables(bare); err != nil || has {
+		t.Fatalf("empty root: %v %v", has, err)
+	}
+	withIPT := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(withIPT, "usr/sbin"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("xtables-nft-multi", filepath.Join(withIPT, "usr/sbin/iptables-nft-restore")); err != nil {
+		t.Fatal(err)
+	}
+	if has, err := HostHasIPTables(withIPT); err != nil || !has {
+		t.Fatalf("root with iptables-nft-restore: %v %v", has, err)
+	}
+	if _, err := HostHasIPTables(filepath.Join(bare, "missing")); err == nil {
+		t.Fatal("missing root not reported")
 	}
 }

@@ -182,7 +182,7 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 		c.mu.Lock()
 		delete(c.repaired, key)
 		c.mu.Unlock()
-		c.log.Debug("pod gone; nothing to repair", "pod", key.String())
+		c.log.Info("pod gone before it could be acted on; nothing to do", "pod", key.String())
 		return nil
 	}
 	if err != nil {

@@ -531,3 +531,30 @@ func TestAgentBadInput(t *testing.T) {
 		}
 	})
 }
+
+// TestAgentPicksNftablesWithoutIPTables: with --native-nftables=auto the
+// agent looks at the host once and writes its choice into the plugin entry.
+func TestAgentPicksNftablesWithoutIPTables(t *testing.T) {
+	ensureDaemonSet(t, false)
+	for _, hostHasIPT := range []bool{false, true} {
+		h := newHost(t)
+		root := t.TempDir()
+		if hostHasIPT {
+			if err := os.MkdirAll(filepath.Join(root, "usr/sbin"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Symlink("/usr/sbin/iptables-nft-restore", filepath.Join(root, "usr/sbin/iptables-restore")); err != nil {
+				t.Fatal(err)
+			}
+		}
+		calico := filepath.Join(h.netDir, "10-calico.conflist")
+		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+		h.start("--native-nftables", "auto", "--host-root", root)
+		h.waitReadyz(200, 20*time.Second)
+		data, _ := os.ReadFile(calico)
+		want := `"native_nftables": ` + strconv.FormatBool(!hostHasIPT)
+		if !strings.Contains(string(data), want) {
+			t.Fatalf("host has iptables=%v: entry lacks %s:\n%s", hostHasIPT, want, data)
+		}
+	}
+}
