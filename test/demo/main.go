@@ -1,12 +1,15 @@
-// Command demo shows istio-cni at work on one machine: a simulated node
-// (a private network namespace with no uplink), a real kube-apiserver, a
-// pod started through the CNI chain [ptp, istio-cni] exactly as a runtime
-// does, and real connections whose destinations are shown.
+// Command demo shows the whole product on one machine, with no cluster: a
+// simulated node (temp CNI conf and bin dirs with a ptp primary config), a
+// real kube-apiserver and etcd, the real install-cni agent, pods started
+// through the CNI chain as a runtime does, the validation command, repair,
+// real connections, metrics and uninstall. Every step checks what it
+// claims and the demo fails loudly when one does not hold.
 package main
 
 import (
-	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
@@ -14,162 +17,334 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
 func main() {
 	testenv.RunHelperIfRequested()
 	testenv.EnterNodeNamespace()
+	start := time.Now()
 	if err := run(); err != nil {
-		fmt.Fprintln(os.Stderr, "demo failed:", err)
+		fmt.Fprintln(os.Stderr, "\nDEMO FAILED:", err)
 		os.Exit(1)
 	}
+	say("\nDone in %s: every step did what it said.", time.Since(start).Round(100*time.Millisecond))
 }
 
 func say(format string, args ...any) { fmt.Printf(format+"\n", args...) }
 
+var stepN int
+
+func step(title string) {
+	stepN++
+	say("\n%d. %s", stepN, title)
+}
+
+const ns = "demo"
+
+type demo struct {
+	ctx      context.Context
+	dir      string
+	cluster  *testenv.Cluster
+	host     *testenv.AgentHost
+	cni      *libcni.CNIConfig
+	validate string
+	agent    string
+	cleanups []func()
+}
+
 func run() error {
-	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "istio-cni-demo-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
-	_ = os.Chmod(dir, 0o755)
-	say("== istio-cni demo ==")
-	say("Node: a private network namespace with no way out; the 'remote' service %s lives on it.", testenv.RemoteV4)
-	bin, err := testenv.BuildPlugin(dir)
-	if err != nil {
-		return err
-	}
-	say("Starting etcd and kube-apiserver on loopback...")
-	cluster, err := testenv.StartCluster(filepath.Join(dir, "cluster"))
-	if err != nil {
-		return err
-	}
-	defer cluster.Stop()
-	if err := testenv.EnsureNamespace(ctx, cluster.Client, "demo"); err != nil {
-		return err
-	}
-	node, err := testenv.NewNode(filepath.Join(dir, "node"), bin, map[string]any{"plugin_log_level": "warn"})
-	if err != nil {
-		return err
-	}
-	if err := cluster.PluginKubeconfig(ctx, filepath.Join(node.RunDir, "istio-cni-kubeconfig")); err != nil {
-		return err
-	}
-
-	say("\nCreating pod demo/web with an injected istio-proxy sidecar, then running the CNI chain [ptp, istio-cni]...")
-	k8sPod, err := testenv.CreatePod(ctx, cluster.Client, testenv.PodSpec{Namespace: "demo", Name: "web", Sidecar: true})
-	if err != nil {
-		return err
-	}
-	pod, err := testenv.NewPod("demo", "web", string(k8sPod.UID), "demo0000000000000000000000000000000000000000000000000000000001")
-	if err != nil {
-		return err
-	}
-	defer pod.Close()
-	start := time.Now()
-	res, err := node.Add(ctx, node.Chained, pod)
-	if err != nil {
-		return err
-	}
-	took := time.Since(start)
-	defer func() { _ = node.Del(ctx, node.Chained, pod) }()
-	r, err := current.NewResultFromResult(res)
-	if err != nil {
-		return err
-	}
-	var podIP netip.Addr
-	for _, ip := range r.IPs {
-		if a, ok := netip.AddrFromSlice(ip.Address.IP.To4()); ok && ip.Address.IP.To4() != nil {
-			podIP = a
+	d := &demo{ctx: context.Background()}
+	defer func() {
+		for i := len(d.cleanups) - 1; i >= 0; i-- {
+			d.cleanups[i]()
 		}
-	}
-	say("  pod sandbox ready in %s; the pod's address is %s", took.Round(time.Millisecond), podIP)
-	say("  istio-cni programmed these chains in the pod's namespace (iptables-save, nat table):")
-	if err := pod.InPod(func() error {
-		out, err := exec.Command("iptables-save", "-t", "nat").Output()
-		for _, l := range strings.Split(string(out), "\n") {
-			if strings.HasPrefix(l, "-A") {
-				say("    %s", l)
-			}
-		}
-		return err
-	}); err != nil {
-		return err
-	}
-
-	say("\n1. The app connects to %s:80.", testenv.RemoteV4)
-	if err := showRedirect(pod, "0.0.0.0:15001", func() (net.Conn, error) {
-		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
-	}); err != nil {
-		return err
-	}
-
-	say("\n2. The sidecar itself (uid 1337) connects to %s:80.", testenv.RemoteV4)
-	l, err := testenv.Listen(nil, "tcp4", testenv.RemoteV4+":80", false)
-	if err != nil {
-		return err
-	}
-	from := make(chan string, 1)
-	go func() {
-		defer close(from)
-		c, err := testenv.Accept(l, 5*time.Second)
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		_, _ = bufio.NewReader(c).ReadString('\n')
-		_, _ = c.Write([]byte("hello from the remote service\n"))
-		from <- c.RemoteAddr().String()
 	}()
-	if _, err := testenv.DialAs(pod.NetNS.Path(), 1337, 1337, "tcp4", testenv.RemoteV4+":80"); err != nil {
+	var err error
+	if d.dir, err = os.MkdirTemp("", "istio-cni-demo-"); err != nil {
 		return err
 	}
-	src, ok := <-from
-	l.Close()
-	if !ok {
-		return fmt.Errorf("the proxy's connection did not reach the remote service")
-	}
-	say("   -> it reached the remote service directly, from %s: the proxy's own traffic is never captured.", src)
+	d.cleanups = append(d.cleanups, func() { _ = os.RemoveAll(d.dir) })
+	_ = os.Chmod(d.dir, 0o755)
 
-	target := netip.AddrPortFrom(podIP, 8080)
-	say("\n3. A client on the node connects to the pod at %s.", target)
-	if err := showRedirect(pod, "0.0.0.0:15006", func() (net.Conn, error) {
+	say("== istio-cni on one machine ==")
+	say("A simulated node: a private network namespace with no way out, its CNI config and bin dirs in %s.", d.dir)
+	say("Building the plugin, the agent and the validation command, starting etcd and kube-apiserver on loopback...")
+	plugin, err := testenv.BuildPlugin(d.dir)
+	if err != nil {
+		return err
+	}
+	if d.agent, err = testenv.BuildCommand(d.dir, "install-cni"); err != nil {
+		return err
+	}
+	if d.validate, err = testenv.BuildCommand(d.dir, "istio-cni-validate"); err != nil {
+		return err
+	}
+	if d.cluster, err = testenv.StartCluster(filepath.Join(d.dir, "cluster")); err != nil {
+		return err
+	}
+	d.cleanups = append(d.cleanups, d.cluster.Stop)
+	if err := testenv.EnsureNamespace(d.ctx, d.cluster.Client, ns); err != nil {
+		return err
+	}
+	if d.host, err = testenv.NewAgentHost(d.ctx, filepath.Join(d.dir, "node"), d.cluster, plugin); err != nil {
+		return err
+	}
+	for _, p := range []string{"ptp", "host-local"} {
+		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(d.host.BinDir, p)); err != nil {
+			return err
+		}
+	}
+	d.cni = libcni.NewCNIConfigWithCacheDir([]string{d.host.BinDir}, filepath.Join(d.dir, "cni-cache"), nil)
+	primary := filepath.Join(d.host.NetDir, "10-ptp.conflist")
+	orig := []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
+		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(d.dir, "ipam") + `","ranges":[[{"subnet":"10.244.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}` + "\n")
+	if err := os.WriteFile(primary, orig, 0o644); err != nil {
+		return err
+	}
+
+	step("The node's primary CNI config, before the agent runs:")
+	printConf(orig)
+
+	step("The start-up race: pod demo/early is scheduled before the agent is ready.")
+	early, earlyIP, err := d.sandbox("early")
+	if err != nil {
+		return err
+	}
+	code, out := d.runValidation(early)
+	if code != 126 {
+		return fmt.Errorf("validation of the raced pod exited %d, want 126:\n%s", code, out)
+	}
+	say("   The runtime ran only ptp: the plugin was not in the chain yet. The validation command,")
+	say("   run in the pod as uid 1337, exits 126: %s", firstLine(out, "validation timeout"))
+	if err := d.reportValidationFailed("early", earlyIP); err != nil {
+		return err
+	}
+	say("   The kubelet reports the failed istio-validation container (exit 126) in the pod status.")
+
+	step("The agent starts: it installs the plugin and inserts it into the node's CNI config.")
+	if err := d.host.Start(d.agent, "--plugin-log-level", "warn"); err != nil {
+		return err
+	}
+	d.cleanups = append(d.cleanups, func() { _, _ = d.host.Stop(10 * time.Second) })
+	if err := d.host.WaitReady(30 * time.Second); err != nil {
+		return err
+	}
+	after, err := os.ReadFile(primary)
+	if err != nil {
+		return err
+	}
+	if st, err := install.Inspect(after, nil); err != nil || st == install.EntryMissing {
+		return fmt.Errorf("the agent is ready but the config has no istio-cni entry")
+	}
+	say("   Ready (/readyz 200). The config now ends with the istio-cni entry; ptp is untouched:")
+	printConf(after)
+
+	step("The repair controller finds demo/early and fixes it in place.")
+	ev, err := d.waitEvent("early", "RepairedPod")
+	if err != nil {
+		return err
+	}
+	say("   Event on the pod: %s: %s", ev.Reason, ev.Message)
+	if code, out := d.runValidation(early); code != 0 {
+		return fmt.Errorf("validation after repair exited %d:\n%s", code, out)
+	}
+	say("   The validation command now passes in that pod.")
+
+	step("Pod demo/web is created after the agent: the runtime runs the chain [ptp, istio-cni].")
+	web, webIP, err := d.sandbox("web")
+	if err != nil {
+		return err
+	}
+	say("   Sandbox ready; the pod's address is %s.", webIP)
+
+	step("Connections from and to the app go through a stand-in proxy, which prints what it sees.")
+	if err := d.proxied(web, "0.0.0.0:15001", "the app connects to "+testenv.RemoteV4+":80", func() (net.Conn, error) {
+		return testenv.Dial(web, "tcp4", testenv.RemoteV4+":80")
+	}); err != nil {
+		return err
+	}
+	target := netip.AddrPortFrom(webIP, 8080)
+	if err := d.proxied(web, "0.0.0.0:15006", "a client on the node connects to "+target.String(), func() (net.Conn, error) {
 		return testenv.Dial(nil, "tcp4", target.String())
 	}); err != nil {
 		return err
 	}
+	if code, out := d.runValidation(web); code != 0 {
+		return fmt.Errorf("validation of demo/web exited %d:\n%s", code, out)
+	}
+	say("   The validation command passes in demo/web too.")
 
-	say("\n4. CHECK: the runtime asks istio-cni whether the pod's rules are intact.")
-	if err := node.Check(ctx, node.Chained, pod); err != nil {
+	step("The agent's metrics:")
+	lines, err := d.host.Metrics("istio_cni_")
+	if err != nil {
 		return err
 	}
-	say("   -> all rules in place.")
-	say("\n5. DEL: the pod stops.")
-	if err := node.Del(ctx, node.Chained, pod); err != nil {
+	for _, l := range lines {
+		if !strings.Contains(l, "_bucket") && !strings.Contains(l, "_sum") && !strings.Contains(l, "_count") {
+			say("   %s", l)
+		}
+	}
+
+	step("Uninstall: the agent gets SIGTERM and no DaemonSet exists, so it removes itself.")
+	for _, p := range []*testenv.Pod{early, web} {
+		_ = d.cni.DelNetworkList(d.ctx, mustList(primary), p.RT)
+	}
+	code, err = d.host.Stop(10 * time.Second)
+	if err != nil || code != 0 {
+		return fmt.Errorf("agent exit %d: %v", code, err)
+	}
+	final, err := os.ReadFile(primary)
+	if err != nil {
 		return err
 	}
-	var left string
-	_ = pod.InPod(func() error {
-		out, _ := exec.Command("iptables-save", "-t", "nat").Output()
-		left = string(out)
-		return nil
-	})
-	if strings.Contains(left, "ISTIO_") {
-		return fmt.Errorf("rules left after DEL")
+	if !sameJSON(final, orig) {
+		return fmt.Errorf("uninstall did not restore the primary config:\n%s", final)
 	}
-	say("   -> its rules are gone.")
-	say("\nDone: traffic of a meshed pod went through its sidecar, set up by istio-cni during the pod's network set-up.")
+	for _, p := range []string{filepath.Join(d.host.BinDir, "istio-cni"), filepath.Join(d.host.RunDir, "istio-cni-kubeconfig")} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			return fmt.Errorf("%s left after uninstall", p)
+		}
+	}
+	say("   The primary config is back as it was; the plugin binary and its kubeconfig are gone.")
 	return nil
 }
 
-func showRedirect(pod *testenv.Pod, listen string, dial func() (net.Conn, error)) error {
+func mustList(path string) *libcni.NetworkConfigList {
+	l, _ := libcni.ConfListFromFile(path)
+	return l
+}
+
+// printConf shows a conflist one plugin per line.
+func printConf(b []byte) {
+	var l struct {
+		Name    string            `json:"name"`
+		Plugins []json.RawMessage `json:"plugins"`
+	}
+	_ = json.Unmarshal(b, &l)
+	say("   network %q, plugins in order:", l.Name)
+	for i, p := range l.Plugins {
+		var compact bytes.Buffer
+		_ = json.Compact(&compact, p)
+		say("     %d: %s", i+1, compact.String())
+	}
+}
+
+func sameJSON(a, b []byte) bool {
+	var x, y any
+	_ = json.Unmarshal(a, &x)
+	_ = json.Unmarshal(b, &y)
+	xa, _ := json.Marshal(x)
+	ya, _ := json.Marshal(y)
+	return bytes.Equal(xa, ya)
+}
+
+func firstLine(s, containing string) string {
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, containing) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return strings.TrimSpace(s)
+}
+
+// sandbox creates the pod object and runs the node's current CNI config
+// for a new sandbox, with a process living in it, as a runtime does.
+func (d *demo) sandbox(name string) (*testenv.Pod, netip.Addr, error) {
+	k8sPod, err := testenv.CreatePod(d.ctx, d.cluster.Client, testenv.PodSpec{Namespace: ns, Name: name, Sidecar: true,
+		InitNames: []string{"istio-validation"}})
+	if err != nil {
+		return nil, netip.Addr{}, err
+	}
+	pod, err := testenv.NewPod(ns, name, string(k8sPod.UID), "demo-"+name)
+	if err != nil {
+		return nil, netip.Addr{}, err
+	}
+	d.cleanups = append(d.cleanups, pod.Close)
+	primary, _, err := install.FindPrimary(d.host.NetDir, "")
+	if err != nil {
+		return nil, netip.Addr{}, err
+	}
+	res, err := d.cni.AddNetworkList(d.ctx, mustList(primary), pod.RT)
+	if err != nil {
+		return nil, netip.Addr{}, err
+	}
+	r, err := current.NewResultFromResult(res)
+	if err != nil || len(r.IPs) == 0 {
+		return nil, netip.Addr{}, fmt.Errorf("no IP for %s: %v", name, err)
+	}
+	ip, _ := netip.AddrFromSlice(r.IPs[0].Address.IP.To4())
+	var pause *exec.Cmd
+	if err := pod.InPod(func() error {
+		pause = exec.Command("sleep", "600")
+		return pause.Start()
+	}); err != nil {
+		return nil, netip.Addr{}, err
+	}
+	d.cleanups = append(d.cleanups, func() { _ = pause.Process.Kill(); _ = pause.Wait() })
+	return pod, ip, nil
+}
+
+func (d *demo) runValidation(pod *testenv.Pod) (int, string) {
+	var out bytes.Buffer
+	code := -1
+	_ = pod.InPod(func() error {
+		cmd := exec.Command(d.validate, "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT",
+			"--run-validation", "--skip-rule-apply", "--probe-timeout", "2s")
+		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1337, Gid: 1337}}
+		err := cmd.Run()
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err == nil {
+			code = 0
+		}
+		return nil
+	})
+	return code, out.String()
+}
+
+func (d *demo) reportValidationFailed(name string, ip netip.Addr) error {
+	p, err := d.cluster.Client.CoreV1().Pods(ns).Get(d.ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	p.Status.PodIP, p.Status.PodIPs = ip.String(), []corev1.PodIP{{IP: ip.String()}}
+	p.Status.InitContainerStatuses = []corev1.ContainerStatus{{Name: "istio-validation", Image: "proxyv2",
+		State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 126, Reason: "Error"}}}}
+	_, err = d.cluster.Client.CoreV1().Pods(ns).UpdateStatus(d.ctx, p, metav1.UpdateOptions{})
+	return err
+}
+
+func (d *demo) waitEvent(pod, reason string) (*corev1.Event, error) {
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		evs, err := d.cluster.Client.CoreV1().Events(ns).List(d.ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, err
+		}
+		for i, ev := range evs.Items {
+			if ev.InvolvedObject.Name == pod && ev.Reason == reason {
+				return &evs.Items[i], nil
+			}
+		}
+		time.Sleep(50 * time.Millisecond) // polling the API server, bounded
+	}
+	return nil, fmt.Errorf("no %s event for %s within 20s", reason, pod)
+}
+
+// proxied runs a stand-in proxy on listen in the pod and asserts that the
+// dialled connection arrives there; it prints the original destination.
+func (d *demo) proxied(pod *testenv.Pod, listen, what string, dial func() (net.Conn, error)) error {
 	l, err := testenv.Listen(pod, "tcp4", listen, false)
 	if err != nil {
 		return err
@@ -177,8 +352,7 @@ func showRedirect(pod *testenv.Pod, listen string, dial func() (net.Conn, error)
 	defer l.Close()
 	got := make(chan net.Conn, 1)
 	go func() {
-		c, err := testenv.Accept(l, 5*time.Second)
-		if err == nil {
+		if c, err := testenv.Accept(l, 5*time.Second); err == nil {
 			got <- c
 		}
 		close(got)
@@ -190,14 +364,14 @@ func showRedirect(pod *testenv.Pod, listen string, dial func() (net.Conn, error)
 	defer c.Close()
 	conn, ok := <-got
 	if !ok {
-		return fmt.Errorf("the connection did not reach %s", listen)
+		return fmt.Errorf("%s: the connection did not reach the proxy on %s", what, listen)
 	}
 	defer conn.Close()
 	orig, err := testenv.OriginalDst(conn)
 	if err != nil {
 		return err
 	}
-	say("   -> it arrived at the sidecar's port %s instead; the sidecar reads the original destination %s (SO_ORIGINAL_DST).",
-		strings.TrimPrefix(listen, "0.0.0.0:"), orig)
+	say("   %s -> the stand-in proxy on port %s got it; original destination %s (SO_ORIGINAL_DST)",
+		what, strings.TrimPrefix(listen, "0.0.0.0:"), orig)
 	return nil
 }

@@ -1,0 +1,141 @@
+package testenv
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// AgentHost is a simulated node file system for the install-cni agent:
+// host CNI config and bin dirs, the run dir and a service account mount.
+type AgentHost struct {
+	NetDir, BinDir, RunDir, SADir, SrcDir string
+	ReadyPort, MetricsPort                int
+	Log                                   *os.File
+	cluster                               *Cluster
+	cmd                                   *exec.Cmd
+	done                                  chan struct{}
+}
+
+// NewAgentHost lays out the dirs under dir, with the plugin binary as the
+// image's /opt/cni/bin and a service account token for the plugin.
+func NewAgentHost(ctx context.Context, dir string, c *Cluster, pluginBin string) (*AgentHost, error) {
+	h := &AgentHost{NetDir: filepath.Join(dir, "etc-cni-net.d"), BinDir: filepath.Join(dir, "opt-cni-bin"),
+		RunDir: filepath.Join(dir, "run"), SADir: filepath.Join(dir, "sa"), SrcDir: filepath.Join(dir, "image-opt-cni-bin"), cluster: c}
+	for _, d := range []string{h.NetDir, h.BinDir, h.SADir, h.SrcDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.Symlink(pluginBin, filepath.Join(h.SrcDir, "istio-cni")); err != nil {
+		return nil, err
+	}
+	tok, err := c.PluginToken(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ca, err := os.ReadFile(c.CAFile)
+	if err != nil {
+		return nil, err
+	}
+	if err := errors.Join(os.WriteFile(filepath.Join(h.SADir, "token"), []byte(tok), 0o600),
+		os.WriteFile(filepath.Join(h.SADir, "ca.crt"), ca, 0o644)); err != nil {
+		return nil, err
+	}
+	for _, p := range []*int{&h.ReadyPort, &h.MetricsPort} {
+		if *p, err = freePort(); err != nil {
+			return nil, err
+		}
+	}
+	h.Log, err = os.Create(filepath.Join(dir, "agent.log"))
+	return h, err
+}
+
+// Start runs the agent binary for this host.
+func (h *AgentHost) Start(agentBin string, extra ...string) error {
+	kc := filepath.Join(filepath.Dir(h.NetDir), "admin.kubeconfig")
+	if err := h.cluster.AdminKubeconfig(kc); err != nil {
+		return err
+	}
+	host, port, _ := net.SplitHostPort(strings.TrimPrefix(h.cluster.URL, "https://"))
+	args := append([]string{"--mounted-cni-net-dir", h.NetDir, "--cni-bin-target-dirs", h.BinDir,
+		"--cni-bin-source-dir", h.SrcDir, "--cni-agent-run-dir", h.RunDir, "--service-account-dir", h.SADir,
+		"--readiness-port", strconv.Itoa(h.ReadyPort), "--monitoring-port", strconv.Itoa(h.MetricsPort),
+		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc,
+		"--kubernetes-node-name", NodeName, "--repair-host-proc", "/proc"}, extra...)
+	h.cmd = exec.Command(agentBin, args...)
+	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
+	h.cmd.Stdout, h.cmd.Stderr = h.Log, h.Log
+	if err := h.cmd.Start(); err != nil {
+		return err
+	}
+	h.done = make(chan struct{})
+	go func() { _ = h.cmd.Wait(); close(h.done) }()
+	return nil
+}
+
+// WaitReady polls /readyz (an outside process) until it answers 200.
+func (h *AgentHost) WaitReady(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	last := ""
+	for time.Now().Before(deadline) {
+		resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/readyz", h.ReadyPort))
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = strings.TrimSpace(string(b))
+		}
+		select {
+		case <-h.done:
+			return fmt.Errorf("agent exited; see %s", h.Log.Name())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("agent not ready after %s: %s", timeout, last)
+}
+
+// Metrics returns the lines of the agent's metrics that start with prefix.
+func (h *AgentHost) Metrics(prefix string) ([]string, error) {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", h.MetricsPort))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	var out []string
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, prefix) {
+			out = append(out, l)
+		}
+	}
+	return out, err
+}
+
+// Stop sends SIGTERM and returns the exit code.
+func (h *AgentHost) Stop(timeout time.Duration) (int, error) {
+	if h.cmd == nil || h.cmd.Process == nil {
+		return 0, nil
+	}
+	_ = h.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-h.done:
+		return h.cmd.ProcessState.ExitCode(), nil
+	case <-time.After(timeout):
+		_ = h.cmd.Process.Kill()
+		<-h.done
+		return -1, fmt.Errorf("agent did not stop within %s", timeout)
+	}
+}
