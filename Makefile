@@ -10,6 +10,7 @@ build:
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni ./cmd/istio-cni
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/install-cni ./cmd/install-cni
 	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni-validate ./cmd/istio-cni-validate
+	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni-diag ./cmd/istio-cni-diag
 
 setup:
 	hack/setup.sh

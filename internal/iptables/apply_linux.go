@@ -433,3 +433,46 @@ func PodAddrs(netnsPath string) ([]netip.Addr, error) {
 // PodAddrs is PodAddrs as a method, so an Applier serves as the plugin's
 // rule backend.
 func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) { return PodAddrs(netnsPath) }
+
+// Inspection is what a namespace holds of ours, per family.
+type Inspection struct {
+	Family  ruleset.Family
+	Variant string
+	// Rules is our part of iptables-save, as lines.
+	Rules []string
+}
+
+// Inspect reports the iptables variant in use and our rules, per family.
+func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
+	var out []Inspection
+	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
+			v, err := a.detect(netNS, fam)
+			if err != nil {
+				return err
+			}
+			st, err := a.state(netNS, netnsPath, v, fam)
+			if err != nil {
+				return err
+			}
+			in := Inspection{Family: fam, Variant: v.name}
+			for _, table := range sortedKeys(st.Builtin) {
+				for _, chain := range sortedKeys(st.Builtin[table]) {
+					for _, r := range st.Builtin[table][chain] {
+						in.Rules = append(in.Rules, fmt.Sprintf("%s: -A %s %s", table, chain, strings.Join(r, " ")))
+					}
+				}
+			}
+			for _, table := range sortedKeys(st.Chains) {
+				for _, chain := range sortedKeys(st.Chains[table]) {
+					for _, r := range st.Chains[table][chain] {
+						in.Rules = append(in.Rules, fmt.Sprintf("%s: -A %s %s", table, chain, strings.Join(r, " ")))
+					}
+				}
+			}
+			out = append(out, in)
+		}
+		return nil
+	})
+	return out, err
+}

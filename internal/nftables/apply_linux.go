@@ -264,3 +264,36 @@ func canonical(e expr.Any) expr.Any {
 	}
 	return e
 }
+
+// Inspect lists our tables with their chains and rule counts.
+func (a *Applier) Inspect(netnsPath string) ([]string, error) {
+	var out []string
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		defer conn.CloseLasting()
+		tables, err := ourTables(conn)
+		if err != nil || len(tables) == 0 {
+			return err
+		}
+		chains, err := conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
+		if err != nil {
+			return err
+		}
+		for _, c := range chains {
+			if c.Table == nil || !strings.HasPrefix(c.Table.Name, TablePrefix) {
+				continue
+			}
+			rules, err := conn.GetRules(c.Table, c)
+			if err != nil {
+				return err
+			}
+			out = append(out, fmt.Sprintf("inet %s %s: %d rules", c.Table.Name, c.Name, len(rules)))
+		}
+		sort.Strings(out)
+		return nil
+	})
+	return out, err
+}

@@ -95,7 +95,10 @@ func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Confi
 	return d, nil
 }
 
-// exclusion applies Istio's checks a to f, in order.
+// Exclusion says why a pod gets no redirection ("" when it does), by
+// Istio's checks a to f, in order.
+func Exclusion(pod *podinfo.Pod) string { return exclusion(pod) }
+
 func exclusion(pod *podinfo.Pod) string {
 	if _, ok := pod.FindContainer("istio-init"); ok {
 		return "already has an istio-init container"

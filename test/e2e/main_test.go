@@ -19,6 +19,7 @@ var (
 	pluginBin string
 	agentBin  string
 	validBin  string
+	diagBin   string
 	workDir   string
 )
 
@@ -49,6 +50,10 @@ func run(m *testing.M) int {
 		return 2
 	}
 	if validBin, err = testenv.BuildCommand(workDir, "istio-cni-validate"); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if diagBin, err = testenv.BuildCommand(workDir, "istio-cni-diag"); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}

@@ -1,0 +1,165 @@
+// Package diag explains a pod's redirection: which rules are in place,
+// through which backend, and whether they are what the pod asks for.
+package diag
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/repair"
+)
+
+// Exit codes: 0 the rules are what the pod needs, 1 they are not, 2 the
+// command could not tell.
+const (
+	ExitOK       = 0
+	ExitMismatch = 1
+	ExitError    = 2
+)
+
+// Main runs the command.
+func Main(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("istio-cni-diag", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	podRef := fs.String("pod", "", "namespace/name of the pod to explain")
+	netnsPath := fs.String("netns", "", "network namespace path (default: found through --proc from the pod's IP)")
+	runDir := fs.String("run-dir", plugin.DefaultRunDir, "the agent's run dir (kubeconfig and agent socket)")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig to read the pod (default: the plugin's, in --run-dir)")
+	procDir := fs.String("proc", "/proc", "the host's /proc, to find the pod's namespace")
+	if err := fs.Parse(args); err != nil {
+		return ExitError
+	}
+	if *podRef == "" && *netnsPath == "" {
+		fmt.Fprintln(stderr, "give --pod namespace/name, --netns PATH, or both")
+		return ExitError
+	}
+	r := &report{w: stdout}
+	code, err := r.run(*podRef, *netnsPath, *runDir, *kubeconfig, *procDir)
+	if err != nil {
+		fmt.Fprintln(stderr, "istio-cni-diag:", err)
+		return ExitError
+	}
+	return code
+}
+
+type report struct{ w io.Writer }
+
+func (r *report) say(format string, args ...any) { fmt.Fprintf(r.w, format+"\n", args...) }
+
+func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int, error) {
+	var pod *podinfo.Pod
+	if podRef != "" {
+		ns, name, ok := strings.Cut(podRef, "/")
+		if !ok {
+			return 0, fmt.Errorf("--pod wants namespace/name, got %q", podRef)
+		}
+		if kubeconfig == "" {
+			kubeconfig = filepath.Join(runDir, plugin.KubeconfigName)
+		}
+		c, err := podinfo.NewAPIClient(kubeconfig, "")
+		if err != nil {
+			return 0, err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if pod, err = c.GetPod(ctx, ns, name); err != nil {
+			return 0, fmt.Errorf("reading pod %s: %w", podRef, err)
+		}
+		r.say("pod %s (uid %s), IPs %v", podRef, pod.UID, pod.PodIPs)
+		if netnsPath == "" {
+			if len(pod.PodIPs) == 0 {
+				return 0, errors.New("the pod has no IP yet; give --netns")
+			}
+			ip, err := netip.ParseAddr(pod.PodIPs[0])
+			if err != nil {
+				return 0, err
+			}
+			if netnsPath, err = repair.FindNetNS(procDir, ip); err != nil {
+				return 0, err
+			}
+		}
+	}
+	r.say("network namespace %s", netnsPath)
+
+	ipt := &iptables.Applier{}
+	nft := &nftables.Applier{}
+	inspections, err := ipt.Inspect(netnsPath)
+	if err != nil {
+		return 0, err
+	}
+	haveIPT := false
+	for _, in := range inspections {
+		r.say("iptables %s (variant %s): %d rules of ours", in.Family, in.Variant, len(in.Rules))
+		for _, l := range in.Rules {
+			r.say("  %s", l)
+		}
+		haveIPT = haveIPT || len(in.Rules) > 0
+	}
+	nftLines, err := nft.Inspect(netnsPath)
+	if err != nil {
+		return 0, err
+	}
+	r.say("nftables: %d chains of ours", len(nftLines))
+	for _, l := range nftLines {
+		r.say("  %s", l)
+	}
+	haveNFT := len(nftLines) > 0
+
+	if pod == nil {
+		switch {
+		case haveIPT || haveNFT:
+			r.say("VERDICT: redirect rules present (give --pod to check them against the pod's annotations)")
+		default:
+			r.say("VERDICT: no redirect rules in this namespace")
+		}
+		return ExitOK, nil
+	}
+	skip := plugin.Exclusion(pod)
+	params, _, perr := redirect.FromPod(pod)
+	if perr != nil {
+		r.say("VERDICT: MISMATCH: the pod's annotations are invalid, so the plugin refuses it: %v", perr)
+		return ExitMismatch, nil
+	}
+	if skip == "" && params.Mode == redirect.ModeNone {
+		skip = "interception mode NONE"
+	}
+	if skip != "" {
+		if haveIPT || haveNFT {
+			r.say("VERDICT: MISMATCH: the pod should not be redirected (%s) but has rules", skip)
+			return ExitMismatch, nil
+		}
+		r.say("VERDICT: OK: the pod is not redirected (%s) and has no rules", skip)
+		return ExitOK, nil
+	}
+	var rules plugin.Rules = ipt
+	backend := "iptables"
+	if haveNFT && !haveIPT {
+		rules, backend = nft, "nftables"
+	}
+	if !haveIPT && !haveNFT {
+		r.say("VERDICT: MISMATCH: the pod should be redirected but has no rules: it started before the plugin was in the chain; the repair controller or a restart fixes it")
+		return ExitMismatch, nil
+	}
+	plan, err := plugin.BuildPlan(rules, netnsPath, params)
+	if err != nil {
+		return 0, err
+	}
+	if err := rules.Check(netnsPath, plan); err != nil {
+		r.say("VERDICT: MISMATCH (%s): %v", backend, err)
+		return ExitMismatch, nil
+	}
+	r.say("VERDICT: OK: the %s rules are exactly what the pod's annotations ask for (%s, IPv6 %v)", backend, params.Mode, plan.V6 != nil)
+	return ExitOK, nil
+}

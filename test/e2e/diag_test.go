@@ -1,0 +1,80 @@
+package e2e
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+func runDiag(t *testing.T, e *env, args ...string) (int, string) {
+	t.Helper()
+	cmd := exec.Command(diagBin, append([]string{"--run-dir", e.node.RunDir}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if ee, ok := err.(*exec.ExitError); ok {
+		return ee.ExitCode(), string(out)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return 0, string(out)
+}
+
+func TestDiag(t *testing.T) {
+	for _, backend := range []string{"iptables", "nftables"} {
+		t.Run(backend, func(t *testing.T) {
+			e := newEnv(t, map[string]any{"native_nftables": backend == "nftables"})
+			sb := e.add(&testenv.PodSpec{Sidecar: true})
+			code, out := runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+			if code != 0 || !strings.Contains(out, "VERDICT: OK") || !strings.Contains(out, backend+" rules") {
+				t.Fatalf("redirected pod: exit %d:\n%s", code, out)
+			}
+		})
+	}
+	e := newEnv(t, nil)
+	t.Run("tampered", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		if err := sb.pod.InPod(func() error {
+			return exec.Command("iptables-nft", "-t", "nat", "-D", "ISTIO_OUTPUT", "-j", "ISTIO_REDIRECT").Run()
+		}); err != nil {
+			t.Fatal(err)
+		}
+		code, out := runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+		if code != 1 || !strings.Contains(out, "VERDICT: MISMATCH") || !strings.Contains(out, "ISTIO_OUTPUT") {
+			t.Fatalf("tampered pod: exit %d:\n%s", code, out)
+		}
+	})
+	t.Run("not-injected", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{})
+		code, out := runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+		if code != 0 || !strings.Contains(out, "not redirected") {
+			t.Fatalf("plain pod: exit %d:\n%s", code, out)
+		}
+	})
+	t.Run("raced-found-through-proc", func(t *testing.T) {
+		pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true})
+		ctx := context.Background()
+		p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+		if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		code, out := runDiag(t, e, "--pod", testNS+"/"+pod.Name)
+		if code != 1 || !strings.Contains(out, "has no rules") || !strings.Contains(out, "/proc/") {
+			t.Fatalf("raced pod: exit %d:\n%s", code, out)
+		}
+	})
+	t.Run("usage", func(t *testing.T) {
+		if code, out := runDiag(t, e); code != 2 || !strings.Contains(out, "--pod") {
+			t.Fatalf("no arguments: exit %d:\n%s", code, out)
+		}
+	})
+}
