@@ -106,8 +106,11 @@ func run() error {
 	}
 	d.cni = libcni.NewCNIConfigWithCacheDir([]string{d.host.BinDir}, filepath.Join(d.dir, "cni-cache"), nil)
 	primary := filepath.Join(d.host.NetDir, "10-ptp.conflist")
+	// A subnet of its own: the repair controller looks up pod IPs in every
+	// namespace of the machine's /proc, and the end-to-end tests may run
+	// pods at the same time.
 	orig := []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
-		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(d.dir, "ipam") + `","ranges":[[{"subnet":"10.244.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}` + "\n")
+		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(d.dir, "ipam") + `","ranges":[[{"subnet":"10.248.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}` + "\n")
 	if err := os.WriteFile(primary, orig, 0o644); err != nil {
 		return err
 	}
