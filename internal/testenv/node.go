@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/containernetworking/cni/libcni"
@@ -23,11 +24,14 @@ const nodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
 // node namespace's lo, and that namespace has no uplink: if a redirect
 // rule were missing, traffic would still stay on this machine.
 const (
-	RemoteV4  = "198.18.0.10"
-	RemoteV6  = "fd00:198::10"
-	PodCIDRv4 = "10.244.0.0/24"
-	PodCIDRv6 = "fd00:10:244::/64"
+	RemoteV4 = "198.18.0.10"
+	RemoteV6 = "fd00:198::10"
 )
+
+// nodeSeq gives every node of a process its own pod subnets
+// (10.244.N.0/24, fd00:10:244:N::/64): the repair controller looks pod IPs
+// up across the whole machine, so two test nodes must never share one.
+var nodeSeq atomic.Int32
 
 // EnterNodeNamespace re-executes the running binary in a fresh network and
 // mount namespace (the "node"), unless it already runs in one, and exits
@@ -134,13 +138,14 @@ func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error)
 	if err := os.Symlink(pluginBinary, filepath.Join(n.BinDir, "istio-cni")); err != nil {
 		return nil, err
 	}
+	seq := nodeSeq.Add(1) % 250
 	ptp := map[string]any{
 		"type":   "ptp",
 		"ipMasq": false,
 		"ipam": map[string]any{
 			"type":    "host-local",
 			"dataDir": filepath.Join(dir, "ipam"),
-			"ranges":  [][]map[string]string{{{"subnet": PodCIDRv4}}, {{"subnet": PodCIDRv6}}},
+			"ranges":  [][]map[string]string{{{"subnet": fmt.Sprintf("10.244.%d.0/24", seq)}}, {{"subnet": fmt.Sprintf("fd00:10:244:%x::/64", seq)}}},
 			"routes":  []map[string]string{{"dst": "0.0.0.0/0"}, {"dst": "::/0"}},
 		},
 	}
