@@ -2,7 +2,7 @@
 GO ?= go
 PKGS := ./...
 
-.PHONY: all build demo test lint unit e2e bench golden setup clean
+.PHONY: all build image demo test lint unit e2e bench golden setup clean
 
 all: build
 
@@ -14,6 +14,11 @@ build:
 
 setup:
 	hack/setup.sh
+
+# The node agent's image as a docker-archive tarball, built with no
+# container engine (load it with `ctr images import` or `docker load`).
+image:
+	hack/build-image.sh out/install-cni.tar
 
 # Runs a simulated pod through the real plugin chain and shows where its
 # traffic goes.

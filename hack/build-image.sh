@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds the node agent's image without a container engine, as a
+# docker-archive tarball: the agent (entry point), the plugin in
+# /opt/cni/bin, the validation and diagnostics commands, and Debian's
+# iptables (for repair in iptables mode) with its libraries.
+# Usage: hack/build-image.sh [OUT.tar] [REPO:TAG]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-out/install-cni.tar}
+tag=${2:-istio-cni-go/install-cni:dev}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rootfs="$work/rootfs"
+mkdir -p "$rootfs/usr/local/bin" "$rootfs/opt/cni/bin" "$rootfs/tmp" "$(dirname "$out")"
+chmod 1777 "$rootfs/tmp"
+for cmd in install-cni istio-cni-validate istio-cni-diag; do
+  CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/usr/local/bin/$cmd" "./cmd/$cmd"
+done
+CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/opt/cni/bin/istio-cni" ./cmd/istio-cni
+
+debs="${DEB_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/debs}"
+mkdir -p "$debs"
+pkgs=(iptables libip4tc2 libip6tc2 libxtables12 libnetfilter-conntrack3 libnfnetlink0 libnftnl11 libmnl0 libc6 libgcc-s1 gcc-12-base netbase)
+(cd "$debs" && { apt-get download "${pkgs[@]}" >/dev/null 2>&1 || { apt-get update -qq && apt-get download "${pkgs[@]}" >/dev/null; }; })
+for p in "${pkgs[@]}"; do
+  deb=$(ls -t "$debs/${p}"_*.deb | head -n 1)
+  dpkg-deb -x "$deb" "$rootfs"
+done
+go run ./hack/imagepack -rootfs "$rootfs" -tag "$tag" -entrypoint install-cni -out "$out"
+echo "$out"
