@@ -27,7 +27,11 @@ staging=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-g
   echo "require k8s.io/kubernetes $KUBE_VERSION"
   for s in "${staging[@]}"; do echo "replace k8s.io/$s => k8s.io/$s $STAGING_VERSION"; done
 } > "$mod/go.mod"
-printf 'package kubebuild\n\nimport _ "k8s.io/kubernetes/cmd/kube-apiserver/app"\n' > "$mod/tools.go"
+{
+  printf 'package kubebuild\n\nimport (\n'
+  for b in "${bins[@]}"; do printf '\t_ "k8s.io/kubernetes/cmd/%s/app"\n' "$b"; done
+  printf ')\n'
+} > "$mod/tools.go"
 cd "$mod"
 GOFLAGS=-mod=mod go mod tidy >/dev/null 2>&1 || GOFLAGS=-mod=mod go mod download
 for b in "${missing[@]}"; do

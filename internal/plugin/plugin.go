@@ -27,7 +27,6 @@ import (
 // Rules is what the plugin needs from a rule backend.
 type Rules interface {
 	Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error)
-	Remove(netnsPath string) (iptables.Report, error)
 	Check(netnsPath string, plan *ruleset.Plan) error
 	PodAddrs(netnsPath string) ([]netip.Addr, error)
 }
@@ -81,7 +80,7 @@ func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Confi
 		return nil, fmt.Errorf("cannot read pod %s/%s from the API server: %w", ns, name, err)
 	}
 	d := &Decision{Pod: pod}
-	if reason := exclusion(pod); reason != "" {
+	if reason := Exclusion(pod); reason != "" {
 		d.Skip = reason
 		return d, nil
 	}
@@ -97,9 +96,7 @@ func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Confi
 
 // Exclusion says why a pod gets no redirection ("" when it does), by
 // Istio's checks a to f, in order.
-func Exclusion(pod *podinfo.Pod) string { return exclusion(pod) }
-
-func exclusion(pod *podinfo.Pod) string {
+func Exclusion(pod *podinfo.Pod) string {
 	if _, ok := pod.FindContainer("istio-init"); ok {
 		return "already has an istio-init container"
 	}
@@ -235,7 +232,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
 		return p.printResult(req.conf)
 	}
-	plan, err := buildPlan(req.rules, args.Netns, d.Params)
+	plan, err := BuildPlan(req.rules, args.Netns, d.Params)
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrInternal, err.Error(), "")
@@ -253,12 +250,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 }
 
 // BuildPlan computes the rules for a pod in a namespace: the same function
-// serves the plugin and the repair controller, so both write the same rules.
+// serves the plugin, the repair controller and diagnostics, so all of them
+// mean the same rules.
 func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
-	return buildPlan(rules, netnsPath, params)
-}
-
-func buildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
 	addrs, err := rules.PodAddrs(netnsPath)
 	if err != nil {
 		return nil, err
@@ -305,7 +299,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	want := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
 	if d.Skip == "" {
-		if want, err = buildPlan(req.rules, args.Netns, d.Params); err != nil {
+		if want, err = BuildPlan(req.rules, args.Netns, d.Params); err != nil {
 			return types.NewError(types.ErrInternal, err.Error(), "")
 		}
 	}

@@ -22,8 +22,7 @@ func (f *fakeRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
 	f.applied++
 	return iptables.Report{}, nil
 }
-func (f *fakeRules) Remove(string) (iptables.Report, error) { return iptables.Report{}, nil }
-func (f *fakeRules) Check(string, *ruleset.Plan) error      { return nil }
+func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
 func (f *fakeRules) PodAddrs(string) ([]netip.Addr, error) {
 	return []netip.Addr{netip.MustParseAddr("10.0.0.2")}, nil
 }

@@ -246,12 +246,10 @@ func (p *Pod) InPod(f func() error) error {
 	return p.NetNS.Do(func(ns.NetNS) error { return f() })
 }
 
-// RulesPresent reports whether any of our chains exist in the pod's
-// namespace, reading them the way the plugin does.
+// RulesPresent reports whether the pod's namespace holds any rule of
+// ours: checking it against an empty plan fails exactly then.
 func (p *Pod) RulesPresent(a interface {
 	Check(string, *ruleset.Plan) error
-}) (bool, error) {
-	empty := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
-	err := a.Check(p.NetNS.Path(), empty)
-	return err != nil, nil
+}) bool {
+	return a.Check(p.NetNS.Path(), &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}) != nil
 }

@@ -12,14 +12,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
-	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
@@ -213,80 +210,31 @@ func waitAgentKnows(ctx context.Context, a *podinfo.AgentClient, ns, name string
 	}
 }
 
-// startAgent runs install-cni for the node: its own conf and bin dirs, the
-// node's run dir, a service account dir with the plugin's token.
+// startAgent runs install-cni for the node: its own conf and bin dirs, and
+// the node's run dir, where the plugin looks for the agent.
 func (b *bench) startAgent(ctx context.Context, c *testenv.Cluster, dir string) (func(), error) {
 	agentBin, err := testenv.BuildCommand(dir, "install-cni")
 	if err != nil {
 		return nil, err
 	}
-	root := filepath.Join(dir, "agent")
-	b.confDir = filepath.Join(root, "net.d")
-	binDir, saDir, srcDir := filepath.Join(root, "bin"), filepath.Join(root, "sa"), filepath.Join(root, "src")
-	for _, d := range []string{b.confDir, binDir, saDir, srcDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return nil, err
-		}
+	h, err := testenv.NewAgentHost(ctx, filepath.Join(dir, "agent"), c, filepath.Join(b.node.BinDir, "istio-cni"))
+	if err != nil {
+		return nil, err
 	}
+	h.RunDir = b.node.RunDir
+	b.confDir = h.NetDir
 	if err := os.WriteFile(filepath.Join(b.confDir, "10-calico.conflist"), calicoConf, 0o644); err != nil {
 		return nil, err
 	}
-	tok, err := c.PluginToken(ctx)
-	if err != nil {
+	if err := h.Start(agentBin, "--conflict-limit", "100000", "--disable-safe-upgrade"); err != nil {
 		return nil, err
 	}
-	ca, err := os.ReadFile(c.CAFile)
-	if err != nil {
-		return nil, err
-	}
-	if err := errors.Join(os.WriteFile(filepath.Join(saDir, "token"), []byte(tok), 0o600),
-		os.WriteFile(filepath.Join(saDir, "ca.crt"), ca, 0o644),
-		os.Symlink(filepath.Join(b.node.BinDir, "istio-cni"), filepath.Join(srcDir, "istio-cni"))); err != nil {
-		return nil, err
-	}
-	kc := filepath.Join(root, "admin.kubeconfig")
-	if err := c.AdminKubeconfig(kc); err != nil {
-		return nil, err
-	}
-	host, port, _ := net.SplitHostPort(strings.TrimPrefix(c.URL, "https://"))
-	cmd := exec.Command(agentBin, "--mounted-cni-net-dir", b.confDir, "--cni-bin-target-dirs", binDir,
-		"--cni-bin-source-dir", srcDir, "--cni-agent-run-dir", b.node.RunDir, "--service-account-dir", saDir,
-		"--readiness-port", "0", "--monitoring-port", "0", "--kubeconfig", kc, "--conflict-limit", "100000",
-		"--kubernetes-node-name", testenv.NodeName, "--disable-safe-upgrade", "--repair-host-proc", "/proc")
-	cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
-	logf, err := os.Create(filepath.Join(root, "agent.log"))
-	if err != nil {
-		return nil, err
-	}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	stop := func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
-		_ = logf.Close()
-	}
-	if err := waitReady(filepath.Join(b.node.RunDir, podinfo.AgentSocketName)); err != nil {
+	stop := func() { _, _ = h.Stop(10 * time.Second) }
+	if err := h.WaitReady(30 * time.Second); err != nil {
 		stop()
 		return nil, err
 	}
 	return stop, nil
-}
-
-func waitReady(sock string) error {
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if _, err := os.Stat(sock); err == nil {
-			if err := podinfo.NewAgentClient(sock, time.Second).Ready(context.Background()); err == nil {
-				return nil
-			}
-		}
-		if time.Now().After(deadline) {
-			return errors.New("agent not ready after 30s")
-		}
-		time.Sleep(10 * time.Millisecond) // polling an outside process, untimed
-	}
 }
 
 var calicoConf = []byte(`{"name":"k8s-pod-network","cniVersion":"0.3.1","plugins":[{"type":"calico","datastore_type":"kubernetes","ipam":{"type":"calico-ipam"}},{"type":"portmap","snat":true,"capabilities":{"portMappings":true}}]}`)
@@ -497,7 +445,7 @@ func (b *bench) repairs(ctx context.Context, c *testenv.Cluster, n int) error {
 		}
 		deadline := time.Now().Add(10 * time.Second)
 		for {
-			if st, err := pod.RulesPresent(check); err == nil && st {
+			if pod.RulesPresent(check) {
 				break
 			}
 			if time.Now().After(deadline) {

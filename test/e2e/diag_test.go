@@ -1,13 +1,9 @@
 package e2e
 
 import (
-	"context"
 	"os/exec"
 	"strings"
 	"testing"
-
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
@@ -58,15 +54,7 @@ func TestDiag(t *testing.T) {
 	})
 	t.Run("raced-found-through-proc", func(t *testing.T) {
 		pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true})
-		ctx := context.Background()
-		p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
-		if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		setPodIP(t, pod.Name, ip)
 		code, out := runDiag(t, e, "--pod", testNS+"/"+pod.Name)
 		if code != 1 || !strings.Contains(out, "has no rules") || !strings.Contains(out, "/proc/") {
 			t.Fatalf("raced pod: exit %d:\n%s", code, out)

@@ -89,6 +89,20 @@ func racedPod(t *testing.T, e *env, spec testenv.PodSpec) (*testenv.Pod, string)
 	return pod, ip
 }
 
+// setPodIP records the pod's IP in its status, as the kubelet would.
+func setPodIP(t *testing.T, name, ip string) {
+	t.Helper()
+	ctx := context.Background()
+	p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+	if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
 
 func TestRepairInPlace(t *testing.T) {
@@ -190,15 +204,7 @@ func TestRepairStartupScan(t *testing.T) {
 	ensureDaemonSet(t, false)
 	e := newEnv(t, nil)
 	pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
-	ctx := context.Background()
-	p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, pod.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
-	if _, err := cluster.Client.CoreV1().Pods(testNS).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	setPodIP(t, pod.Name, ip)
 	h := newHost(t)
 	if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 		t.Fatal(err)
