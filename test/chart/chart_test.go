@@ -73,7 +73,7 @@ var valueSets = map[string]string{
 	"minikube":        "platform: minikube\n",
 	"standalone-conf": "chained: false\ncniConfFileName: 99-istio.conf\n",
 	"multus":          "provider: multus\n",
-	"extras":          "psp_cluster_role: psp-privileged\npodAnnotations:\n  team: mesh\nresources:\n  requests:\n    cpu: 50m\ntolerations: []\nenv:\n  GOMAXPROCS: \"2\"\n",
+	"extras":          "seLinuxOptions:\n  level: s0\npsp_cluster_role: psp-privileged\npodAnnotations:\n  team: mesh\nresources:\n  requests:\n    cpu: 50m\ntolerations: []\nenv:\n  GOMAXPROCS: \"2\"\n",
 }
 
 func render(t *testing.T, valuesYAML string) map[string]string {
