@@ -18,4 +18,4 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-hack/build-kube.sh kube-apiserver
+hack/build-kube.sh kube-apiserver kubelet kube-controller-manager

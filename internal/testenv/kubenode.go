@@ -1,0 +1,248 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Images the cluster tests load into containerd.
+const (
+	PauseImage = "istio-cni-go/pause:test"
+	AppImage   = "istio-cni-go/app:test"
+)
+
+// KubeNode is a real node: containerd with runc and a kubelet registered
+// with the cluster, its CNI config a ptp primary.
+type KubeNode struct {
+	Dir, ConfDir, BinDir, Socket string
+	cluster                      *Cluster
+	procs                        []*exec.Cmd
+}
+
+// KubeletBinary returns the kubelet built by hack/build-kube.sh.
+func KubeletBinary() (string, error) {
+	p, err := APIServerBinary()
+	if err != nil {
+		return "", err
+	}
+	k := filepath.Join(filepath.Dir(p), "kubelet")
+	if _, err := os.Stat(k); err != nil {
+		return "", fmt.Errorf("kubelet not built (hack/build-kube.sh kubelet): %w", err)
+	}
+	return k, nil
+}
+
+// BuildImage compiles a static Go command into a one-file image whose
+// entry point it is, and returns the docker-archive path.
+func BuildImage(dir, pkg, name, tag string) (string, error) {
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	rootfs := filepath.Join(dir, name+"-rootfs")
+	if err := os.MkdirAll(rootfs, 0o755); err != nil {
+		return "", err
+	}
+	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(rootfs, name), pkg)
+	build.Dir, build.Env = root, append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := build.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building %s: %v %s", pkg, err, b)
+	}
+	out := filepath.Join(dir, name+".tar")
+	pack := exec.Command("go", "run", "./hack/imagepack", "-rootfs", rootfs, "-tag", tag, "-entrypoint", "/"+name, "-out", out)
+	pack.Dir = root
+	if b, err := pack.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("packing %s: %v %s", tag, err, b)
+	}
+	return out, nil
+}
+
+// StartKubeNode starts containerd and a kubelet for NodeName in dir and
+// waits for the node to be Ready. Call it inside the node namespace.
+func StartKubeNode(ctx context.Context, c *Cluster, dir string) (*KubeNode, error) {
+	n := &KubeNode{Dir: dir, ConfDir: filepath.Join(dir, "cni-conf"), BinDir: filepath.Join(dir, "cni-bin"),
+		Socket: filepath.Join(dir, "containerd.sock"), cluster: c}
+	for _, d := range []string{n.ConfDir, n.BinDir, filepath.Join(dir, "ipam")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	for _, p := range []string{"ptp", "host-local", "loopback"} {
+		if err := os.Symlink(filepath.Join(ReferencePluginDir, p), filepath.Join(n.BinDir, p)); err != nil {
+			return nil, err
+		}
+	}
+	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,"ipam":{"type":"host-local","dataDir":"` +
+		filepath.Join(dir, "ipam") + `","ranges":[[{"subnet":"10.249.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
+	if err := os.WriteFile(filepath.Join(n.ConfDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
+		return nil, err
+	}
+	logf, err := os.Create(filepath.Join(dir, "node.log"))
+	if err != nil {
+		return nil, err
+	}
+	cfg := fmt.Sprintf(`version = 2
+root = %q
+state = %q
+[grpc]
+  address = %q
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %q
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %q
+    conf_dir = %q
+`, filepath.Join(dir, "containerd-root"), filepath.Join(dir, "containerd-state"), n.Socket, PauseImage, n.BinDir, n.ConfDir)
+	cfgPath := filepath.Join(dir, "containerd.toml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		return nil, err
+	}
+	if err := n.start(logf, "containerd", "--config", cfgPath); err != nil {
+		return nil, err
+	}
+	if err := n.waitContainerd(30 * time.Second); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	for _, img := range []struct{ pkg, name, tag string }{{"./test/images/pause", "pause", PauseImage}, {"./test/images/app", "app", AppImage}} {
+		tar, err := BuildImage(dir, img.pkg, img.name, img.tag)
+		if err != nil {
+			n.Stop()
+			return nil, err
+		}
+		if err := n.Import(tar); err != nil {
+			n.Stop()
+			return nil, err
+		}
+	}
+	kubelet, err := KubeletBinary()
+	if err != nil {
+		n.Stop()
+		return nil, err
+	}
+	kc := filepath.Join(dir, "kubelet.kubeconfig")
+	if err := c.AdminKubeconfig(kc); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		n.Stop()
+		return nil, err
+	}
+	kcfg := `apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failSwapOn: false
+resolvConf: ""
+evictionHard: {}
+localStorageCapacityIsolation: false
+address: 127.0.0.1
+port: ` + strconv.Itoa(port) + `
+readOnlyPort: 0
+healthzPort: 0
+authentication:
+  anonymous:
+    enabled: true
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+containerRuntimeEndpoint: unix://` + n.Socket + `
+imageServiceEndpoint: unix://` + n.Socket + `
+`
+	kcfgPath := filepath.Join(dir, "kubelet.yaml")
+	if err := os.WriteFile(kcfgPath, []byte(kcfg), 0o644); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	if err := n.start(logf, kubelet, "--config", kcfgPath, "--kubeconfig", kc, "--hostname-override", NodeName,
+		"--root-dir", filepath.Join(dir, "kubelet"), "--cert-dir", filepath.Join(dir, "kubelet-pki"), "--v", "1"); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	if err := n.waitNodeReady(ctx, 120*time.Second); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	return n, nil
+}
+
+func (n *KubeNode) start(logf *os.File, bin string, args ...string) error {
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := startOnLongLivedThread(cmd); err != nil {
+		return fmt.Errorf("starting %s: %w", bin, err)
+	}
+	n.procs = append(n.procs, cmd)
+	return nil
+}
+
+// Ctr runs ctr against this node's containerd, in the kubelet's namespace.
+func (n *KubeNode) Ctr(args ...string) ([]byte, error) {
+	return exec.Command("ctr", append([]string{"--address", n.Socket, "-n", "k8s.io"}, args...)...).CombinedOutput()
+}
+
+// Import loads a docker-archive image into containerd.
+func (n *KubeNode) Import(tar string) error {
+	if b, err := n.Ctr("images", "import", tar); err != nil {
+		return fmt.Errorf("ctr images import %s: %v %s", tar, err, b)
+	}
+	return nil
+}
+
+func (n *KubeNode) waitContainerd(limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for { // containerd has no readiness signal but its socket answering
+		if _, err := n.Ctr("version"); err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("containerd not up after %s; see %s", limit, filepath.Join(n.Dir, "node.log"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (n *KubeNode) waitNodeReady(ctx context.Context, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for {
+		node, err := n.cluster.Client.CoreV1().Nodes().Get(ctx, NodeName, metav1.GetOptions{})
+		if err == nil {
+			for _, c := range node.Status.Conditions {
+				if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+					return nil
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			tail, _ := os.ReadFile(filepath.Join(n.Dir, "node.log"))
+			if len(tail) > 4000 {
+				tail = tail[len(tail)-4000:]
+			}
+			return fmt.Errorf("node %s not Ready after %s; log tail:\n%s", NodeName, limit, tail)
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, bounded
+	}
+}
+
+// Stop kills the kubelet and containerd.
+func (n *KubeNode) Stop() {
+	for i := len(n.procs) - 1; i >= 0; i-- {
+		if p := n.procs[i]; p.Process != nil {
+			_ = p.Process.Kill()
+			_ = p.Wait()
+		}
+	}
+	n.procs = nil
+}

@@ -1,0 +1,82 @@
+// Package cluster runs the product on a real single-node cluster: etcd,
+// kube-apiserver, containerd with runc and a kubelet, in a private network
+// and mount namespace.
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+var (
+	cluster *testenv.Cluster
+	node    *testenv.KubeNode
+)
+
+func TestMain(m *testing.M) {
+	testenv.EnterNodeNamespace()
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "istio-cni-cluster-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer os.RemoveAll(dir)
+	if cluster, err = testenv.StartCluster(filepath.Join(dir, "cp")); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer cluster.Stop()
+	ctx := context.Background()
+	start := time.Now()
+	if node, err = testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node")); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer node.Stop()
+	fmt.Fprintf(os.Stderr, "node Ready after %s\n", time.Since(start).Round(time.Millisecond))
+	return m.Run()
+}
+
+// TestPodRuns: the kubelet starts a pod through containerd and the CNI
+// chain, and it gets the chain's IP.
+func TestPodRuns(t *testing.T) {
+	ctx := context.Background()
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {
+		t.Fatal(err)
+	}
+	never := corev1.PullNever
+	f := false
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "plain", Name: "server"},
+		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			Containers: []corev1.Container{{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}}}},
+	}
+	if _, err := cluster.Client.CoreV1().Pods("plain").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		p, err := cluster.Client.CoreV1().Pods("plain").Get(ctx, "server", metav1.GetOptions{})
+		if err == nil && p.Status.Phase == corev1.PodRunning && p.Status.PodIP != "" {
+			t.Logf("pod running with IP %s", p.Status.PodIP)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pod not running: %+v", p.Status)
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, bounded
+	}
+}
