@@ -38,6 +38,8 @@ const KubeVersion = "v1.34.4"
 // Cluster is a running etcd and kube-apiserver.
 type Cluster struct {
 	URL     string
+	Port    int
+	KeyFile string
 	CAFile  string
 	Token   string
 	Client  kubernetes.Interface
@@ -97,7 +99,15 @@ func freePort() (int, error) {
 
 // StartCluster starts etcd and kube-apiserver on loopback in dir. It
 // returns when the API server is ready.
-func StartCluster(dir string) (*Cluster, error) {
+func StartCluster(dir string) (*Cluster, error) { return startCluster(dir, "127.0.0.1") }
+
+// StartPodReachableCluster serves the API on RemoteV4 as well, an address
+// of the node namespace that pods reach through their default route, so
+// in-cluster clients (the agent as a pod) can talk to it. Only inside the
+// node namespace, which has no uplink.
+func StartPodReachableCluster(dir string) (*Cluster, error) { return startCluster(dir, RemoteV4) }
+
+func startCluster(dir, address string) (*Cluster, error) {
 	apiserver, err := APIServerBinary()
 	if err != nil {
 		return nil, err
@@ -135,6 +145,7 @@ func StartCluster(dir string) (*Cluster, error) {
 		return nil, err
 	}
 	keyPath := filepath.Join(dir, "sa.key")
+	c.KeyFile = keyPath
 	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})
 	if err := os.WriteFile(keyPath, keyPEM, 0o600); err != nil {
 		return nil, err
@@ -149,7 +160,7 @@ func StartCluster(dir string) (*Cluster, error) {
 	certDir := filepath.Join(dir, "certs")
 	if err := c.start(logf, apiserver,
 		"--etcd-servers", etcdURL,
-		"--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+		"--bind-address", bindFor(address), "--advertise-address", address,
 		"--secure-port", strconv.Itoa(apiPort), "--cert-dir", certDir,
 		"--token-auth-file", tokenFile,
 		"--service-account-key-file", keyPath, "--service-account-signing-key-file", keyPath,
@@ -161,7 +172,8 @@ func StartCluster(dir string) (*Cluster, error) {
 		c.Stop()
 		return nil, err
 	}
-	c.URL = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
+	c.URL = fmt.Sprintf("https://%s", net.JoinHostPort(address, strconv.Itoa(apiPort)))
+	c.Port = apiPort
 	c.CAFile = filepath.Join(certDir, "apiserver.crt")
 	if err := c.waitReady(90 * time.Second); err != nil {
 		c.Stop()
@@ -339,4 +351,32 @@ current-context: istio-cni-context
 
 func isExists(err error) bool {
 	return err != nil && strings.Contains(err.Error(), "already exists")
+}
+
+func bindFor(address string) string {
+	if address == "127.0.0.1" {
+		return address
+	}
+	return "0.0.0.0"
+}
+
+// StartControllerManager runs kube-controller-manager (DaemonSets, service
+// account tokens' CA config maps, garbage collection) against the cluster.
+func (c *Cluster) StartControllerManager() error {
+	p, err := APIServerBinary()
+	if err != nil {
+		return err
+	}
+	kcm := filepath.Join(filepath.Dir(p), "kube-controller-manager")
+	kc := filepath.Join(c.dir, "kcm.kubeconfig")
+	if err := c.AdminKubeconfig(kc); err != nil {
+		return err
+	}
+	logf, err := os.OpenFile(c.logPath, os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	return c.start(logf, kcm, "--kubeconfig", kc, "--leader-elect=false", "--use-service-account-credentials=false",
+		"--service-account-private-key-file", c.KeyFile, "--root-ca-file", c.CAFile, "--secure-port", "0",
+		"--authentication-skip-lookup", "--controllers", "*", "-v", "1")
 }

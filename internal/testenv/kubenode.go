@@ -167,7 +167,7 @@ imageServiceEndpoint: unix://` + n.Socket + `
 		return nil, err
 	}
 	if err := n.start(logf, kubelet, "--config", kcfgPath, "--kubeconfig", kc, "--hostname-override", NodeName,
-		"--root-dir", filepath.Join(dir, "kubelet"), "--cert-dir", filepath.Join(dir, "kubelet-pki"), "--v", "1"); err != nil {
+		"--root-dir", filepath.Join(dir, "kubelet"), "--cert-dir", filepath.Join(dir, "kubelet-pki"), "--node-ip", RemoteV4, "--v", "1"); err != nil {
 		n.Stop()
 		return nil, err
 	}
@@ -245,4 +245,26 @@ func (n *KubeNode) Stop() {
 		}
 	}
 	n.procs = nil
+}
+
+// BindPendingPods stands in for kube-scheduler on this one-node cluster:
+// until ctx ends it binds every pod that has no node (DaemonSet pods are
+// created that way) to NodeName.
+func BindPendingPods(ctx context.Context, c *Cluster) {
+	go func() {
+		for ctx.Err() == nil {
+			pods, err := c.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName="})
+			if err == nil {
+				for _, p := range pods.Items {
+					b := &corev1.Binding{ObjectMeta: metav1.ObjectMeta{Namespace: p.Namespace, Name: p.Name, UID: p.UID},
+						Target: corev1.ObjectReference{Kind: "Node", Name: NodeName}}
+					_ = c.Client.CoreV1().Pods(p.Namespace).Bind(ctx, b, metav1.CreateOptions{})
+				}
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(200 * time.Millisecond): // a scheduler's resync, bounded by ctx
+			}
+		}
+	}()
 }

@@ -67,11 +67,15 @@ func EnterNodeNamespace() {
 func setupNode() error {
 	// Pod namespaces are bind-mounted under /run/netns; a private tmpfs
 	// there keeps them out of the machine's view and cleans up by itself.
-	if err := os.MkdirAll("/run/netns", 0o755); err != nil {
-		return err
-	}
-	if err := syscall.Mount("tmpfs", "/run/netns", "tmpfs", 0, "mode=0755"); err != nil {
-		return fmt.Errorf("mounting tmpfs on /run/netns: %w", err)
+	// The same for the agent's run dir, which the chart mounts from the
+	// host's /var/run/istio-cni, and the kubelet's pod logs.
+	for _, d := range []string{"/run/netns", "/run/istio-cni", "/var/log/pods"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+		if err := syscall.Mount("tmpfs", d, "tmpfs", 0, "mode=0755"); err != nil {
+			return fmt.Errorf("mounting tmpfs on %s: %w", d, err)
+		}
 	}
 	for _, c := range [][]string{
 		{"link", "set", "lo", "up"},

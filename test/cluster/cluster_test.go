@@ -20,6 +20,7 @@ import (
 var (
 	cluster *testenv.Cluster
 	node    *testenv.KubeNode
+	workDir string
 )
 
 func TestMain(m *testing.M) {
@@ -34,11 +35,16 @@ func run(m *testing.M) int {
 		return 2
 	}
 	defer os.RemoveAll(dir)
-	if cluster, err = testenv.StartCluster(filepath.Join(dir, "cp")); err != nil {
+	if cluster, err = testenv.StartPodReachableCluster(filepath.Join(dir, "cp")); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	defer cluster.Stop()
+	if err := cluster.StartControllerManager(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	workDir = dir
 	ctx := context.Background()
 	start := time.Now()
 	if node, err = testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node")); err != nil {
@@ -46,6 +52,9 @@ func run(m *testing.M) int {
 		return 2
 	}
 	defer node.Stop()
+	bindCtx, stopBinding := context.WithCancel(ctx)
+	defer stopBinding()
+	testenv.BindPendingPods(bindCtx, cluster)
 	fmt.Fprintf(os.Stderr, "node Ready after %s\n", time.Since(start).Round(time.Millisecond))
 	return m.Run()
 }

@@ -1,0 +1,161 @@
+package cluster
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/cli-runtime/pkg/genericclioptions"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+const agentImage = "istio-cni-go/install-cni:test"
+
+func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	last := ""
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		last = state
+		if time.Now().After(deadline) {
+			evs, _ := cluster.Client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{})
+			var lines []string
+			for _, e := range evs.Items {
+				lines = append(lines, e.InvolvedObject.Namespace+"/"+e.InvolvedObject.Name+" "+e.Reason+": "+e.Message)
+			}
+			log, _ := os.ReadFile(filepath.Join(workDir, "node", "node.log"))
+			if len(log) > 6000 {
+				log = log[len(log)-6000:]
+			}
+			t.Fatalf("%s not reached within %s; last: %s\nevents:\n%s\nnode log tail:\n%s", what, limit, last, strings.Join(lines, "\n"), log)
+		}
+		time.Sleep(250 * time.Millisecond) // polling the API server, bounded
+	}
+}
+
+// TestChartOnNode installs the chart with the project's image: the agent
+// runs as a DaemonSet pod, inserts the plugin into containerd's CNI config,
+// and a sidecar pod started by the kubelet passes its validation init
+// container (run as the proxy uid), so its rules were in place at start.
+func TestChartOnNode(t *testing.T) {
+	ctx := context.Background()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tar := filepath.Join(workDir, "install-cni.tar")
+	build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, agentImage)
+	build.Dir = root
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building the agent image: %v\n%s", err, b)
+	}
+	if err := node.Import(tar); err != nil {
+		t.Fatal(err)
+	}
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
+		t.Fatal(err)
+	}
+
+	kc := filepath.Join(workDir, "helm.kubeconfig")
+	if err := cluster.AdminKubeconfig(kc); err != nil {
+		t.Fatal(err)
+	}
+	flags := genericclioptions.NewConfigFlags(false)
+	ns := "istio-system"
+	flags.KubeConfig, flags.Namespace = &kc, &ns
+	cfg := new(action.Configuration)
+	if err := cfg.Init(flags, ns, "secret", func(string, ...any) {}); err != nil {
+		t.Fatal(err)
+	}
+	ch, err := loader.Load(filepath.Join(root, "deployments", "helm", "istio-cni"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst := action.NewInstall(cfg)
+	inst.ReleaseName, inst.Namespace = "istio-cni", ns
+	values := map[string]any{
+		"hub": "istio-cni-go", "image": "install-cni", "tag": "test", "pullPolicy": "Never",
+		"cniBinDir": node.BinDir, "cniConfDir": node.ConfDir,
+		// No kube-proxy here: in-cluster clients get the API server's own
+		// address instead of the kubernetes Service.
+		"env": map[string]any{"KUBERNETES_SERVICE_HOST": testenv.RemoteV4, "KUBERNETES_SERVICE_PORT": strconv.Itoa(cluster.Port)},
+	}
+	if _, err := inst.Run(ch, values); err != nil {
+		t.Fatalf("helm install: %v", err)
+	}
+
+	waitFor(t, "agent pod Ready", 120*time.Second, func() (bool, string) {
+		pods, err := cluster.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+		if err != nil || len(pods.Items) == 0 {
+			return false, "no agent pod yet"
+		}
+		p := pods.Items[0]
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return true, ""
+			}
+		}
+		return false, string(p.Status.Phase) + " " + podProblems(&p)
+	})
+	conf, err := os.ReadFile(filepath.Join(node.ConfDir, "10-ptp.conflist"))
+	if err != nil || !strings.Contains(string(conf), `"istio-cni"`) {
+		t.Fatalf("the agent did not insert the plugin into containerd's config: %v\n%s", err, conf)
+	}
+
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "mesh"); err != nil {
+		t.Fatal(err)
+	}
+	uid := int64(1337)
+	never := corev1.PullNever
+	f := false
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "sidecar",
+			Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
+		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			InitContainers: []corev1.Container{{Name: "istio-validation", Image: agentImage, ImagePullPolicy: never,
+				Command: []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply"},
+				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
+			Containers: []corev1.Container{
+				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
+				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":15001"},
+					SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
+			}},
+	}
+	if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "sidecar pod Running after its validation", 90*time.Second, func() (bool, string) {
+		p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, "sidecar", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
+	})
+}
+
+func podProblems(p *corev1.Pod) string {
+	var out []string
+	for _, st := range append(append([]corev1.ContainerStatus{}, p.Status.InitContainerStatuses...), p.Status.ContainerStatuses...) {
+		if w := st.State.Waiting; w != nil {
+			out = append(out, st.Name+": "+w.Reason+" "+w.Message)
+		}
+		if tm := st.State.Terminated; tm != nil && tm.ExitCode != 0 {
+			out = append(out, st.Name+": exit "+strconv.Itoa(int(tm.ExitCode))+" "+tm.Message)
+		}
+	}
+	return strings.Join(out, "; ")
+}
