@@ -127,7 +127,7 @@ func TestChartOnNode(t *testing.T) {
 			Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
 		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
 			InitContainers: []corev1.Container{{Name: "istio-validation", Image: agentImage, ImagePullPolicy: never,
-				Command: []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply"},
+				Command:         []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply"},
 				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
 			Containers: []corev1.Container{
 				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
