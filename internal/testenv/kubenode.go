@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -236,7 +238,9 @@ func (n *KubeNode) waitNodeReady(ctx context.Context, limit time.Duration) error
 	}
 }
 
-// Stop kills the kubelet and containerd.
+// Stop kills the kubelet and containerd, and every container process:
+// containerd's shims outlive containerd by design, so they and their
+// children are found through /proc by this node's socket path.
 func (n *KubeNode) Stop() {
 	for i := len(n.procs) - 1; i >= 0; i-- {
 		if p := n.procs[i]; p.Process != nil {
@@ -245,6 +249,49 @@ func (n *KubeNode) Stop() {
 		}
 	}
 	n.procs = nil
+	killShims(n.Socket)
+}
+
+func killShims(socket string) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return
+	}
+	parent := map[int]int{}
+	var shims []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline")); err == nil &&
+			strings.Contains(string(cmd), "containerd-shim") && strings.Contains(string(cmd), socket) {
+			shims = append(shims, pid)
+		}
+		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil {
+			if i := strings.LastIndexByte(string(stat), ')'); i > 0 {
+				if f := strings.Fields(string(stat)[i+1:]); len(f) > 1 {
+					parent[pid], _ = strconv.Atoi(f[1])
+				}
+			}
+		}
+	}
+	isUnder := func(pid, root int) bool {
+		for p, hops := pid, 0; p > 1 && hops < 64; p, hops = parent[p], hops+1 {
+			if p == root {
+				return true
+			}
+		}
+		return false
+	}
+	for _, shim := range shims {
+		for pid := range parent {
+			if pid != shim && isUnder(pid, shim) {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+		_ = syscall.Kill(shim, syscall.SIGKILL)
+	}
 }
 
 // BindPendingPods stands in for kube-scheduler on this one-node cluster:
