@@ -38,7 +38,9 @@ func Main(args []string) int {
 		a.Clientset = cs
 		a.DaemonSetPresent = func(ctx context.Context) (bool, error) {
 			ds, err := cs.AppsV1().DaemonSets(opts.PodNamespace).Get(ctx, opts.DaemonSetName, metav1.GetOptions{})
-			if apierrors.IsNotFound(err) {
+			// An uninstall removes the agent's RBAC and service account with
+			// the DaemonSet: a refused read means the release is going away.
+			if apierrors.IsNotFound(err) || apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
 				return false, nil
 			}
 			if err != nil {

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -94,6 +95,11 @@ func TestChartOnNode(t *testing.T) {
 		// address instead of the kubernetes Service.
 		"env": map[string]any{"KUBERNETES_SERVICE_HOST": testenv.RemoteV4, "KUBERNETES_SERVICE_PORT": strconv.Itoa(cluster.Port)},
 	}
+	confPath := filepath.Join(node.ConfDir, "10-ptp.conflist")
+	before, err := os.ReadFile(confPath)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := inst.Run(ch, values); err != nil {
 		t.Fatalf("helm install: %v", err)
 	}
@@ -111,7 +117,7 @@ func TestChartOnNode(t *testing.T) {
 		}
 		return false, string(p.Status.Phase) + " " + podProblems(&p)
 	})
-	conf, err := os.ReadFile(filepath.Join(node.ConfDir, "10-ptp.conflist"))
+	conf, err := os.ReadFile(confPath)
 	if err != nil || !strings.Contains(string(conf), `"istio-cni"`) {
 		t.Fatalf("the agent did not insert the plugin into containerd's config: %v\n%s", err, conf)
 	}
@@ -145,6 +151,32 @@ func TestChartOnNode(t *testing.T) {
 		}
 		return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
 	})
+
+	// helm uninstall: the DaemonSet goes, its pod gets SIGTERM, sees no
+	// DaemonSet and removes the plugin: containerd's config is as before.
+	if _, err := action.NewUninstall(cfg).Run("istio-cni"); err != nil {
+		t.Fatalf("helm uninstall: %v", err)
+	}
+	waitFor(t, "CNI config restored after uninstall", 90*time.Second, func() (bool, string) {
+		now, err := os.ReadFile(confPath)
+		if err != nil {
+			return false, err.Error()
+		}
+		return sameJSON(now, before), string(now)
+	})
+	if _, err := os.Stat(filepath.Join(node.BinDir, "istio-cni")); !os.IsNotExist(err) {
+		t.Fatalf("plugin binary left after uninstall: %v", err)
+	}
+}
+
+func sameJSON(a, b []byte) bool {
+	var x, y any
+	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
+		return false
+	}
+	xa, _ := json.Marshal(x)
+	ya, _ := json.Marshal(y)
+	return string(xa) == string(ya)
 }
 
 func podProblems(p *corev1.Pod) string {
