@@ -136,8 +136,8 @@ func TestChartOnNode(t *testing.T) {
 				Command:         []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply"},
 				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
 			Containers: []corev1.Container{
-				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
-				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":15001"},
+				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", testenv.RemoteV4 + ":80"}},
+				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", ":15001", ":15006"},
 					SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
 			}},
 	}
@@ -151,6 +151,32 @@ func TestChartOnNode(t *testing.T) {
 		}
 		return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
 	})
+	sidecar, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, "sidecar", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The app's outbound connection reaches the stand-in proxy, which sees
+	// where it was going.
+	waitLog(t, sidecar, "app", "original destination "+testenv.RemoteV4+":80")
+
+	// A pod without a sidecar is untouched: its connection to the same
+	// place is not redirected (nothing listens there), and its connection
+	// to the sidecar pod's app port lands on that pod's proxy inbound.
+	target := sidecar.Status.PodIP + ":8080"
+	client := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "plain-client"},
+		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			Containers: []corev1.Container{
+				{Name: "to-sidecar", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", target}},
+				{Name: "to-remote", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", testenv.RemoteV4 + ":80"}},
+			}},
+	}
+	created, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, client, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitLog(t, created, "to-sidecar", "original destination "+target)
+	waitLog(t, created, "to-remote", "connection refused")
 
 	// helm uninstall: the DaemonSet goes, its pod gets SIGTERM, sees no
 	// DaemonSet and removes the plugin: containerd's config is as before.
@@ -167,6 +193,23 @@ func TestChartOnNode(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(node.BinDir, "istio-cni")); !os.IsNotExist(err) {
 		t.Fatalf("plugin binary left after uninstall: %v", err)
 	}
+}
+
+// waitLog waits until the container's log (the kubelet's files) has want.
+func waitLog(t *testing.T, pod *corev1.Pod, container, want string) {
+	t.Helper()
+	path := filepath.Join("/var/log/pods", pod.Namespace+"_"+pod.Name+"_"+string(pod.UID), container, "0.log")
+	waitFor(t, container+" log containing "+want, 60*time.Second, func() (bool, string) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return false, err.Error()
+		}
+		s := string(b)
+		if len(s) > 400 {
+			s = s[len(s)-400:]
+		}
+		return strings.Contains(string(b), want), s
+	})
 }
 
 func sameJSON(a, b []byte) bool {

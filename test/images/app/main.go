@@ -1,5 +1,9 @@
-// Command app is the test workload of the cluster tests: it serves TCP
-// (answering with what it saw) or dials once and reports the answer.
+// Command app is the workload of the cluster tests:
+//
+//	app serve ADDR          answer every connection with where it arrived
+//	app proxy ADDR...       a stand-in sidecar: answer with the original
+//	                        destination (SO_ORIGINAL_DST) of each connection
+//	app dial-loop ADDR      connect twice a second and print the answer
 package main
 
 import (
@@ -8,20 +12,57 @@ import (
 	"net"
 	"os"
 	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/origdst"
 )
 
 func main() {
 	if len(os.Args) < 3 {
-		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app dial ADDR")
+		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app proxy ADDR... | app dial-loop ADDR")
 		os.Exit(2)
 	}
 	switch os.Args[1] {
 	case "serve":
-		l, err := net.Listen("tcp", os.Args[2])
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
+		listen(os.Args[2], func(c net.Conn) string {
+			return fmt.Sprintf("served by %s for %s", c.LocalAddr(), c.RemoteAddr())
+		})
+		select {}
+	case "proxy":
+		for _, a := range os.Args[2:] {
+			listen(a, func(c net.Conn) string {
+				orig, err := origdst.Get(c)
+				if err != nil {
+					return fmt.Sprintf("proxy on %s: no original destination: %v", c.LocalAddr(), err)
+				}
+				line := fmt.Sprintf("proxy on %s: original destination %s from %s", c.LocalAddr(), orig, c.RemoteAddr())
+				fmt.Println(line)
+				return line
+			})
 		}
+		select {}
+	case "dial-loop":
+		for {
+			c, err := net.DialTimeout("tcp", os.Args[2], 2*time.Second)
+			if err != nil {
+				fmt.Println("dial", os.Args[2], "failed:", err)
+			} else {
+				_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+				line, _ := bufio.NewReader(c).ReadString('\n')
+				fmt.Print("dial ", os.Args[2], ": ", line)
+				_ = c.Close()
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+}
+
+func listen(addr string, answer func(net.Conn) string) {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	go func() {
 		for {
 			c, err := l.Accept()
 			if err != nil {
@@ -29,16 +70,8 @@ func main() {
 			}
 			go func(c net.Conn) {
 				defer c.Close()
-				fmt.Fprintf(c, "served by %s for %s\n", c.LocalAddr(), c.RemoteAddr())
+				fmt.Fprintln(c, answer(c))
 			}(c)
 		}
-	case "dial":
-		c, err := net.DialTimeout("tcp", os.Args[2], 5*time.Second)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		line, _ := bufio.NewReader(c).ReadString('\n')
-		fmt.Print(line)
-	}
+	}()
 }
