@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -53,7 +54,6 @@ func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, 
 // and a sidecar pod started by the kubelet passes its validation init
 // container (run as the proxy uid), so its rules were in place at start.
 func TestChartOnNode(t *testing.T) {
-	ctx := context.Background()
 	root, err := testenv.RepoRoot()
 	if err != nil {
 		t.Fatal(err)
@@ -67,9 +67,56 @@ func TestChartOnNode(t *testing.T) {
 	if err := node.Import(tar); err != nil {
 		t.Fatal(err)
 	}
-	if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
+	ctx := context.Background()
+	for _, ns := range []string{"istio-system", "mesh"} {
+		if err := testenv.EnsureNamespace(ctx, cluster.Client, ns); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, backend := range []string{"iptables", "nftables"} {
+		t.Run(backend, func(t *testing.T) { chartOnNode(t, root, backend) })
+	}
+}
+
+// sidecarPod is shaped as Istio's injector shapes a pod with CNI on: the
+// validation init container (here the project's command, as the proxy
+// uid), the app, and a stand-in istio-proxy reporting original
+// destinations.
+func sidecarPod(name, dialTo string) *corev1.Pod {
+	uid := int64(1337)
+	never := corev1.PullNever
+	f := false
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name,
+			Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
+		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			InitContainers: []corev1.Container{{Name: "istio-validation", Image: agentImage, ImagePullPolicy: never,
+				Command:         []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply", "--probe-timeout", "3s"},
+				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
+			Containers: []corev1.Container{
+				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", dialTo}},
+				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", ":15001", ":15006"},
+					SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
+			}},
+	}
+}
+
+func chartOnNode(t *testing.T, root, backend string) {
+	ctx := context.Background()
+	// The race: a sidecar pod scheduled before the agent runs.
+	raced := sidecarPod("raced-"+backend, testenv.RemoteV4+":80")
+	if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, raced, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	waitFor(t, "raced pod's validation to fail with 126", 60*time.Second, func() (bool, string) {
+		p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, raced.Name, metav1.GetOptions{})
+		if err != nil || len(p.Status.InitContainerStatuses) == 0 {
+			return false, "no status"
+		}
+		st := p.Status.InitContainerStatuses[0]
+		failed := func(tm *corev1.ContainerStateTerminated) bool { return tm != nil && tm.ExitCode == 126 }
+		return failed(st.State.Terminated) || failed(st.LastTerminationState.Terminated), podProblems(p)
+	})
 
 	kc := filepath.Join(workDir, "helm.kubeconfig")
 	if err := cluster.AdminKubeconfig(kc); err != nil {
@@ -89,7 +136,8 @@ func TestChartOnNode(t *testing.T) {
 	inst := action.NewInstall(cfg)
 	inst.ReleaseName, inst.Namespace = "istio-cni", ns
 	values := map[string]any{
-		"hub": "istio-cni-go", "image": "install-cni", "tag": "test", "pullPolicy": "Never",
+		"nativeNftables": backend == "nftables",
+		"hub":            "istio-cni-go", "image": "install-cni", "tag": "test", "pullPolicy": "Never",
 		"cniBinDir": node.BinDir, "cniConfDir": node.ConfDir,
 		// No kube-proxy here: in-cluster clients get the API server's own
 		// address instead of the kubernetes Service.
@@ -121,37 +169,22 @@ func TestChartOnNode(t *testing.T) {
 	if err != nil || !strings.Contains(string(conf), `"istio-cni"`) {
 		t.Fatalf("the agent did not insert the plugin into containerd's config: %v\n%s", err, conf)
 	}
+	if want := fmt.Sprintf(`"native_nftables": %v`, backend == "nftables"); !strings.Contains(string(conf), want) {
+		t.Fatalf("the plugin entry lacks %s:\n%s", want, conf)
+	}
 
-	if err := testenv.EnsureNamespace(ctx, cluster.Client, "mesh"); err != nil {
-		t.Fatal(err)
-	}
-	uid := int64(1337)
-	never := corev1.PullNever
-	f := false
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "sidecar",
-			Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
-		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
-			InitContainers: []corev1.Container{{Name: "istio-validation", Image: agentImage, ImagePullPolicy: never,
-				Command:         []string{"istio-cni-validate", "-p", "15001", "-z", "15006", "-u", "1337", "--run-validation", "--skip-rule-apply"},
-				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
-			Containers: []corev1.Container{
-				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", testenv.RemoteV4 + ":80"}},
-				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", ":15001", ":15006"},
-					SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
-			}},
-	}
-	if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+	name := "sidecar-" + backend
+	if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, sidecarPod(name, testenv.RemoteV4+":80"), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "sidecar pod Running after its validation", 90*time.Second, func() (bool, string) {
-		p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, "sidecar", metav1.GetOptions{})
+		p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
 		}
 		return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
 	})
-	sidecar, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, "sidecar", metav1.GetOptions{})
+	sidecar, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,8 +196,10 @@ func TestChartOnNode(t *testing.T) {
 	// place is not redirected (nothing listens there), and its connection
 	// to the sidecar pod's app port lands on that pod's proxy inbound.
 	target := sidecar.Status.PodIP + ":8080"
+	never := corev1.PullNever
+	f := false
 	client := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "plain-client"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "plain-client-" + backend},
 		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
 			Containers: []corev1.Container{
 				{Name: "to-sidecar", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", target}},
@@ -177,6 +212,33 @@ func TestChartOnNode(t *testing.T) {
 	}
 	waitLog(t, created, "to-sidecar", "original destination "+target)
 	waitLog(t, created, "to-remote", "connection refused")
+
+	// The raced pod was repaired when the agent came up, and now runs
+	// with its traffic through the proxy.
+	waitFor(t, "RepairedPod event on the raced pod", 60*time.Second, func() (bool, string) {
+		evs, err := cluster.Client.CoreV1().Events("mesh").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, e := range evs.Items {
+			if e.InvolvedObject.Name == raced.Name && e.Reason == "RepairedPod" {
+				return true, ""
+			}
+		}
+		return false, "no event yet"
+	})
+	waitFor(t, "raced pod Running after repair", 120*time.Second, func() (bool, string) {
+		p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, raced.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
+	})
+	repaired, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, raced.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitLog(t, repaired, "app", "original destination "+testenv.RemoteV4+":80")
 
 	// helm uninstall: the DaemonSet goes, its pod gets SIGTERM, sees no
 	// DaemonSet and removes the plugin: containerd's config is as before.
@@ -193,6 +255,14 @@ func TestChartOnNode(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(node.BinDir, "istio-cni")); !os.IsNotExist(err) {
 		t.Fatalf("plugin binary left after uninstall: %v", err)
 	}
+	zero := int64(0)
+	for _, p := range []string{raced.Name, name, client.Name} {
+		_ = cluster.Client.CoreV1().Pods("mesh").Delete(ctx, p, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	}
+	waitFor(t, "agent pod gone", 60*time.Second, func() (bool, string) {
+		pods, err := cluster.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+		return err == nil && len(pods.Items) == 0, "agent pod still there"
+	})
 }
 
 // waitLog waits until the container's log (the kubelet's files) has want.
