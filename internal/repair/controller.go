@@ -251,6 +251,13 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	if err != nil {
 		return fail(err)
 	}
+	// The plugin's own decision: a pod it would not redirect is not ours
+	// to repair either, whatever its validation container says.
+	if skip := plugin.Exclusion(facts); skip != "" {
+		c.done("repair", "skip", pod)
+		c.log.Info("not repairing: the plugin does not redirect this pod", "pod", key.String(), "reason", skip)
+		return nil
+	}
 	params, _, err := redirect.FromPod(facts)
 	if err != nil {
 		return fail(err)

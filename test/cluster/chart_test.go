@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -95,7 +96,7 @@ func sidecarPod(name, dialTo string) *corev1.Pod {
 				SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}},
 			Containers: []corev1.Container{
 				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", dialTo}},
-				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", ":15001", ":15006"},
+				{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
 					SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
 			}},
 	}
@@ -191,6 +192,9 @@ func chartOnNode(t *testing.T, root, backend string) {
 	// The app's outbound connection reaches the stand-in proxy, which sees
 	// where it was going.
 	waitLog(t, sidecar, "app", "original destination "+testenv.RemoteV4+":80")
+	if reason := repairEvent(t, name); reason != "" {
+		t.Fatalf("the sidecar pod created after the agent needed repair (%s): it did not start with its rules", reason)
+	}
 
 	// A pod without a sidecar is untouched: its connection to the same
 	// place is not redirected (nothing listens there), and its connection
@@ -239,6 +243,10 @@ func chartOnNode(t *testing.T, root, backend string) {
 		t.Fatal(err)
 	}
 	waitLog(t, repaired, "app", "original destination "+testenv.RemoteV4+":80")
+
+	if backend == "iptables" {
+		upgradeUnderChurn(t, cfg, ch, values)
+	}
 
 	// helm uninstall: the DaemonSet goes, its pod gets SIGTERM, sees no
 	// DaemonSet and removes the plugin: containerd's config is as before.
@@ -303,4 +311,113 @@ func podProblems(p *corev1.Pod) string {
 		}
 	}
 	return strings.Join(out, "; ")
+}
+
+// upgradeUnderChurn rolls the DaemonSet to a new image tag while sidecar
+// pods keep being created and deleted: every pod passes its validation
+// (so it started with its rules) and none is stuck terminating for lack of
+// the plugin binary (the old agent leaves the plugin in place while its
+// DaemonSet exists).
+func upgradeUnderChurn(t *testing.T, cfg *action.Configuration, ch *chart.Chart, values map[string]any) {
+	t.Helper()
+	ctx := context.Background()
+	if b, err := node.Ctr("images", "tag", "--force", "docker.io/"+agentImage, "docker.io/istio-cni-go/install-cni:test2"); err != nil {
+		t.Fatalf("tagging the upgrade image: %v %s", err, b)
+	}
+	old, err := cluster.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+	if err != nil || len(old.Items) != 1 {
+		t.Fatalf("agent pods before the upgrade: %v", err)
+	}
+	up := action.NewUpgrade(cfg)
+	up.Namespace = "istio-system"
+	newValues := map[string]any{}
+	for k, v := range values {
+		newValues[k] = v
+	}
+	newValues["tag"] = "test2"
+	zero := int64(0)
+	var names []string
+	for i := 0; i < 6; i++ {
+		name := fmt.Sprintf("churn-%d", i)
+		names = append(names, name)
+		if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, sidecarPod(name, testenv.RemoteV4+":80"), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if i == 1 {
+			if _, err := up.Run("istio-cni", ch, newValues); err != nil {
+				t.Fatalf("helm upgrade: %v", err)
+			}
+		}
+		if i >= 2 {
+			// Pods also go away during the rollout: their DEL needs the plugin.
+			if err := cluster.Client.CoreV1().Pods("mesh").Delete(ctx, names[i-2], metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, "the rollout to the new tag", 120*time.Second, func() (bool, string) {
+		pods, err := cluster.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+		if err != nil || len(pods.Items) != 1 || pods.Items[0].UID == old.Items[0].UID {
+			return false, "old agent pod still there"
+		}
+		p := pods.Items[0]
+		ready := false
+		for _, c := range p.Status.Conditions {
+			ready = ready || (c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue)
+		}
+		return ready && strings.HasSuffix(p.Spec.Containers[0].Image, ":test2"), string(p.Status.Phase)
+	})
+	for _, name := range names[len(names)-2:] {
+		waitFor(t, name+" Running after its validation", 120*time.Second, func() (bool, string) {
+			p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false, err.Error()
+			}
+			return p.Status.Phase == corev1.PodRunning, string(p.Status.Phase) + " " + podProblems(p)
+		})
+	}
+	for _, name := range names[:len(names)-2] {
+		waitFor(t, name+" gone", 90*time.Second, func() (bool, string) {
+			p, err := cluster.Client.CoreV1().Pods("mesh").Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return true, ""
+			}
+			return false, "still " + string(p.Status.Phase) + " " + podProblems(p)
+		})
+	}
+	// No pod ever needed repair: all of them started with their rules.
+	evs, err := cluster.Client.CoreV1().Events("mesh").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range evs.Items {
+		if strings.HasPrefix(e.InvolvedObject.Name, "churn-") && (e.Reason == "RepairedPod" || e.Reason == "FailedKillPod" || e.Reason == "FailedCreatePodSandBox") {
+			log, _ := os.ReadFile(filepath.Join(workDir, "node", "node.log"))
+			var lines []string
+			for _, l := range strings.Split(string(log), "\n") {
+				if strings.Contains(l, e.InvolvedObject.Name) {
+					lines = append(lines, l)
+				}
+			}
+			t.Fatalf("%s: %s %s\nnode log lines about it:\n%s", e.InvolvedObject.Name, e.Reason, e.Message, strings.Join(lines, "\n"))
+		}
+	}
+	for _, name := range names[len(names)-2:] {
+		_ = cluster.Client.CoreV1().Pods("mesh").Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	}
+}
+
+// repairEvent returns the repair controller's event reason for a pod, or "".
+func repairEvent(t *testing.T, pod string) string {
+	t.Helper()
+	evs, err := cluster.Client.CoreV1().Events("mesh").List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range evs.Items {
+		if e.InvolvedObject.Name == pod && strings.HasPrefix(e.Reason, "Repair") {
+			return e.Reason
+		}
+	}
+	return ""
 }

@@ -1,7 +1,8 @@
 // Command app is the workload of the cluster tests:
 //
 //	app serve ADDR          answer every connection with where it arrived
-//	app proxy ADDR...       a stand-in sidecar: answer with the original
+//	app proxy sidecar ADDR... a stand-in sidecar (its arguments start as
+//	                        Istio's proxy's do): answer with the original
 //	                        destination (SO_ORIGINAL_DST) of each connection
 //	app dial-loop ADDR      connect twice a second and print the answer
 package main
@@ -28,7 +29,11 @@ func main() {
 		})
 		select {}
 	case "proxy":
-		for _, a := range os.Args[2:] {
+		addrs := os.Args[2:]
+		if len(addrs) > 0 && addrs[0] == "sidecar" {
+			addrs = addrs[1:]
+		}
+		for _, a := range addrs {
 			listen(a, func(c net.Conn) string {
 				orig, err := origdst.Get(c)
 				if err != nil {
