@@ -260,9 +260,11 @@ func chartOnNode(t *testing.T, root, backend string) {
 		}
 		return sameJSON(now, before), string(now)
 	})
-	if _, err := os.Stat(filepath.Join(node.BinDir, "istio-cni")); !os.IsNotExist(err) {
-		t.Fatalf("plugin binary left after uninstall: %v", err)
-	}
+	// The binary goes last, after the entry and the kubeconfig.
+	waitFor(t, "plugin binary removed after uninstall", 30*time.Second, func() (bool, string) {
+		_, err := os.Stat(filepath.Join(node.BinDir, "istio-cni"))
+		return os.IsNotExist(err), fmt.Sprint(err)
+	})
 	zero := int64(0)
 	for _, p := range []string{raced.Name, name, client.Name} {
 		_ = cluster.Client.CoreV1().Pods("mesh").Delete(ctx, p, metav1.DeleteOptions{GracePeriodSeconds: &zero})
