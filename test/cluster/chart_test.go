@@ -13,16 +13,13 @@ import (
 	"time"
 
 	"helm.sh/helm/v3/pkg/action"
-	"helm.sh/helm/v3/pkg/chart"
-	"helm.sh/helm/v3/pkg/chart/loader"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/cli-runtime/pkg/genericclioptions"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
-const agentImage = "istio-cni-go/install-cni:test"
+const agentImage = testenv.AgentImage
 
 func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, string)) {
 	t.Helper()
@@ -75,7 +72,7 @@ func TestChartOnNode(t *testing.T) {
 		}
 	}
 	for _, backend := range []string{"iptables", "nftables"} {
-		t.Run(backend, func(t *testing.T) { chartOnNode(t, root, backend) })
+		t.Run(backend, func(t *testing.T) { chartOnNode(t, backend) })
 	}
 }
 
@@ -102,7 +99,7 @@ func sidecarPod(name, dialTo string) *corev1.Pod {
 	}
 }
 
-func chartOnNode(t *testing.T, root, backend string) {
+func chartOnNode(t *testing.T, backend string) {
 	ctx := context.Background()
 	// The race: a sidecar pod scheduled before the agent runs.
 	raced := sidecarPod("raced-"+backend, testenv.RemoteV4+":80")
@@ -119,38 +116,16 @@ func chartOnNode(t *testing.T, root, backend string) {
 		return failed(st.State.Terminated) || failed(st.LastTerminationState.Terminated), podProblems(p)
 	})
 
-	kc := filepath.Join(workDir, "helm.kubeconfig")
-	if err := cluster.AdminKubeconfig(kc); err != nil {
-		t.Fatal(err)
-	}
-	flags := genericclioptions.NewConfigFlags(false)
-	ns := "istio-system"
-	flags.KubeConfig, flags.Namespace = &kc, &ns
-	cfg := new(action.Configuration)
-	if err := cfg.Init(flags, ns, "secret", func(string, ...any) {}); err != nil {
-		t.Fatal(err)
-	}
-	ch, err := loader.Load(filepath.Join(root, "deployments", "helm", "istio-cni"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst := action.NewInstall(cfg)
-	inst.ReleaseName, inst.Namespace = "istio-cni", ns
-	values := map[string]any{
-		"nativeNftables": backend == "nftables",
-		"hub":            "istio-cni-go", "image": "install-cni", "tag": "test", "pullPolicy": "Never",
-		"cniBinDir": node.BinDir, "cniConfDir": node.ConfDir,
-		// No kube-proxy here: in-cluster clients get the API server's own
-		// address instead of the kubernetes Service.
-		"env": map[string]any{"KUBERNETES_SERVICE_HOST": testenv.RemoteV4, "KUBERNETES_SERVICE_PORT": strconv.Itoa(cluster.Port)},
-	}
 	confPath := filepath.Join(node.ConfDir, "10-ptp.conflist")
 	before, err := os.ReadFile(confPath)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := inst.Run(ch, values); err != nil {
-		t.Fatalf("helm install: %v", err)
+	ns := "istio-system"
+	values := testenv.NodeChartValues(cluster, node, backend == "nftables")
+	rel, err := testenv.InstallChart(cluster, values)
+	if err != nil {
+		t.Fatal(err)
 	}
 
 	waitFor(t, "agent pod Ready", 120*time.Second, func() (bool, string) {
@@ -245,12 +220,12 @@ func chartOnNode(t *testing.T, root, backend string) {
 	waitLog(t, repaired, "app", "original destination "+testenv.RemoteV4+":80")
 
 	if backend == "iptables" {
-		upgradeUnderChurn(t, cfg, ch, values)
+		upgradeUnderChurn(t, rel)
 	}
 
 	// helm uninstall: the DaemonSet goes, its pod gets SIGTERM, sees no
 	// DaemonSet and removes the plugin: containerd's config is as before.
-	if _, err := action.NewUninstall(cfg).Run("istio-cni"); err != nil {
+	if err := rel.Uninstall(); err != nil {
 		t.Fatalf("helm uninstall: %v", err)
 	}
 	waitFor(t, "CNI config restored after uninstall", 90*time.Second, func() (bool, string) {
@@ -320,7 +295,7 @@ func podProblems(p *corev1.Pod) string {
 // (so it started with its rules) and none is stuck terminating for lack of
 // the plugin binary (the old agent leaves the plugin in place while its
 // DaemonSet exists).
-func upgradeUnderChurn(t *testing.T, cfg *action.Configuration, ch *chart.Chart, values map[string]any) {
+func upgradeUnderChurn(t *testing.T, rel *testenv.Release) {
 	t.Helper()
 	ctx := context.Background()
 	if b, err := node.Ctr("images", "tag", "--force", "docker.io/"+agentImage, "docker.io/istio-cni-go/install-cni:test2"); err != nil {
@@ -330,10 +305,10 @@ func upgradeUnderChurn(t *testing.T, cfg *action.Configuration, ch *chart.Chart,
 	if err != nil || len(old.Items) != 1 {
 		t.Fatalf("agent pods before the upgrade: %v", err)
 	}
-	up := action.NewUpgrade(cfg)
+	up := action.NewUpgrade(rel.Config)
 	up.Namespace = "istio-system"
 	newValues := map[string]any{}
-	for k, v := range values {
+	for k, v := range rel.Values {
 		newValues[k] = v
 	}
 	newValues["tag"] = "test2"
@@ -346,7 +321,7 @@ func upgradeUnderChurn(t *testing.T, cfg *action.Configuration, ch *chart.Chart,
 			t.Fatal(err)
 		}
 		if i == 1 {
-			if _, err := up.Run("istio-cni", ch, newValues); err != nil {
+			if _, err := up.Run("istio-cni", rel.Chart, newValues); err != nil {
 				t.Fatalf("helm upgrade: %v", err)
 			}
 		}

@@ -1,0 +1,81 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+)
+
+// PodStartTimes creates the pods at once and returns, for each, the time
+// from its creation request to the moment a watch saw it Ready. The pods
+// are deleted afterwards.
+func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) ([]time.Duration, error) {
+	w, err := c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	defer w.Stop()
+	var mu sync.Mutex
+	created := map[string]time.Time{}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(pods))
+	for _, p := range pods {
+		wg.Add(1)
+		go func(p *corev1.Pod) {
+			defer wg.Done()
+			mu.Lock()
+			created[p.Name] = time.Now()
+			mu.Unlock()
+			if _, err := c.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+				errs <- err
+			}
+		}(p)
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return nil, err
+	}
+	ready := map[string]time.Duration{}
+	deadline := time.After(limit)
+	for len(ready) < len(pods) {
+		select {
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				return nil, fmt.Errorf("watch closed")
+			}
+			p, isPod := ev.Object.(*corev1.Pod)
+			if !isPod || ev.Type == watch.Deleted {
+				continue
+			}
+			if _, done := ready[p.Name]; done {
+				continue
+			}
+			for _, cond := range p.Status.Conditions {
+				if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
+					mu.Lock()
+					ready[p.Name] = time.Since(created[p.Name])
+					mu.Unlock()
+				}
+			}
+		case <-deadline:
+			return nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
+		}
+	}
+	zero := int64(0)
+	for _, p := range pods {
+		_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	}
+	out := make([]time.Duration, 0, len(ready))
+	for _, d := range ready {
+		out = append(out, d)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out, nil
+}
