@@ -38,6 +38,7 @@ lint:
 # the chain with istio-cni; prints p50/p99 and ratios.
 bench: setup
 	$(GO) run ./test/bench
+	$(GO) run ./test/bench -cluster-pods 30
 
 # Rewrites the golden files from the current code.
 golden:

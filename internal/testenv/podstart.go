@@ -20,7 +20,7 @@ func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Po
 	if err != nil {
 		return nil, err
 	}
-	defer w.Stop()
+	defer func() { w.Stop() }()
 	var mu sync.Mutex
 	created := map[string]time.Time{}
 	var wg sync.WaitGroup
@@ -43,34 +43,65 @@ func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Po
 		return nil, err
 	}
 	ready := map[string]time.Duration{}
+	note := func(p *corev1.Pod) {
+		if _, done := ready[p.Name]; done {
+			return
+		}
+		for _, cond := range p.Status.Conditions {
+			if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
+				mu.Lock()
+				if t, ok := created[p.Name]; ok {
+					ready[p.Name] = time.Since(t)
+				}
+				mu.Unlock()
+			}
+		}
+	}
 	deadline := time.After(limit)
 	for len(ready) < len(pods) {
 		select {
 		case ev, ok := <-w.ResultChan():
 			if !ok {
-				return nil, fmt.Errorf("watch closed")
-			}
-			p, isPod := ev.Object.(*corev1.Pod)
-			if !isPod || ev.Type == watch.Deleted {
-				continue
-			}
-			if _, done := ready[p.Name]; done {
-				continue
-			}
-			for _, cond := range p.Status.Conditions {
-				if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
-					mu.Lock()
-					ready[p.Name] = time.Since(created[p.Name])
-					mu.Unlock()
+				// The server may end a watch; catch up with a list and
+				// watch again.
+				list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+				if err != nil {
+					return nil, err
 				}
+				for i := range list.Items {
+					note(&list.Items[i])
+				}
+				if w, err = c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion}); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			if p, isPod := ev.Object.(*corev1.Pod); isPod && ev.Type != watch.Deleted {
+				note(p)
 			}
 		case <-deadline:
 			return nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
 		}
 	}
-	zero := int64(0)
+	// A graceful delete: the API object stays until the kubelet has torn the
+	// pod down, so the next round does not share the node with this one's
+	// teardown.
 	for _, p := range pods {
-		_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+		_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{})
+	}
+	gone := time.Now().Add(limit)
+	for {
+		list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if len(list.Items) == 0 {
+			break
+		}
+		if time.Now().After(gone) {
+			return nil, fmt.Errorf("%d pods still there after deletion", len(list.Items))
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
 	}
 	out := make([]time.Duration, 0, len(ready))
 	for _, d := range ready {

@@ -34,11 +34,16 @@ var (
 	seqPods  = flag.Int("pods", 40, "pods per sequential series")
 	parallel = flag.Int("parallel", 20, "pods started at once in the parallel series")
 	rounds   = flag.Int("rounds", 3, "rounds of the parallel series")
+	clusterN = flag.Int("cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, without and with the plugin")
 )
 
 func main() {
 	testenv.EnterNodeNamespace()
 	flag.Parse()
+	run := run
+	if *clusterN > 0 {
+		run = func() error { return runCluster(*clusterN) }
+	}
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)

@@ -1,0 +1,150 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+// runCluster measures pod start-up at the cluster level on a real
+// kubelet+containerd node: 30 sidecar-shaped pods created at once, time
+// from creation to Ready, without and then with the plugin in the chain
+// (installed by the chart with the project's image).
+func runCluster(n int) error {
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "istio-cni-bench-cluster-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	cluster, err := testenv.StartPodReachableCluster(filepath.Join(dir, "cp"))
+	if err != nil {
+		return err
+	}
+	defer cluster.Stop()
+	if err := cluster.StartControllerManager(); err != nil {
+		return err
+	}
+	node, err := testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node"))
+	if err != nil {
+		return err
+	}
+	defer node.Stop()
+	bindCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	testenv.BindPendingPods(bindCtx, cluster)
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return err
+	}
+	tar := filepath.Join(dir, "install-cni.tar")
+	build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, testenv.AgentImage)
+	build.Dir = root
+	if b, err := build.CombinedOutput(); err != nil {
+		return fmt.Errorf("building the agent image: %v\n%s", err, b)
+	}
+	if err := node.Import(tar); err != nil {
+		return err
+	}
+	for _, ns := range []string{"istio-system", "bench"} {
+		if err := testenv.EnsureNamespace(ctx, cluster.Client, ns); err != nil {
+			return err
+		}
+	}
+	pods := func(round string) []*corev1.Pod {
+		never := corev1.PullNever
+		f := false
+		uid := int64(1337)
+		var out []*corev1.Pod
+		for i := 0; i < n; i++ {
+			out = append(out, &corev1.Pod{
+				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", round, i),
+					Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
+				Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+					Containers: []corev1.Container{
+						{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
+						{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
+							SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
+					}},
+			})
+		}
+		return out
+	}
+	// A warm-up round: images unpacked, caches filled.
+	if _, err := testenv.PodStartTimes(ctx, cluster, "bench", pods("warm"), 3*time.Minute); err != nil {
+		return err
+	}
+	// Rounds alternate, without and with the plugin, so that effects of
+	// order (caches, state the node accumulates) fall on both sides.
+	var without, with []time.Duration
+	for round := 0; round < 2; round++ {
+		d, err := testenv.PodStartTimes(ctx, cluster, "bench", pods(fmt.Sprintf("without%d", round)), 3*time.Minute)
+		if err != nil {
+			return err
+		}
+		without = append(without, d...)
+		rel, err := testenv.InstallChart(cluster, testenv.NodeChartValues(cluster, node, false))
+		if err != nil {
+			return err
+		}
+		if err := waitAgentPodReady(ctx, cluster); err != nil {
+			return err
+		}
+		d, err = testenv.PodStartTimes(ctx, cluster, "bench", pods(fmt.Sprintf("with%d", round)), 3*time.Minute)
+		if err != nil {
+			return err
+		}
+		with = append(with, d...)
+		if err := rel.Uninstall(); err != nil {
+			return err
+		}
+		if err := waitAgentPodGone(ctx, cluster); err != nil {
+			return err
+		}
+	}
+	sort.Slice(without, func(i, j int) bool { return without[i] < without[j] })
+	sort.Slice(with, func(i, j int) bool { return with[i] < with[j] })
+	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node, creation to Ready (2 alternating rounds each):\n", n)
+	fmt.Printf("  without istio-cni: p50 %s  p99 %s  last %s\n", ms(pct(without, .5)), ms(pct(without, .99)), ms(without[len(without)-1]))
+	fmt.Printf("  with istio-cni:    p50 %s  p99 %s  last %s\n", ms(pct(with, .5)), ms(pct(with, .99)), ms(with[len(with)-1]))
+	fmt.Printf("  added by the plugin: p50 %+.1f%%, last pod %+.1f%% (goal < 5%%)\n",
+		100*(float64(pct(with, .5))/float64(pct(without, .5))-1), 100*(float64(with[len(with)-1])/float64(without[len(without)-1])-1))
+	return nil
+}
+
+func waitAgentPodGone(ctx context.Context, c *testenv.Cluster) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		pods, err := c.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+		if err == nil && len(pods.Items) == 0 {
+			return nil
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
+	}
+	return fmt.Errorf("agent pod still there 2m after uninstall")
+}
+
+func waitAgentPodReady(ctx context.Context, c *testenv.Cluster) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		pods, err := c.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+		if err == nil && len(pods.Items) == 1 {
+			for _, cond := range pods.Items[0].Status.Conditions {
+				if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
+					return nil
+				}
+			}
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
+	}
+	return fmt.Errorf("agent pod not Ready within 2m")
+}

@@ -1,0 +1,94 @@
+// Command clusterup brings up the test cluster for a person: etcd,
+// kube-apiserver, kube-controller-manager, containerd and a kubelet in a
+// private network and mount namespace, with the test images loaded (and,
+// with -chart, the chart installed with the project's image). It prints how
+// to get a shell in there and waits for Ctrl-C, then tears it all down.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+func main() {
+	testenv.EnterNodeNamespace()
+	chart := flag.Bool("chart", false, "also build the agent image and install the chart")
+	flag.Parse()
+	if err := run(*chart); err != nil {
+		fmt.Fprintln(os.Stderr, "clusterup:", err)
+		os.Exit(1)
+	}
+}
+
+func run(withChart bool) error {
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "istio-cni-clusterup-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	cluster, err := testenv.StartPodReachableCluster(filepath.Join(dir, "cp"))
+	if err != nil {
+		return err
+	}
+	defer cluster.Stop()
+	if err := cluster.StartControllerManager(); err != nil {
+		return err
+	}
+	node, err := testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node"))
+	if err != nil {
+		return err
+	}
+	defer node.Stop()
+	bindCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	testenv.BindPendingPods(bindCtx, cluster)
+	if withChart {
+		root, err := testenv.RepoRoot()
+		if err != nil {
+			return err
+		}
+		tar := filepath.Join(dir, "install-cni.tar")
+		build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, testenv.AgentImage)
+		build.Dir = root
+		if b, err := build.CombinedOutput(); err != nil {
+			return fmt.Errorf("building the agent image: %v\n%s", err, b)
+		}
+		if err := node.Import(tar); err != nil {
+			return err
+		}
+		if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
+			return err
+		}
+		rel, err := testenv.InstallChart(cluster, testenv.NodeChartValues(cluster, node, false))
+		if err != nil {
+			return err
+		}
+		defer func() { _ = rel.Uninstall() }()
+	}
+	kc := filepath.Join(dir, "admin.kubeconfig")
+	if err := cluster.AdminKubeconfig(kc); err != nil {
+		return err
+	}
+	fmt.Printf(`The cluster is up (node %s Ready). In another terminal, as root:
+
+  nsenter -t %d -n -m            # a shell in the node's network and mount namespace
+  export KUBECONFIG=%s
+  ctr --address %s -n k8s.io containers ls
+
+Images loaded: %s, %s%s.
+Ctrl-C here tears everything down.
+`, testenv.NodeName, os.Getpid(), kc, node.Socket, testenv.PauseImage, testenv.AppImage, map[bool]string{true: ", " + testenv.AgentImage + " (chart installed)"}[withChart])
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	<-sig
+	return nil
+}
