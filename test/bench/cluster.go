@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"sort"
 	"time"
 
@@ -26,33 +24,13 @@ func runCluster(n int) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	cluster, err := testenv.StartPodReachableCluster(filepath.Join(dir, "cp"))
+	one, err := testenv.StartOneNode(ctx, dir)
 	if err != nil {
 		return err
 	}
-	defer cluster.Stop()
-	if err := cluster.StartControllerManager(); err != nil {
-		return err
-	}
-	node, err := testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node"))
-	if err != nil {
-		return err
-	}
-	defer node.Stop()
-	bindCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	testenv.BindPendingPods(bindCtx, cluster)
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		return err
-	}
-	tar := filepath.Join(dir, "install-cni.tar")
-	build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, testenv.AgentImage)
-	build.Dir = root
-	if b, err := build.CombinedOutput(); err != nil {
-		return fmt.Errorf("building the agent image: %v\n%s", err, b)
-	}
-	if err := node.Import(tar); err != nil {
+	defer one.Stop()
+	cluster, node := one.Cluster, one.Node
+	if err := one.LoadAgentImage(dir); err != nil {
 		return err
 	}
 	for _, ns := range []string{"istio-system", "bench"} {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -52,17 +51,7 @@ func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, 
 // and a sidecar pod started by the kubelet passes its validation init
 // container (run as the proxy uid), so its rules were in place at start.
 func TestChartOnNode(t *testing.T) {
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	tar := filepath.Join(workDir, "install-cni.tar")
-	build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, agentImage)
-	build.Dir = root
-	if b, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building the agent image: %v\n%s", err, b)
-	}
-	if err := node.Import(tar); err != nil {
+	if err := oneNode.LoadAgentImage(workDir); err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()

@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -21,6 +20,7 @@ var (
 	cluster *testenv.Cluster
 	node    *testenv.KubeNode
 	workDir string
+	oneNode *testenv.OneNode
 )
 
 func TestMain(m *testing.M) {
@@ -35,26 +35,16 @@ func run(m *testing.M) int {
 		return 2
 	}
 	defer os.RemoveAll(dir)
-	if cluster, err = testenv.StartPodReachableCluster(filepath.Join(dir, "cp")); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	defer cluster.Stop()
-	if err := cluster.StartControllerManager(); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	workDir = dir
 	ctx := context.Background()
 	start := time.Now()
-	if node, err = testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node")); err != nil {
+	one, err := testenv.StartOneNode(ctx, dir)
+	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	defer node.Stop()
-	bindCtx, stopBinding := context.WithCancel(ctx)
-	defer stopBinding()
-	testenv.BindPendingPods(bindCtx, cluster)
+	defer one.Stop()
+	cluster, node, workDir = one.Cluster, one.Node, dir
+	oneNode = one
 	fmt.Fprintf(os.Stderr, "node Ready after %s\n", time.Since(start).Round(time.Millisecond))
 	return m.Run()
 }

@@ -10,7 +10,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"syscall"
@@ -35,34 +34,14 @@ func run(withChart bool) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	cluster, err := testenv.StartPodReachableCluster(filepath.Join(dir, "cp"))
+	one, err := testenv.StartOneNode(ctx, dir)
 	if err != nil {
 		return err
 	}
-	defer cluster.Stop()
-	if err := cluster.StartControllerManager(); err != nil {
-		return err
-	}
-	node, err := testenv.StartKubeNode(ctx, cluster, filepath.Join(dir, "node"))
-	if err != nil {
-		return err
-	}
-	defer node.Stop()
-	bindCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	testenv.BindPendingPods(bindCtx, cluster)
+	defer one.Stop()
+	cluster, node := one.Cluster, one.Node
 	if withChart {
-		root, err := testenv.RepoRoot()
-		if err != nil {
-			return err
-		}
-		tar := filepath.Join(dir, "install-cni.tar")
-		build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, testenv.AgentImage)
-		build.Dir = root
-		if b, err := build.CombinedOutput(); err != nil {
-			return fmt.Errorf("building the agent image: %v\n%s", err, b)
-		}
-		if err := node.Import(tar); err != nil {
+		if err := one.LoadAgentImage(dir); err != nil {
 			return err
 		}
 		if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
