@@ -114,11 +114,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	return ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
 		var diffs []string
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			v, err := a.detect(netNS, fam)
-			if err != nil {
-				return err
-			}
-			st, err := a.state(netNS, netnsPath, v, fam)
+			_, st, err := a.read(netNS, netnsPath, fam)
 			if err != nil {
 				return err
 			}
@@ -151,15 +147,11 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set *ruleset.Set) (FamilyReport, error) {
 	start := time.Now()
 	fr := FamilyReport{Family: fam, Action: "none"}
-	v, err := a.detect(netNS, fam)
+	v, st, err := a.read(netNS, netnsPath, fam)
 	if err != nil {
 		return fr, err
 	}
 	fr.Variant = v.name
-	st, err := a.state(netNS, netnsPath, v, fam)
-	if err != nil {
-		return fr, err
-	}
 	var text string
 	switch {
 	case st.Empty() && set.Empty():
@@ -254,6 +246,19 @@ func hasLegacyTables(fam ruleset.Family) bool {
 	}
 	data, err := os.ReadFile(name)
 	return err == nil && len(bytes.TrimSpace(data)) > 0
+}
+
+// read picks the variant for a family and reads our rules with it.
+func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family) (*variant, *State, error) {
+	v, err := a.detect(netNS, fam)
+	if err != nil {
+		return nil, nil, err
+	}
+	st, err := a.state(netNS, netnsPath, v, fam)
+	if err != nil {
+		return nil, nil, err
+	}
+	return v, st, nil
 }
 
 // state reads our rules; it only runs iptables-save when the namespace has
@@ -447,11 +452,7 @@ func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
 	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			v, err := a.detect(netNS, fam)
-			if err != nil {
-				return err
-			}
-			st, err := a.state(netNS, netnsPath, v, fam)
+			v, st, err := a.read(netNS, netnsPath, fam)
 			if err != nil {
 				return err
 			}

@@ -7,20 +7,15 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 
-	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
+	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
 )
 
 func newNS(t *testing.T) ns.NetNS { return testutil.NewNS(t) }
 
 func planFor(t *testing.T, c testutil.RedirectCase, v6 bool) *ruleset.Plan {
-	t.Helper()
-	p, _, err := redirect.FromPod(c.Pod())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ruleset.Build(p, v6)
+	return testplan.For(t, c, v6)
 }
 
 func tablesIn(t *testing.T, n ns.NetNS) []string {
