@@ -2,7 +2,6 @@ package testenv
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -40,18 +39,10 @@ func NewAgentHost(ctx context.Context, dir string, c *Cluster, pluginBin string)
 	if err := os.Symlink(pluginBin, filepath.Join(h.SrcDir, "istio-cni")); err != nil {
 		return nil, err
 	}
-	tok, err := c.PluginToken(ctx)
-	if err != nil {
+	if _, err := h.RotateToken(ctx); err != nil {
 		return nil, err
 	}
-	ca, err := os.ReadFile(c.CAFile)
-	if err != nil {
-		return nil, err
-	}
-	if err := errors.Join(os.WriteFile(filepath.Join(h.SADir, "token"), []byte(tok), 0o600),
-		os.WriteFile(filepath.Join(h.SADir, "ca.crt"), ca, 0o644)); err != nil {
-		return nil, err
-	}
+	var err error
 	for _, p := range []*int{&h.ReadyPort, &h.MetricsPort} {
 		if *p, err = freePort(); err != nil {
 			return nil, err
@@ -59,6 +50,41 @@ func NewAgentHost(ctx context.Context, dir string, c *Cluster, pluginBin string)
 	}
 	h.Log, err = os.Create(filepath.Join(dir, "agent.log"))
 	return h, err
+}
+
+// RotateToken mints a fresh plugin token and swaps it in the way the
+// kubelet updates a projected volume: a new timestamped dir and an atomic
+// rename of the ..data link. It returns the new token.
+func (h *AgentHost) RotateToken(ctx context.Context) (string, error) {
+	tok, err := h.cluster.PluginToken(ctx)
+	if err != nil {
+		return "", err
+	}
+	ca, err := os.ReadFile(h.cluster.CAFile)
+	if err != nil {
+		return "", err
+	}
+	ts := filepath.Join(h.SADir, fmt.Sprintf("..%d", time.Now().UnixNano()))
+	if err := os.Mkdir(ts, 0o755); err != nil {
+		return "", err
+	}
+	for name, data := range map[string][]byte{"token": []byte(tok), "ca.crt": ca, "namespace": []byte("istio-system")} {
+		if err := os.WriteFile(filepath.Join(ts, name), data, 0o644); err != nil {
+			return "", err
+		}
+		link := filepath.Join(h.SADir, name)
+		if _, err := os.Lstat(link); err != nil {
+			if err := os.Symlink(filepath.Join("..data", name), link); err != nil {
+				return "", err
+			}
+		}
+	}
+	tmp := filepath.Join(h.SADir, "..data_tmp")
+	_ = os.Remove(tmp)
+	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
+		return "", err
+	}
+	return tok, os.Rename(tmp, filepath.Join(h.SADir, "..data"))
 }
 
 // Start runs the agent binary for this host.
@@ -71,10 +97,15 @@ func (h *AgentHost) Start(agentBin string, extra ...string) error {
 	args := append([]string{"--mounted-cni-net-dir", h.NetDir, "--cni-bin-target-dirs", h.BinDir,
 		"--cni-bin-source-dir", h.SrcDir, "--cni-agent-run-dir", h.RunDir, "--service-account-dir", h.SADir,
 		"--readiness-port", strconv.Itoa(h.ReadyPort), "--monitoring-port", strconv.Itoa(h.MetricsPort),
-		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc,
-		"--kubernetes-node-name", NodeName, "--repair-host-proc", "/proc"}, extra...)
+		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc}, extra...)
 	h.cmd = exec.Command(agentBin, args...)
 	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
+	if err := h.Log.Truncate(0); err != nil {
+		return err
+	}
+	if _, err := h.Log.Seek(0, 0); err != nil {
+		return err
+	}
 	h.cmd.Stdout, h.cmd.Stderr = h.Log, h.Log
 	if err := h.cmd.Start(); err != nil {
 		return err
@@ -139,3 +170,37 @@ func (h *AgentHost) Stop(timeout time.Duration) (int, error) {
 		return -1, fmt.Errorf("agent did not stop within %s", timeout)
 	}
 }
+
+// ReadyZ returns the agent's /readyz status code and body.
+func (h *AgentHost) ReadyZ() (int, string) {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/readyz", h.ReadyPort))
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// LogText is what the running (or last) agent has logged.
+func (h *AgentHost) LogText() string {
+	b, _ := os.ReadFile(h.Log.Name())
+	return string(b)
+}
+
+// Done is closed when the agent process has exited.
+func (h *AgentHost) Done() <-chan struct{} { return h.done }
+
+// Signal sends sig to the agent.
+func (h *AgentHost) Signal(sig syscall.Signal) { _ = h.cmd.Process.Signal(sig) }
+
+// Kill kills the agent and waits for it.
+func (h *AgentHost) Kill() {
+	if h.cmd != nil && h.cmd.Process != nil {
+		_ = h.cmd.Process.Kill()
+		<-h.done
+	}
+}
+
+// ExitCode is the exit code of the agent once Done.
+func (h *AgentHost) ExitCode() int { return h.cmd.ProcessState.ExitCode() }

@@ -231,7 +231,8 @@ func (b *bench) startAgent(ctx context.Context, c *testenv.Cluster, dir string) 
 	if err := os.WriteFile(filepath.Join(b.confDir, "10-calico.conflist"), calicoConf, 0o644); err != nil {
 		return nil, err
 	}
-	if err := h.Start(agentBin, "--conflict-limit", "100000", "--disable-safe-upgrade"); err != nil {
+	if err := h.Start(agentBin, "--conflict-limit", "100000", "--disable-safe-upgrade",
+		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc"); err != nil {
 		return nil, err
 	}
 	stop := func() { _, _ = h.Stop(10 * time.Second) }

@@ -60,27 +60,25 @@ func TestAgentCrashSafety(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := newHost(t)
-	calico := filepath.Join(h.netDir, "10-calico.conflist")
+	calico := filepath.Join(h.NetDir, "10-calico.conflist")
 	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 	kills := 0
 	for i := 0; i < 60; i++ {
 		// During install: any instant from exec to well after readiness.
 		h.start("--conflict-limit", "1000")
 		time.Sleep(time.Duration(rng.Intn(40000)) * time.Microsecond) // the random kill instant is the point
-		_ = h.cmd.Process.Signal(syscall.SIGKILL)
-		<-h.done
+		h.Kill()
 		kills++
-		checkConfDir(t, h.netDir, orig.Plugins)
+		checkConfDir(t, h.NetDir, orig.Plugins)
 
 		// During clean-up: SIGTERM, then SIGKILL a moment later.
 		h.start("--conflict-limit", "1000")
 		h.waitReadyz(200, 20*time.Second)
-		_ = h.cmd.Process.Signal(syscall.SIGTERM)
+		h.Signal(syscall.SIGTERM)
 		time.Sleep(time.Duration(rng.Intn(3000)) * time.Microsecond) // the random kill instant is the point
-		_ = h.cmd.Process.Signal(syscall.SIGKILL)
-		<-h.done
+		h.Kill()
 		kills++
-		checkConfDir(t, h.netDir, orig.Plugins)
+		checkConfDir(t, h.NetDir, orig.Plugins)
 	}
 	// A last clean start and stop leaves no temp files behind.
 	h.start()
@@ -88,12 +86,12 @@ func TestAgentCrashSafety(t *testing.T) {
 	if code := h.stop(syscall.SIGTERM); code != 0 {
 		t.Fatalf("exit %d", code)
 	}
-	entries, _ := os.ReadDir(h.netDir)
+	entries, _ := os.ReadDir(h.NetDir)
 	for _, e := range entries {
 		if strings.Contains(e.Name(), "tmp") {
 			t.Fatalf("temp file left: %s", e.Name())
 		}
 	}
-	checkConfDir(t, h.netDir, orig.Plugins)
+	checkConfDir(t, h.NetDir, orig.Plugins)
 	t.Logf("%d kills, config valid and complete after each", kills)
 }

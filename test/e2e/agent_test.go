@@ -4,16 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,96 +20,29 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
-// host is a simulated node file system for the agent: the host CNI config
-// and bin dirs, the run dir and the service account mount.
+// host is a simulated node file system for the agent (testenv.AgentHost)
+// with test-failing helpers.
 type host struct {
-	t                                     *testing.T
-	netDir, binDir, runDir, saDir, srcDir string
-	readyPort, metricsPort                int
-	cmd                                   *exec.Cmd
-	logs                                  *syncBuffer
-	done                                  chan struct{}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	*testenv.AgentHost
+	t *testing.T
 }
 
 func newHost(t *testing.T) *host {
 	t.Helper()
-	root := t.TempDir()
-	h := &host{t: t, netDir: filepath.Join(root, "etc-cni-net.d"), binDir: filepath.Join(root, "opt-cni-bin"),
-		runDir: filepath.Join(root, "run"), saDir: filepath.Join(root, "sa"), srcDir: filepath.Join(root, "image-bin"),
-		readyPort: freePort(t), metricsPort: freePort(t)}
-	for _, d := range []string{h.netDir, h.binDir, h.saDir, h.srcDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := os.Symlink(pluginBin, filepath.Join(h.srcDir, "istio-cni")); err != nil {
+	ah, err := testenv.NewAgentHost(context.Background(), t.TempDir(), cluster, pluginBin)
+	if err != nil {
 		t.Fatal(err)
 	}
-	h.rotateToken()
-	return h
+	return &host{AgentHost: ah, t: t}
 }
 
-// rotateToken writes a fresh token the way the kubelet updates a projected
-// volume: a new timestamped dir and an atomic swap of the ..data link.
 func (h *host) rotateToken() string {
 	h.t.Helper()
-	tok, err := cluster.PluginToken(context.Background())
+	tok, err := h.RotateToken(context.Background())
 	if err != nil {
-		h.t.Fatal(err)
-	}
-	ca, err := os.ReadFile(cluster.CAFile)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	ts := filepath.Join(h.saDir, fmt.Sprintf("..%d", time.Now().UnixNano()))
-	if err := os.Mkdir(ts, 0o755); err != nil {
-		h.t.Fatal(err)
-	}
-	for name, data := range map[string][]byte{"token": []byte(tok), "ca.crt": ca, "namespace": []byte("istio-system")} {
-		if err := os.WriteFile(filepath.Join(ts, name), data, 0o644); err != nil {
-			h.t.Fatal(err)
-		}
-		link := filepath.Join(h.saDir, name)
-		if _, err := os.Lstat(link); err != nil {
-			if err := os.Symlink(filepath.Join("..data", name), link); err != nil {
-				h.t.Fatal(err)
-			}
-		}
-	}
-	tmp := filepath.Join(h.saDir, "..data_tmp")
-	_ = os.Remove(tmp)
-	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
-		h.t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(h.saDir, "..data")); err != nil {
 		h.t.Fatal(err)
 	}
 	return tok
@@ -122,32 +50,13 @@ func (h *host) rotateToken() string {
 
 func (h *host) start(extraArgs ...string) {
 	h.t.Helper()
-	kc := filepath.Join(filepath.Dir(h.runDir), "admin.kubeconfig")
-	if err := cluster.AdminKubeconfig(kc); err != nil {
+	if err := h.Start(agentBin, extraArgs...); err != nil {
 		h.t.Fatal(err)
 	}
-	u := strings.TrimPrefix(cluster.URL, "https://")
-	hostPart, port, _ := net.SplitHostPort(u)
-	args := append([]string{
-		"--mounted-cni-net-dir", h.netDir, "--cni-bin-target-dirs", h.binDir, "--cni-bin-source-dir", h.srcDir,
-		"--cni-agent-run-dir", h.runDir, "--service-account-dir", h.saDir,
-		"--readiness-port", strconv.Itoa(h.readyPort), "--monitoring-port", strconv.Itoa(h.metricsPort),
-		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc,
-	}, extraArgs...)
-	h.cmd = exec.Command(agentBin, args...)
-	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + hostPart, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
-	h.logs = &syncBuffer{}
-	h.cmd.Stdout, h.cmd.Stderr = h.logs, h.logs
-	if err := h.cmd.Start(); err != nil {
-		h.t.Fatal(err)
-	}
-	h.done = make(chan struct{})
-	go func() { _ = h.cmd.Wait(); close(h.done) }()
 	h.t.Cleanup(func() {
-		_ = h.cmd.Process.Kill()
-		<-h.done
+		h.Kill()
 		if h.t.Failed() {
-			h.t.Logf("agent log:\n%s", h.logs.String())
+			h.t.Logf("agent log:\n%s", h.LogText())
 		}
 	})
 }
@@ -155,23 +64,13 @@ func (h *host) start(extraArgs ...string) {
 // stop sends a signal and returns the exit code.
 func (h *host) stop(sig syscall.Signal) int {
 	h.t.Helper()
-	_ = h.cmd.Process.Signal(sig)
+	h.Signal(sig)
 	select {
-	case <-h.done:
+	case <-h.Done():
 	case <-time.After(20 * time.Second):
 		h.t.Fatalf("agent did not exit after %v", sig)
 	}
-	return h.cmd.ProcessState.ExitCode()
-}
-
-func (h *host) readyz() (int, string) {
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/readyz", h.readyPort))
-	if err != nil {
-		return 0, err.Error()
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
+	return h.ExitCode()
 }
 
 // waitReadyz polls the agent's readiness endpoint (an outside process's
@@ -182,12 +81,12 @@ func (h *host) waitReadyz(want int, timeout time.Duration) string {
 	var body string
 	var code int
 	for time.Now().Before(deadline) {
-		if code, body = h.readyz(); code == want {
+		if code, body = h.ReadyZ(); code == want {
 			return body
 		}
 		select {
-		case <-h.done:
-			h.t.Fatalf("agent exited while waiting for readiness %d; log:\n%s", want, h.logs.String())
+		case <-h.Done():
+			h.t.Fatalf("agent exited while waiting for readiness %d; log:\n%s", want, h.LogText())
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
@@ -196,13 +95,12 @@ func (h *host) waitReadyz(want int, timeout time.Duration) string {
 }
 
 func (h *host) metric(name string) string {
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", h.metricsPort))
+	h.t.Helper()
+	lines, err := h.Metrics(name)
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	for _, l := range strings.Split(string(b), "\n") {
+	for _, l := range lines {
 		if strings.HasPrefix(l, name+" ") || strings.HasPrefix(l, name+"{") {
 			return l
 		}
@@ -307,7 +205,7 @@ func ensureDaemonSet(t *testing.T, present bool) {
 func TestAgentInstallGuardRemove(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := newHost(t)
-	calico := filepath.Join(h.netDir, "10-calico.conflist")
+	calico := filepath.Join(h.NetDir, "10-calico.conflist")
 	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 	if err := os.Chmod(calico, 0o640); err != nil {
 		t.Fatal(err)
@@ -326,10 +224,10 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 	if fi, _ := os.Stat(calico); fi.Mode().Perm() != 0o640 {
 		t.Fatalf("config mode changed to %v", fi.Mode().Perm())
 	}
-	if fi, err := os.Stat(filepath.Join(h.binDir, "istio-cni")); err != nil || fi.Mode().Perm() != 0o755 {
+	if fi, err := os.Stat(filepath.Join(h.BinDir, "istio-cni")); err != nil || fi.Mode().Perm() != 0o755 {
 		t.Fatalf("binary not installed executable: %v %v", fi, err)
 	}
-	kc := filepath.Join(h.runDir, "istio-cni-kubeconfig")
+	kc := filepath.Join(h.RunDir, "istio-cni-kubeconfig")
 	if fi, err := os.Stat(kc); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("kubeconfig not 0600: %v %v", fi, err)
 	}
@@ -345,13 +243,13 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 			if i%2 == 0 {
 				copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 			} else {
-				tmp := filepath.Join(h.netDir, ".calico-tmp")
+				tmp := filepath.Join(h.NetDir, ".calico-tmp")
 				copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), tmp)
 				if err := os.Rename(tmp, calico); err != nil {
 					t.Fatal(err)
 				}
 			}
-			waitDir(t, h.netDir, 10*time.Second, func() bool {
+			waitDir(t, h.NetDir, 10*time.Second, func() bool {
 				n, last := entryCount(t, calico)
 				return n == 1 && last
 			})
@@ -367,7 +265,7 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 
 	t.Run("token-rotation-rewrites-kubeconfig", func(t *testing.T) {
 		tok := h.rotateToken()
-		waitDir(t, h.runDir, 10*time.Second, func() bool {
+		waitDir(t, h.RunDir, 10*time.Second, func() bool {
 			b, _ := os.ReadFile(kc)
 			return strings.Contains(string(b), tok)
 		})
@@ -387,7 +285,7 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 		if string(ab) != string(ob) {
 			t.Fatalf("primary config not restored:\n%s", after)
 		}
-		for _, p := range []string{kc, filepath.Join(h.binDir, "istio-cni")} {
+		for _, p := range []string{kc, filepath.Join(h.BinDir, "istio-cni")} {
 			if _, err := os.Stat(p); !os.IsNotExist(err) {
 				t.Fatalf("%s left after uninstall", p)
 			}
@@ -400,18 +298,18 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 func TestAgentConflictBackoff(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := newHost(t)
-	cilium := filepath.Join(h.netDir, "05-cilium.conflist")
+	cilium := filepath.Join(h.NetDir, "05-cilium.conflist")
 	copyFile(t, filepath.Join(primaryDir, "05-cilium.conflist"), cilium)
 	h.start("--conflict-limit", "2", "--conflict-window", "30s")
 	h.waitReadyz(200, 20*time.Second)
 	for i := 0; i < 4; i++ {
 		copyFile(t, filepath.Join(primaryDir, "05-cilium.conflist"), cilium)
-		waitDir(t, h.netDir, 20*time.Second, func() bool {
+		waitDir(t, h.NetDir, 20*time.Second, func() bool {
 			n, last := entryCount(t, cilium)
 			return n == 1 && last
 		})
 	}
-	logs := h.logs.String()
+	logs := h.LogText()
 	if !strings.Contains(logs, "keeps rewriting the CNI config") || !strings.Contains(logs, "cni.exclusive=false") || !strings.Contains(logs, "05-cilium.conflist") {
 		t.Fatalf("no conflict warning naming the file with the Cilium hint:\n%s", logs)
 	}
@@ -423,7 +321,7 @@ func TestAgentConflictBackoff(t *testing.T) {
 func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 	ensureDaemonSet(t, true)
 	h := newHost(t)
-	calico := filepath.Join(h.netDir, "10-calico.conflist")
+	calico := filepath.Join(h.NetDir, "10-calico.conflist")
 	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 	h.start()
 	h.waitReadyz(200, 20*time.Second)
@@ -433,12 +331,12 @@ func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 	if n, last := entryCount(t, calico); n != 1 || !last {
 		t.Fatal("entry removed during an upgrade")
 	}
-	for _, p := range []string{filepath.Join(h.runDir, "istio-cni-kubeconfig"), filepath.Join(h.binDir, "istio-cni")} {
+	for _, p := range []string{filepath.Join(h.RunDir, "istio-cni-kubeconfig"), filepath.Join(h.BinDir, "istio-cni")} {
 		if _, err := os.Stat(p); err != nil {
 			t.Fatalf("%s removed during an upgrade", p)
 		}
 	}
-	if !strings.Contains(h.logs.String(), "leaving the plugin in place") {
+	if !strings.Contains(h.LogText(), "leaving the plugin in place") {
 		t.Fatal("no log line explaining why the plugin stayed")
 	}
 }
@@ -446,7 +344,7 @@ func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 func TestAgentWaitsForPrimaryAndWrapsConf(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := newHost(t)
-	if err := os.WriteFile(filepath.Join(h.netDir, "00-broken.conflist"), []byte(`{"plugins":[`), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(h.NetDir, "00-broken.conflist"), []byte(`{"plugins":[`), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	h.start()
@@ -454,7 +352,7 @@ func TestAgentWaitsForPrimaryAndWrapsConf(t *testing.T) {
 	for !strings.Contains(body, "waiting for the primary") {
 		body = h.waitReadyz(503, 10*time.Second)
 	}
-	bridge := filepath.Join(h.netDir, "10-bridge.conf")
+	bridge := filepath.Join(h.NetDir, "10-bridge.conf")
 	copyFile(t, filepath.Join(primaryDir, "10-bridge.conf"), bridge)
 	h.waitReadyz(200, 20*time.Second)
 	if _, err := os.Stat(bridge); !os.IsNotExist(err) {
@@ -463,7 +361,7 @@ func TestAgentWaitsForPrimaryAndWrapsConf(t *testing.T) {
 	if n, last := entryCount(t, bridge+"list"); n != 1 || !last {
 		t.Fatal("no entry in the wrapped .conflist")
 	}
-	if !strings.Contains(h.logs.String(), "00-broken.conflist") {
+	if !strings.Contains(h.LogText(), "00-broken.conflist") {
 		t.Fatal("the invalid config was not named in a warning")
 	}
 }
@@ -473,7 +371,7 @@ func TestAgentStandalone(t *testing.T) {
 	h := newHost(t)
 	h.start("--chained-cni-plugin=false")
 	h.waitReadyz(200, 20*time.Second)
-	p := filepath.Join(h.netDir, install.StandaloneConfName)
+	p := filepath.Join(h.NetDir, install.StandaloneConfName)
 	conf, err := libcni.ConfFromFile(p)
 	if err != nil || conf.Network.Type != "istio-cni" {
 		t.Fatalf("standalone config: %v %v", conf, err)
@@ -490,8 +388,8 @@ func TestAgentBadInput(t *testing.T) {
 	ensureDaemonSet(t, false)
 	t.Run("missing-token", func(t *testing.T) {
 		h := newHost(t)
-		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), filepath.Join(h.netDir, "10-calico.conflist"))
-		if err := os.Remove(filepath.Join(h.saDir, "token")); err != nil {
+		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), filepath.Join(h.NetDir, "10-calico.conflist"))
+		if err := os.Remove(filepath.Join(h.SADir, "token")); err != nil {
 			t.Fatal(err)
 		}
 		h.start()
@@ -499,20 +397,20 @@ func TestAgentBadInput(t *testing.T) {
 		for !strings.Contains(body, "token") {
 			body = h.waitReadyz(503, 10*time.Second)
 		}
-		if n, _ := entryCount(t, filepath.Join(h.netDir, "10-calico.conflist")); n != 0 {
+		if n, _ := entryCount(t, filepath.Join(h.NetDir, "10-calico.conflist")); n != 0 {
 			t.Fatal("config written although the kubeconfig could not be")
 		}
 	})
 	t.Run("read-only-conf-dir", func(t *testing.T) {
 		h := newHost(t)
-		calico := filepath.Join(h.netDir, "10-calico.conflist")
+		calico := filepath.Join(h.NetDir, "10-calico.conflist")
 		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 		orig, _ := os.ReadFile(calico)
-		if err := syscall.Mount(h.netDir, h.netDir, "", syscall.MS_BIND, ""); err != nil {
+		if err := syscall.Mount(h.NetDir, h.NetDir, "", syscall.MS_BIND, ""); err != nil {
 			t.Fatal(err)
 		}
-		defer syscall.Unmount(h.netDir, syscall.MNT_DETACH)
-		if err := syscall.Mount("", h.netDir, "", syscall.MS_BIND|syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
+		defer syscall.Unmount(h.NetDir, syscall.MNT_DETACH)
+		if err := syscall.Mount("", h.NetDir, "", syscall.MS_BIND|syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
 			t.Fatal(err)
 		}
 		h.start()
@@ -547,7 +445,7 @@ func TestAgentPicksNftablesWithoutIPTables(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		calico := filepath.Join(h.netDir, "10-calico.conflist")
+		calico := filepath.Join(h.NetDir, "10-calico.conflist")
 		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 		h.start("--native-nftables", "auto", "--host-root", root)
 		h.waitReadyz(200, 20*time.Second)

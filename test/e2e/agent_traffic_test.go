@@ -24,19 +24,19 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := newHost(t)
 	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
-		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(h.runDir, "..", "ipam") + `","ranges":[[{"subnet":"10.245.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
-	if err := os.WriteFile(filepath.Join(h.netDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
+		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(h.RunDir, "..", "ipam") + `","ranges":[[{"subnet":"10.245.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
+	if err := os.WriteFile(filepath.Join(h.NetDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	for _, p := range []string{"ptp", "host-local"} {
-		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(h.binDir, p)); err != nil {
+		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(h.BinDir, p)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	h.start("--kubernetes-node-name", testenv.NodeName)
 	h.waitReadyz(200, 20*time.Second)
 
-	primary, _, err := install.FindPrimary(h.netDir, "")
+	primary, _, err := install.FindPrimary(h.NetDir, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +44,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cni := libcni.NewCNIConfigWithCacheDir([]string{h.binDir}, t.TempDir(), nil)
+	cni := libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil)
 	name := "agent-installed"
 	k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
 	if err != nil {
@@ -63,7 +63,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
 	})
 	// The plugin posts its lines when it exits, before ADD returns.
-	logs := h.logs.String()
+	logs := h.LogText()
 	if !strings.Contains(logs, `"scope":"cni-plugin"`) || !strings.Contains(logs, testNS+"/"+name) || !strings.Contains(logs, "redirect rules programmed") {
 		t.Fatalf("plugin lines missing from the agent's output:\n%s", logs)
 	}
@@ -71,7 +71,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	t.Run("pod-from-agent-cache-without-api", func(t *testing.T) {
 		// With the plugin's own API access broken, only the agent's cache
 		// can tell it about the pod.
-		kc := filepath.Join(h.runDir, "istio-cni-kubeconfig")
+		kc := filepath.Join(h.RunDir, "istio-cni-kubeconfig")
 		if err := testenv.WriteKubeconfig(kc, "https://127.0.0.1:1", cluster.CAFile, "x"); err != nil {
 			t.Fatal(err)
 		}
@@ -80,7 +80,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		agent := podinfo.NewAgentClient(filepath.Join(h.runDir, podinfo.AgentSocketName), time.Second)
+		agent := podinfo.NewAgentClient(filepath.Join(h.RunDir, podinfo.AgentSocketName), time.Second)
 		deadline := time.Now().Add(10 * time.Second)
 		for { // the informer sees the pod shortly after it is created
 			if _, err := agent.GetPod(context.Background(), testNS, name); err == nil {
@@ -129,14 +129,14 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 
 	t.Run("status-follows-agent-readiness", func(t *testing.T) {
 		status := func() map[string]any {
-			res, _ := execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"`+h.runDir+`"}`))
+			res, _ := execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"`+h.RunDir+`"}`))
 			return res
 		}
 		if res := status(); res != nil {
 			t.Fatalf("STATUS with a ready agent: %v", res)
 		}
 		// The primary config disappears: the agent is not ready, STATUS says so.
-		if err := os.Rename(filepath.Join(h.netDir, "10-ptp.conflist"), filepath.Join(h.netDir, "10-ptp.bak")); err != nil {
+		if err := os.Rename(filepath.Join(h.NetDir, "10-ptp.conflist"), filepath.Join(h.NetDir, "10-ptp.bak")); err != nil {
 			t.Fatal(err)
 		}
 		h.waitReadyz(503, 10*time.Second)
@@ -145,8 +145,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 			t.Fatalf("STATUS with an unready agent: %v, want code 50", res)
 		}
 		// A dead agent (its socket left behind) is not ready either.
-		_ = h.cmd.Process.Kill()
-		<-h.done
+		h.Kill()
 		if res := status(); res == nil || res["code"] != float64(50) {
 			t.Fatalf("STATUS with a dead agent: %v, want code 50", res)
 		}

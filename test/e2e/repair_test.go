@@ -108,7 +108,7 @@ var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
 func TestRepairInPlace(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := newHost(t)
-	if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
@@ -154,7 +154,7 @@ func TestRepairDeleteAndLabel(t *testing.T) {
 	for _, mode := range []string{"delete", "label"} {
 		t.Run(mode, func(t *testing.T) {
 			h := newHost(t)
-			if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+			if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 				t.Fatal(err)
 			}
 			h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods=false", "--repair-"+mode+"-pods")
@@ -206,7 +206,7 @@ func TestRepairStartupScan(t *testing.T) {
 	pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
 	setPodIP(t, pod.Name, ip)
 	h := newHost(t)
-	if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
@@ -227,7 +227,7 @@ func TestRepairGoesOn(t *testing.T) {
 	ctx := context.Background()
 	t.Run("vanished-pod", func(t *testing.T) {
 		h := newHost(t)
-		if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
@@ -253,7 +253,7 @@ func TestRepairGoesOn(t *testing.T) {
 			t.Fatal(err)
 		}
 		h := newHost(t)
-		if err := os.WriteFile(filepath.Join(h.netDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		kc := filepath.Join(t.TempDir(), "restricted.kubeconfig")
