@@ -27,21 +27,12 @@ func Main() int {
 		Rules:    &iptables.Applier{Force: os.Getenv("FORCE_IPTABLES_BINARY")},
 		NFTables: &nftables.Applier{},
 	}
-	var sockPath string
-	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
-		return func(a *skel.CmdArgs) error {
-			if conf, err := ParseConfig(a.StdinData); err == nil {
-				sockPath = conf.LogSocketPath()
-			}
-			return f(a)
-		}
-	}
 	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
-		Add:    wrap(p.Add),
-		Del:    wrap(p.Del),
-		Check:  wrap(p.Check),
-		Status: wrap(p.Status),
-		GC:     wrap(p.GC),
+		Add:    p.Add,
+		Del:    p.Del,
+		Check:  p.Check,
+		Status: p.Status,
+		GC:     p.GC,
 	}, version.All, "istio-cni "+Version+": sidecar traffic redirection for Istio")
 	code := 0
 	if err != nil {
@@ -49,8 +40,8 @@ func Main() int {
 		_ = err.Print()
 		code = 1
 	}
-	if sockPath != "" {
-		_ = log.Forward(sockPath, time.Second)
+	if sock := p.LogSocket(); sock != "" {
+		_ = log.Forward(sock, time.Second)
 	}
 	return code
 }

@@ -41,7 +41,15 @@ type Plugin struct {
 	// NewSource builds the pod source for a config and the pod's UID (the
 	// agent's cache, then the API, by default).
 	NewSource func(conf *Config, uid string) (podinfo.Source, error)
+
+	// logSocket is the agent's log socket of the config last loaded, where
+	// the lines of this run are forwarded at exit.
+	logSocket string
 }
+
+// LogSocket returns the log socket of the config the command ran with
+// ("" when the config did not parse).
+func (p *Plugin) LogSocket() string { return p.logSocket }
 
 // AgentPodPrefix is the name prefix of the node agent's own pods, which
 // must start even when nothing can be looked up yet (after a reboot the
@@ -179,6 +187,7 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 		}
 		return nil, types.NewError(types.ErrDecodingFailure, err.Error(), "")
 	}
+	p.logSocket = conf.LogSocketPath()
 	lv, _ := logging.ParseLevel(conf.PluginLogLevel)
 	p.Log.SetLevel(lv)
 	k8s, err := ParseArgs(args.Args)
