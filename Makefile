@@ -6,11 +6,10 @@ PKGS := ./...
 
 all: build
 
+# Static binaries, as the image ships them.
 build:
-	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni ./cmd/istio-cni
-	$(GO) build -trimpath -ldflags="-s -w" -o bin/install-cni ./cmd/install-cni
-	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni-validate ./cmd/istio-cni-validate
-	$(GO) build -trimpath -ldflags="-s -w" -o bin/istio-cni-diag ./cmd/istio-cni-diag
+	for c in istio-cni istio-cni-fallback install-cni istio-cni-validate istio-cni-diag; do \
+		CGO_ENABLED=0 $(GO) build -trimpath -ldflags="-s -w" -o bin/$$c ./cmd/$$c || exit 1; done
 
 setup:
 	hack/setup.sh

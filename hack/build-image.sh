@@ -16,7 +16,9 @@ chmod 1777 "$rootfs/tmp"
 for cmd in install-cni istio-cni-validate istio-cni-diag; do
   CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/usr/local/bin/$cmd" "./cmd/$cmd"
 done
-CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/opt/cni/bin/istio-cni" ./cmd/istio-cni
+for cmd in istio-cni istio-cni-fallback; do
+  CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/opt/cni/bin/$cmd" "./cmd/$cmd"
+done
 
 debs="${DEB_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/debs}"
 mkdir -p "$debs"

@@ -1,11 +1,14 @@
 // Command istio-cni is the chained CNI plugin that sets up a pod's traffic
-// redirection to its Istio sidecar.
+// redirection to its Istio sidecar. It hands each command to the node
+// agent and runs istio-cni-fallback when no agent answers.
 package main
 
 import (
 	"os"
 
-	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 )
 
-func main() { os.Exit(plugin.Main()) }
+func main() {
+	os.Exit(cnirelay.Main("istio-cni: sidecar traffic redirection for Istio"))
+}

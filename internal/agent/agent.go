@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
@@ -29,14 +30,17 @@ import (
 // Metrics are the agent's Prometheus metrics; the first two carry Istio's
 // names so existing dashboards and alerts keep working.
 type Metrics struct {
-	Registry      *prometheus.Registry
-	InstallReady  prometheus.Gauge
-	Installs      *prometheus.CounterVec
-	Reinsertions  prometheus.Counter
-	Conflicts     prometheus.Counter
-	ReinsertDelay prometheus.Histogram
-	Repaired      *prometheus.CounterVec
-	RepairLatency prometheus.Histogram
+	Registry       *prometheus.Registry
+	InstallReady   prometheus.Gauge
+	Installs       *prometheus.CounterVec
+	Reinsertions   prometheus.Counter
+	Conflicts      prometheus.Counter
+	ReinsertDelay  prometheus.Histogram
+	Repaired       *prometheus.CounterVec
+	RepairLatency  prometheus.Histogram
+	PluginCommands *prometheus.CounterVec
+	PluginLatency  *prometheus.HistogramVec
+	PluginLookups  *prometheus.CounterVec
 }
 
 // NewMetrics registers the metrics on a fresh registry.
@@ -59,7 +63,9 @@ func NewMetrics() *Metrics {
 	m.RepairLatency = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "istio_cni_repair_latency_seconds",
 		Help:    "Time from a pod first seen broken to the repair controller's successful action.",
 		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
-	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay, m.Repaired, m.RepairLatency)
+	m.PluginCommands, m.PluginLatency, m.PluginLookups = NewCNIMetrics()
+	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay, m.Repaired, m.RepairLatency,
+		m.PluginCommands, m.PluginLatency, m.PluginLookups)
 	return m
 }
 
@@ -221,6 +227,20 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := pods.Serve(srvCtx, a.opts.RunDir, a.ReadyReason, a.log); err != nil {
 		return fmt.Errorf("agent socket: %w", err)
 	}
+	cni := &CNIServer{
+		Log:   a.log.With("scope", "cni-plugin"),
+		Rules: a.iptablesRules(), NFTables: &nftables.Applier{},
+		Pods: pods, Clientset: a.Clientset, ReadyReason: a.ReadyReason,
+		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
+	}
+	cniDone, err := cni.Serve(srvCtx, filepath.Join(a.opts.RunDir, cnirelay.SocketName), 5*time.Second)
+	if err != nil {
+		return fmt.Errorf("CNI socket: %w", err)
+	}
+	defer func() {
+		stopServers()
+		<-cniDone
+	}()
 	if a.opts.RepairEnabled && a.Clientset != nil {
 		a.startRepair(srvCtx)
 	}
@@ -328,7 +348,7 @@ func (a *Agent) startRepair(ctx context.Context) {
 		a.log.Warn("repair is enabled but no mode is: set repair-repair-pods, repair-delete-pods or repair-label-pods")
 		return
 	}
-	var rules plugin.Rules = &iptables.Applier{}
+	rules := a.iptablesRules()
 	if a.opts.NativeNftables {
 		rules = &nftables.Applier{}
 	}
@@ -339,6 +359,12 @@ func (a *Agent) startRepair(ctx context.Context) {
 			a.log.Error("repair controller stopped", "error", err.Error())
 		}
 	}()
+}
+
+// iptablesRules is the iptables backend, with the variant forced as the
+// plugin's FORCE_IPTABLES_BINARY does.
+func (a *Agent) iptablesRules() plugin.Rules {
+	return &iptables.Applier{Force: a.getenv("FORCE_IPTABLES_BINARY")}
 }
 
 func (a *Agent) relevant(ev fsnotify.Event) bool {
@@ -356,7 +382,7 @@ func (a *Agent) relevant(ev fsnotify.Event) bool {
 	case dir == filepath.Clean(a.opts.ServiceAccountDir):
 		return true
 	default:
-		return base == install.PluginType
+		return base == install.PluginType || base == install.FallbackBinary
 	}
 }
 

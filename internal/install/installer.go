@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 )
 
@@ -27,6 +28,20 @@ type Config struct {
 	ConfGroupRead bool
 	Kubeconfig    KubeconfigSettings
 	Entry         EntrySettings
+}
+
+// FallbackBinary is the complete plugin the relay runs when the agent is
+// away (cnirelay.FallbackBinary).
+const FallbackBinary = "istio-cni-fallback"
+
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case a:
+		return 1
+	}
+	return -1
 }
 
 // StandaloneConfName is the default file name in standalone mode.
@@ -73,6 +88,11 @@ func (in *Installer) InstallBinaries() error {
 	if err != nil {
 		return &StepError{ResultCopyBinaries, fmt.Errorf("reading %s: %w", in.cfg.BinSourceDir, err)}
 	}
+	// The relay (istio-cni) goes in last: from then on a runtime may run
+	// it, and it needs the fallback beside it when the agent is away.
+	slices.SortStableFunc(entries, func(a, b os.DirEntry) int {
+		return cmpBool(a.Name() == PluginType, b.Name() == PluginType)
+	})
 	for _, dir := range in.cfg.BinTargetDirs {
 		if removed, err := RemoveStaleTemps(dir); err != nil {
 			return &StepError{ResultCopyBinaries, hintReadOnly(fmt.Errorf("cleaning %s: %w", dir, err))}
@@ -215,8 +235,10 @@ func (in *Installer) EnsureConf() (bool, error) {
 // place, and if not, what is missing.
 func (in *Installer) Ready() error {
 	for _, dir := range in.cfg.BinTargetDirs {
-		if _, err := os.Stat(filepath.Join(dir, PluginType)); err != nil {
-			return fmt.Errorf("plugin binary: %w", err)
+		for _, name := range []string{PluginType, FallbackBinary} {
+			if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+				return fmt.Errorf("plugin binary: %w", err)
+			}
 		}
 	}
 	if _, err := os.Stat(in.KubeconfigPath()); err != nil {
@@ -253,9 +275,12 @@ func (in *Installer) Cleanup() error {
 		errs = append(errs, fmt.Errorf("removing %s: %w", in.KubeconfigPath(), err))
 	}
 	for _, dir := range in.cfg.BinTargetDirs {
-		p := filepath.Join(dir, PluginType)
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			errs = append(errs, fmt.Errorf("removing %s: %w", p, err))
+		// The relay first: it must never be there without its fallback.
+		for _, name := range []string{PluginType, FallbackBinary} {
+			p := filepath.Join(dir, name)
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("removing %s: %w", p, err))
+			}
 		}
 	}
 	return errors.Join(errs...)

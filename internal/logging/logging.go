@@ -113,3 +113,32 @@ func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 	}
 	return nil
 }
+
+// Over returns a logger that writes through h (the node agent's own
+// logger, when it serves a plugin command in-process) and whose level the
+// plugin's config sets, like a plugin process's. Nothing is kept for
+// forwarding.
+func Over(h slog.Handler) *Logger {
+	l := &Logger{level: new(slog.LevelVar)}
+	l.Logger = slog.New(&levelHandler{level: l.level, h: h})
+	return l
+}
+
+type levelHandler struct {
+	level *slog.LevelVar
+	h     slog.Handler
+}
+
+func (h *levelHandler) Enabled(ctx context.Context, lv slog.Level) bool {
+	return lv >= h.level.Level() && h.h.Enabled(ctx, lv)
+}
+
+func (h *levelHandler) Handle(ctx context.Context, r slog.Record) error { return h.h.Handle(ctx, r) }
+
+func (h *levelHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return &levelHandler{level: h.level, h: h.h.WithAttrs(as)}
+}
+
+func (h *levelHandler) WithGroup(name string) slog.Handler {
+	return &levelHandler{level: h.level, h: h.h.WithGroup(name)}
+}

@@ -150,3 +150,9 @@ func ParseArgs(s string) (*K8sArgs, error) {
 	}
 	return a, nil
 }
+
+// RequestTimeout bounds one API request for the pod (k8s_request_timeout).
+func (c *Config) RequestTimeout() time.Duration { return c.requestTimeout }
+
+// RetryBudget bounds all attempts to read the pod (k8s_retry_budget).
+func (c *Config) RetryBudget() time.Duration { return c.retryBudget }

@@ -8,6 +8,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/version"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
@@ -26,6 +27,8 @@ func Main() int {
 		Stdout:   os.Stdout,
 		Rules:    &iptables.Applier{Force: os.Getenv("FORCE_IPTABLES_BINARY")},
 		NFTables: &nftables.Applier{},
+		// Set by the relay (istio-cni) when no node agent answered.
+		FallbackReason: os.Getenv(cnirelay.FallbackReasonEnv),
 	}
 	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
 		Add:    p.Add,

@@ -41,6 +41,12 @@ type Plugin struct {
 	// NewSource builds the pod source for a config and the pod's UID (the
 	// agent's cache, then the API, by default).
 	NewSource func(conf *Config, uid string) (podinfo.Source, error)
+	// Ready, when set, answers STATUS (the node agent serving the command
+	// in-process); nil means asking the agent over its socket.
+	Ready func() error
+	// FallbackReason says why the relay ran this process instead of the
+	// node agent; it goes into the log.
+	FallbackReason string
 
 	// logSocket is the agent's log socket of the config last loaded, where
 	// the lines of this run are forwarded at exit.
@@ -196,6 +202,13 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 	}
 	log := p.Log.Logger.With("cmd", cmd, "pod", string(k8s.K8S_POD_NAMESPACE)+"/"+string(k8s.K8S_POD_NAME),
 		"containerID", args.ContainerID)
+	if p.FallbackReason != "" {
+		lv := slog.LevelInfo
+		if cmd != "ADD" && cmd != "CHECK" {
+			lv = slog.LevelDebug
+		}
+		log.Log(context.Background(), lv, "served without the node agent", "reason", p.FallbackReason)
+	}
 	if conf.AmbientEnabled {
 		log.Warn("ambient_enabled is set but this plugin serves sidecar mode only; ambient pods are not enrolled")
 	}
@@ -334,6 +347,12 @@ func (p *Plugin) Status(args *skel.CmdArgs) error {
 	req, err := p.load("STATUS", args)
 	if err != nil {
 		return err
+	}
+	if p.Ready != nil {
+		if err := p.Ready(); err != nil {
+			return types.NewError(errPluginNotAvailable, "istio-cni node agent not ready: "+err.Error(), "")
+		}
+		return nil
 	}
 	sock := req.conf.AgentSocketPath()
 	if fileExists(sock) {

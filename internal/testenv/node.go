@@ -99,8 +99,17 @@ type Node struct {
 	Primary *libcni.NetworkConfigList
 }
 
-// BuildPlugin compiles the plugin into dir and returns its path.
-func BuildPlugin(dir string) (string, error) { return BuildCommand(dir, "istio-cni") }
+// BuildPlugin compiles the plugin (the relay and, next to it, the fallback
+// it runs without an agent) into dir and returns the relay's path.
+func BuildPlugin(dir string) (string, error) {
+	if _, err := BuildCommand(dir, FallbackBinary); err != nil {
+		return "", err
+	}
+	return BuildCommand(dir, "istio-cni")
+}
+
+// FallbackBinary is the complete plugin next to the relay.
+const FallbackBinary = "istio-cni-fallback"
 
 // BuildCommand compiles ./cmd/<name> into dir and returns its path.
 func BuildCommand(dir, name string) (string, error) {
@@ -110,7 +119,9 @@ func BuildCommand(dir, name string) (string, error) {
 	}
 	out := filepath.Join(dir, name)
 	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", out, "./cmd/"+name)
-	cmd.Dir = root
+	// Static, as the image ships them: a dynamically linked Go binary
+	// spends about a millisecond in the loader on every start.
+	cmd.Dir, cmd.Env = root, append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("building %s: %v: %s", name, err, b)
 	}
@@ -139,8 +150,14 @@ func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error)
 			return nil, err
 		}
 	}
-	if err := os.Symlink(pluginBinary, filepath.Join(n.BinDir, "istio-cni")); err != nil {
-		return nil, err
+	for _, name := range []string{FallbackBinary, "istio-cni"} {
+		src := filepath.Join(filepath.Dir(pluginBinary), name)
+		if name == "istio-cni" {
+			src = pluginBinary
+		}
+		if err := os.Symlink(src, filepath.Join(n.BinDir, name)); err != nil {
+			return nil, err
+		}
 	}
 	seq := nodeSeq.Add(1) % 250
 	ptp := map[string]any{

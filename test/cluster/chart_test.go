@@ -159,6 +159,31 @@ func chartOnNode(t *testing.T, backend string) {
 	if reason := repairEvent(t, name); reason != "" {
 		t.Fatalf("the sidecar pod created after the agent needed repair (%s): it did not start with its rules", reason)
 	}
+	// The runtime's istio-cni handed the ADD to the agent, which
+	// programmed the pod in-process; the fallback plugin did not run.
+	agents, err := cluster.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
+	if err != nil || len(agents.Items) != 1 {
+		t.Fatalf("agent pods: %v %v", agents, err)
+	}
+	agentPod := &agents.Items[0]
+	waitLog(t, agentPod, "install-cni", `"pod":"mesh/`+name+`"`)
+	agentLog, err := os.ReadFile(filepath.Join("/var/log/pods", agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := false
+	for _, line := range strings.Split(string(agentLog), "\n") {
+		if !strings.Contains(line, `"pod":"mesh/`+name+`"`) {
+			continue
+		}
+		if strings.Contains(line, "served without the node agent") {
+			t.Fatalf("the pod's ADD went to the fallback plugin, not the agent: %s", line)
+		}
+		served = served || strings.Contains(line, "redirect rules programmed")
+	}
+	if !served {
+		t.Fatalf("no line of the agent programming mesh/%s:\n%s", name, agentLog)
+	}
 
 	// A pod without a sidecar is untouched: its connection to the same
 	// place is not redirected (nothing listens there), and its connection

@@ -18,7 +18,13 @@ import (
 // error it printed (nil on success).
 func execPlugin(t *testing.T, command, netns, args string, stdin []byte) (map[string]any, string) {
 	t.Helper()
-	cmd := exec.Command(pluginBin)
+	return execPluginAt(t, pluginBin, command, netns, args, stdin)
+}
+
+// execPluginAt does the same with the binary at bin.
+func execPluginAt(t *testing.T, bin, command, netns, args string, stdin []byte) (map[string]any, string) {
+	t.Helper()
+	cmd := exec.Command(bin)
 	cmd.Env = []string{"CNI_COMMAND=" + command, "CNI_CONTAINERID=cbad", "CNI_NETNS=" + netns,
 		"CNI_IFNAME=eth0", "CNI_PATH=/usr/lib/cni", "CNI_ARGS=" + args}
 	cmd.Stdin = bytes.NewReader(stdin)

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -20,6 +21,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
+	"github.com/istio-cni-go/istio-cni/internal/agent"
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -220,8 +225,19 @@ func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 // TestTraffic runs every traffic case on both iptables variants and on
 // the native nftables backend, with the same assertions.
 func TestTraffic(t *testing.T) {
-	for _, variant := range []string{"nft", "legacy", "nftables"} {
-		t.Run(variant, func(t *testing.T) {
+	for _, path := range []string{"agent", "fallback"} {
+		for _, variant := range []string{"nft", "legacy", "nftables"} {
+			t.Run(path+"/"+variant, func(t *testing.T) { trafficCases(t, path, variant) })
+		}
+	}
+}
+
+// trafficCases runs every redirect case through the chain, with the
+// relay served by the node agent's CNI server ("agent") or, with no
+// agent, by the fallback plugin it starts ("fallback").
+func trafficCases(t *testing.T, path, variant string) {
+	{
+		{
 			var conf map[string]any
 			if variant == "nftables" {
 				conf = map[string]any{"native_nftables": true}
@@ -235,6 +251,9 @@ func TestTraffic(t *testing.T) {
 				t.Setenv("FORCE_IPTABLES_BINARY", variant)
 			}
 			e := newEnv(t, conf)
+			if path == "agent" {
+				e.serveCNI(variant)
+			}
 			remote := testenv.RemoteV4
 
 			t.Run("outbound-to-15001", func(t *testing.T) {
@@ -394,13 +413,49 @@ func TestTraffic(t *testing.T) {
 					return testenv.Dial(sb.pod, "tcp4", remote+":80")
 				})
 			})
-		})
+		}
 	}
 }
 
-// TestSelection covers pods that must get no rules, CHECK and DEL.
+// serveCNI runs the node agent's CNI server for this node in the test
+// process, as the agent does: the relay then hands it every command.
+func (e *env) serveCNI(variant string) {
+	e.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	force := variant
+	if variant == "nftables" {
+		force = ""
+	}
+	s := &agent.CNIServer{
+		Log:   slog.New(slog.NewJSONHandler(os.Stderr, nil)).With("scope", "cni-plugin"),
+		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{},
+		Pods: agent.StartPodCache(ctx, cluster.Client, testenv.NodeName), Clientset: cluster.Client,
+		ReadyReason: func() string { return "" },
+	}
+	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)
+	if err != nil {
+		cancel()
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+}
+
+// TestSelection covers pods that must get no rules, CHECK and DEL, both
+// through the agent and through the fallback.
 func TestSelection(t *testing.T) {
+	for _, path := range []string{"agent", "fallback"} {
+		t.Run(path, func(t *testing.T) { selectionCases(t, path) })
+	}
+}
+
+func selectionCases(t *testing.T, path string) {
 	e := newEnv(t, nil)
+	if path == "agent" {
+		e.serveCNI("")
+	}
 	cases := []struct {
 		name string
 		spec testenv.PodSpec

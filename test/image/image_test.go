@@ -64,7 +64,7 @@ func TestImage(t *testing.T) {
 	if b, err := untar.CombinedOutput(); err != nil {
 		t.Fatalf("extracting the layer: %v %s", err, b)
 	}
-	for _, p := range []string{"usr/local/bin/install-cni", "opt/cni/bin/istio-cni", "usr/local/bin/istio-cni-validate", "usr/local/bin/istio-cni-diag"} {
+	for _, p := range []string{"usr/local/bin/install-cni", "opt/cni/bin/istio-cni", "opt/cni/bin/istio-cni-fallback", "usr/local/bin/istio-cni-validate", "usr/local/bin/istio-cni-diag"} {
 		if fi, err := os.Stat(filepath.Join(rootfs, p)); err != nil || fi.Mode().Perm()&0o111 == 0 {
 			t.Fatalf("%s missing or not executable: %v", p, err)
 		}

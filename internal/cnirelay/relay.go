@@ -1,0 +1,172 @@
+package cnirelay
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+)
+
+// DefaultRunDir is the plugin's run directory when its config names none.
+const DefaultRunDir = "/var/run/istio-cni"
+
+// Timeout bounds one command in the agent. The agent bounds its own API
+// lookups by the config's k8s_retry_budget (30 s by default); this only
+// catches an agent that stopped answering altogether.
+const Timeout = 2 * time.Minute
+
+// Relay sends CNI commands to the agent's socket and runs the fallback
+// when no agent answers.
+type Relay struct {
+	// Fallback is the complete plugin's path.
+	Fallback string
+	// Environ is passed to the fallback.
+	Environ []string
+	Stdout  io.Writer
+	Stderr  io.Writer
+	Timeout time.Duration
+}
+
+// Main runs the relay as a runtime executes it and returns the exit code.
+func Main(about string) int {
+	fallback := FallbackBinary
+	if exe, err := os.Executable(); err == nil {
+		fallback = filepath.Join(filepath.Dir(exe), FallbackBinary)
+	}
+	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout}
+	cmd := func(name string) func(*skel.CmdArgs) error {
+		return func(args *skel.CmdArgs) error { return r.Run(name, args) }
+	}
+	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
+		Add: cmd("ADD"), Del: cmd("DEL"), Check: cmd("CHECK"), Status: cmd("STATUS"), GC: cmd("GC"),
+	}, version.All, about)
+	if err != nil {
+		_ = err.Print()
+		return 1
+	}
+	return 0
+}
+
+// errNoAgent means nothing answered on the socket: the fallback may run
+// without any risk of doing the work twice at once.
+var errNoAgent = errors.New("no node agent")
+
+// Run serves one command: through the agent when one answers, else by
+// running the complete plugin.
+func (r *Relay) Run(command string, args *skel.CmdArgs) error {
+	var conf struct {
+		RunDir string `json:"cni_agent_run_dir"`
+	}
+	// A config that does not parse goes to the agent or the fallback all
+	// the same: either reports it with the key that was wrong.
+	_ = json.Unmarshal(args.StdinData, &conf)
+	if conf.RunDir == "" {
+		conf.RunDir = DefaultRunDir
+	}
+	sock := filepath.Join(conf.RunDir, SocketName)
+	resp, err := r.ask(sock, command, args)
+	switch {
+	case errors.Is(err, errNoAgent):
+		return r.fallback(err.Error(), args)
+	case err != nil:
+		return err
+	case resp.Unavailable != "":
+		return r.fallback("node agent unavailable: "+resp.Unavailable, args)
+	case resp.Error != nil:
+		return resp.Error
+	}
+	_, err = r.Stdout.Write(resp.Stdout)
+	return err
+}
+
+func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error) {
+	req := Request{Command: command, ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
+		Args: args.Args, Path: args.Path, Stdin: args.StdinData}
+	var oob []byte
+	if args.Netns != "" {
+		f, err := os.Open(args.Netns)
+		switch {
+		case err == nil:
+			defer f.Close()
+			req.HasNetnsFD = true
+			oob = syscall.UnixRights(int(f.Fd()))
+		case command == "ADD" || command == "CHECK":
+			return nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
+		}
+	}
+	body, err := json.Marshal(&req)
+	if err != nil {
+		return nil, types.NewError(types.ErrInternal, err.Error(), "")
+	}
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		// Missing socket or a dead agent's leftover one.
+		return nil, fmt.Errorf("%w: %v", errNoAgent, err)
+	}
+	defer conn.Close()
+	if r.Timeout > 0 {
+		_ = conn.SetDeadline(time.Now().Add(r.Timeout))
+	}
+	// The descriptor rides on a small first write, which a stream socket
+	// delivers whole; the body follows.
+	var hdr [4]byte
+	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
+	if _, _, err := conn.WriteMsgUnix(hdr[:], oob, nil); err != nil {
+		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+	}
+	if _, err := conn.Write(body); err != nil {
+		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+	}
+	_ = conn.CloseWrite()
+	out, err := io.ReadAll(io.LimitReader(conn, MaxMessage))
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
+	}
+	if err != nil || len(out) == 0 {
+		// The agent went away mid-command (a restart): the command is
+		// idempotent, so the fallback can do it.
+		return nil, fmt.Errorf("%w: no answer on %s (%v)", errNoAgent, sock, err)
+	}
+	resp := &Response{}
+	if err := json.Unmarshal(out, resp); err != nil {
+		return nil, types.NewError(types.ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
+	}
+	return resp, nil
+}
+
+// fallback runs the complete plugin with the runtime's environment and
+// config, and passes its answer on.
+func (r *Relay) fallback(reason string, args *skel.CmdArgs) error {
+	cmd := exec.Command(r.Fallback)
+	cmd.Env = append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason)
+	cmd.Stdin = bytes.NewReader(args.StdinData)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, r.Stderr
+	err := cmd.Run()
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+		_, err = r.Stdout.Write(out.Bytes())
+		return err
+	case errors.As(err, &exit):
+		e := &types.Error{}
+		if jerr := json.Unmarshal(out.Bytes(), e); jerr != nil || e.Msg == "" {
+			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (%v) with output %q", r.Fallback, err, out.String()), "")
+		}
+		return e
+	}
+	return types.NewError(types.ErrInternal, fmt.Sprintf("%s; and the plugin that works without it cannot run: %v", reason, err), "")
+}
