@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -65,9 +66,10 @@ func (r Report) String() string {
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 	var rep Report
 	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			set := planSet(plan, fam)
-			fr, err := a.sync(netNS, netnsPath, fam, set)
+			fr, err := a.sync(netNS, netnsPath, fam, set, snap)
 			if err != nil {
 				return err
 			}
@@ -113,8 +115,9 @@ func (a *Applier) Remove(netnsPath string) (Report, error) {
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	return ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
 		var diffs []string
+		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			_, st, err := a.read(netNS, netnsPath, fam)
+			_, st, err := a.read(netNS, netnsPath, fam, snap)
 			if err != nil {
 				return err
 			}
@@ -144,10 +147,10 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 	return &ruleset.Set{Family: fam}
 }
 
-func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set *ruleset.Set) (FamilyReport, error) {
+func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set *ruleset.Set, snap *tableSnapshot) (FamilyReport, error) {
 	start := time.Now()
 	fr := FamilyReport{Family: fam, Action: "none"}
-	v, st, err := a.read(netNS, netnsPath, fam)
+	v, st, err := a.read(netNS, netnsPath, fam, snap)
 	if err != nil {
 		return fr, err
 	}
@@ -249,12 +252,12 @@ func hasLegacyTables(fam ruleset.Family) bool {
 }
 
 // read picks the variant for a family and reads our rules with it.
-func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family) (*variant, *State, error) {
+func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family, snap *tableSnapshot) (*variant, *State, error) {
 	v, err := a.detect(netNS, fam)
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := a.state(netNS, netnsPath, v, fam)
+	st, err := a.state(netNS, netnsPath, v, fam, snap)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -263,8 +266,8 @@ func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family) (*v
 
 // state reads our rules; it only runs iptables-save when the namespace has
 // tables of that variant at all, which a fresh pod namespace does not.
-func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam ruleset.Family) (*State, error) {
-	any, err := hasTables(v, fam)
+func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam ruleset.Family, snap *tableSnapshot) (*State, error) {
+	any, err := snap.has(v, fam)
 	if err != nil {
 		return nil, err
 	}
@@ -278,30 +281,47 @@ func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam rulese
 	return ParseSave(out)
 }
 
-func hasTables(v *variant, fam ruleset.Family) (bool, error) {
+// tableSnapshot lists the namespace's nftables tables once for both
+// families of one call (it must be used inside the namespace).
+type tableSnapshot struct {
+	listed      bool
+	unsupported bool
+	families    map[nftables.TableFamily]bool
+}
+
+func (s *tableSnapshot) has(v *variant, fam ruleset.Family) (bool, error) {
 	if v.legacy {
 		return hasLegacyTables(fam), nil
 	}
-	// No explicit namespace option: the netlink library then binds its
-	// socket to the calling thread's namespace, which ns.Do has set. (An
-	// explicit fd made it list the wrong namespace's tables.)
-	conn, err := nftables.New()
-	if err != nil {
-		return false, fmt.Errorf("opening nftables netlink: %w", err)
-	}
-	defer conn.CloseLasting()
-	tf := nftables.TableFamilyIPv4
-	if fam == ruleset.IPv6 {
-		tf = nftables.TableFamilyIPv6
-	}
-	tables, err := conn.ListTablesOfFamily(tf)
-	if err != nil {
-		if errors.Is(err, unix.EPROTONOSUPPORT) {
-			return hasLegacyTables(fam), nil
+	if !s.listed {
+		// No explicit namespace option: the netlink library then binds
+		// its socket to the calling thread's namespace, which ns.Do has
+		// set. (An explicit fd made it list the wrong namespace's tables.)
+		conn, err := nftables.New()
+		if err != nil {
+			return false, fmt.Errorf("opening nftables netlink: %w", err)
 		}
-		return false, fmt.Errorf("listing nftables tables: %w", err)
+		tables, err := conn.ListTables()
+		_ = conn.CloseLasting()
+		switch {
+		case errors.Is(err, unix.EPROTONOSUPPORT):
+			s.unsupported = true
+		case err != nil:
+			return false, fmt.Errorf("listing nftables tables: %w", err)
+		}
+		s.families = map[nftables.TableFamily]bool{}
+		for _, t := range tables {
+			s.families[t.Family] = true
+		}
+		s.listed = true
 	}
-	return len(tables) > 0, nil
+	if s.unsupported {
+		return hasLegacyTables(fam), nil
+	}
+	if fam == ruleset.IPv6 {
+		return s.families[nftables.TableFamilyIPv6], nil
+	}
+	return s.families[nftables.TableFamilyIPv4], nil
 }
 
 // run executes an iptables binary with a lock scoped to the pod namespace,
@@ -328,18 +348,28 @@ func (a *Applier) lookPath(name string) (string, error) {
 	if a.LookPath != nil {
 		return a.LookPath(name)
 	}
+	key := name + "\x00" + os.Getenv("PATH")
+	if p, ok := foundPaths.Load(key); ok {
+		return p.(string), nil
+	}
 	if p, err := exec.LookPath(name); err == nil {
+		foundPaths.Store(key, p)
 		return p, nil
 	}
 	// Runtimes often exec plugins with a PATH that lacks sbin.
 	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/sbin"} {
 		p := filepath.Join(dir, name)
 		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+			foundPaths.Store(key, p)
 			return p, nil
 		}
 	}
 	return "", fmt.Errorf("%s not found in PATH or sbin directories", name)
 }
+
+// foundPaths remembers binaries found, by name and PATH: the agent looks
+// up the same four for every pod.
+var foundPaths sync.Map
 
 // ensurePassthroughV6 adds ::6/128 to lo: IPv6 loopback is a single
 // address, and the proxy binds ::6 as the source of inbound passthrough.
@@ -451,8 +481,9 @@ type Inspection struct {
 func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
 	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			v, st, err := a.read(netNS, netnsPath, fam)
+			v, st, err := a.read(netNS, netnsPath, fam, snap)
 			if err != nil {
 				return err
 			}

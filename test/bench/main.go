@@ -159,24 +159,28 @@ func run() error {
 				}
 				defer pods[i].Close()
 			}
-			var wg sync.WaitGroup
-			errs := make(chan error, *parallel)
-			start := make(chan struct{})
-			for _, p := range pods {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					if err := bn.run(ctx, series.name, series.list, p); err != nil {
-						errs <- err
-					}
-				}()
-			}
-			close(start)
-			wg.Wait()
-			close(errs)
-			if err := <-errs; err != nil {
-				return err
+			// All sandboxes start at once; once all are up, all stop at
+			// once, so teardown does not weigh on start-up.
+			for _, cmd := range []string{"ADD", "DEL"} {
+				var wg sync.WaitGroup
+				errs := make(chan error, *parallel)
+				start := make(chan struct{})
+				for _, p := range pods {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						<-start
+						if err := bn.step(ctx, series.name, cmd, series.list, p); err != nil {
+							errs <- err
+						}
+					}()
+				}
+				close(start)
+				wg.Wait()
+				close(errs)
+				if err := <-errs; err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -301,21 +305,27 @@ func (b *bench) prepare(ctx context.Context, c *testenv.Cluster) (*testenv.Pod, 
 
 // run times ADD, then DEL, and istio-cni's own process inside each.
 func (b *bench) run(ctx context.Context, series string, list *libcni.NetworkConfigList, pod *testenv.Pod) error {
+	if err := b.step(ctx, series, "ADD", list, pod); err != nil {
+		return err
+	}
+	return b.step(ctx, series, "DEL", list, pod)
+}
+
+// step times one command and istio-cni's own process inside it.
+func (b *bench) step(ctx context.Context, series, cmd string, list *libcni.NetworkConfigList, pod *testenv.Pod) error {
 	start := time.Now()
-	if _, err := b.node.Add(ctx, list, pod); err != nil {
-		return fmt.Errorf("%s ADD: %w", series, err)
+	var err error
+	if cmd == "ADD" {
+		_, err = b.node.Add(ctx, list, pod)
+	} else {
+		err = b.node.Del(ctx, list, pod)
 	}
-	addTook := time.Since(start)
-	start = time.Now()
-	if err := b.node.Del(ctx, list, pod); err != nil {
-		return fmt.Errorf("%s DEL: %w", series, err)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", series, cmd, err)
 	}
-	b.record(series+" DEL", time.Since(start))
-	b.record(series+" ADD", addTook)
-	for _, cmd := range []string{"ADD", "DEL"} {
-		if d, ok := b.exec.take(pod.ContainerID, cmd); ok {
-			b.record(series+" istio-cni "+cmd, d)
-		}
+	b.record(series+" "+cmd, time.Since(start))
+	if d, ok := b.exec.take(pod.ContainerID, cmd); ok {
+		b.record(series+" istio-cni "+cmd, d)
 	}
 	return nil
 }
