@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 )
@@ -109,4 +110,39 @@ func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Po
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
 	return out, nil
+}
+
+// DeletePods deletes the pods with a one-second grace period and waits
+// until the kubelet has torn them down and the API server no longer lists
+// them, so that the next measurement starts from the same node state.
+func DeletePods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) error {
+	grace := int64(1)
+	names := map[string]bool{}
+	for _, p := range pods {
+		names[p.Name] = true
+		err := c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &grace})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+	}
+	deadline := time.Now().Add(limit)
+	for {
+		list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		left := 0
+		for _, p := range list.Items {
+			if names[p.Name] {
+				left++
+			}
+		}
+		if left == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d pods still there %s after deletion", left, limit)
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
+	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -57,27 +58,41 @@ func runCluster(n int) error {
 		}
 		return out
 	}
+	// Each round's pods are deleted before the next round, so every round
+	// starts on the same node state.
+	measure := func(round string) ([]time.Duration, error) {
+		ps := pods(round)
+		d, err := testenv.PodStartTimes(ctx, cluster, "bench", ps, 3*time.Minute)
+		if err != nil {
+			return nil, err
+		}
+		return d, testenv.DeletePods(ctx, cluster, "bench", ps, 3*time.Minute)
+	}
 	// A warm-up round: images unpacked, caches filled.
-	if _, err := testenv.PodStartTimes(ctx, cluster, "bench", pods("warm"), 3*time.Minute); err != nil {
+	if _, err := measure("warm"); err != nil {
 		return err
 	}
 	// Rounds alternate, without and with the plugin, so that effects of
 	// order (caches, state the node accumulates) fall on both sides.
 	var without, with []time.Duration
-	for round := 0; round < 2; round++ {
-		d, err := testenv.PodStartTimes(ctx, cluster, "bench", pods(fmt.Sprintf("without%d", round)), 3*time.Minute)
+	for round := 0; round < *clusterRounds; round++ {
+		d, err := measure(fmt.Sprintf("without%d", round))
 		if err != nil {
 			return err
 		}
 		without = append(without, d...)
-		rel, err := testenv.InstallChart(cluster, testenv.NodeChartValues(cluster, node, false))
+		values := testenv.NodeChartValues(cluster, node, false)
+		if *agentCPU != "" {
+			values["resources"] = map[string]any{"requests": map[string]any{"cpu": *agentCPU, "memory": "100Mi"}}
+		}
+		rel, err := testenv.InstallChart(cluster, values)
 		if err != nil {
 			return err
 		}
 		if err := waitAgentPodReady(ctx, cluster); err != nil {
 			return err
 		}
-		d, err = testenv.PodStartTimes(ctx, cluster, "bench", pods(fmt.Sprintf("with%d", round)), 3*time.Minute)
+		d, err = measure(fmt.Sprintf("with%d", round))
 		if err != nil {
 			return err
 		}
@@ -91,7 +106,7 @@ func runCluster(n int) error {
 	}
 	sort.Slice(without, func(i, j int) bool { return without[i] < without[j] })
 	sort.Slice(with, func(i, j int) bool { return with[i] < with[j] })
-	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node, creation to Ready (2 alternating rounds each):\n", n)
+	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node, creation to Ready (%d alternating rounds each, agent CPU request %s):\n", n, *clusterRounds, cmp.Or(*agentCPU, "100m (chart default)"))
 	fmt.Printf("  without istio-cni: p50 %s  p99 %s  last %s\n", ms(pct(without, .5)), ms(pct(without, .99)), ms(without[len(without)-1]))
 	fmt.Printf("  with istio-cni:    p50 %s  p99 %s  last %s\n", ms(pct(with, .5)), ms(pct(with, .99)), ms(with[len(with)-1]))
 	fmt.Printf("  added by the plugin: p50 %+.1f%%, last pod %+.1f%% (goal < 5%%)\n",

@@ -33,10 +33,12 @@ import (
 )
 
 var (
-	seqPods  = flag.Int("pods", 40, "pods per sequential series")
-	parallel = flag.Int("parallel", 20, "pods started at once in the parallel series")
-	rounds   = flag.Int("rounds", 3, "rounds of the parallel series")
-	clusterN = flag.Int("cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, without and with the plugin")
+	seqPods       = flag.Int("pods", 40, "pods per sequential series")
+	parallel      = flag.Int("parallel", 20, "pods started at once in the parallel series")
+	rounds        = flag.Int("rounds", 3, "rounds of the parallel series")
+	agentCPU      = flag.String("cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
+	clusterRounds = flag.Int("cluster-rounds", 3, "rounds of each side in the cluster series")
+	clusterN      = flag.Int("cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, without and with the plugin")
 )
 
 func main() {

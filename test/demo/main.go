@@ -169,6 +169,15 @@ func run() error {
 		return err
 	}
 	say("   Sandbox ready; the pod's address is %s.", webIP)
+	served, err := d.host.Metrics(`istio_cni_plugin_commands_total{command="ADD",result="ok"}`)
+	if err != nil {
+		return err
+	}
+	if len(served) == 0 {
+		return fmt.Errorf("the agent ran no ADD: the runtime's istio-cni did not hand it over")
+	}
+	say("   The runtime's istio-cni (a small relay) handed the ADD to the agent, which looked the pod")
+	say("   up and programmed its rules in-process: %s", served[0])
 
 	step("Connections from and to the app go through a stand-in proxy, which prints what it sees.")
 	if err := d.proxied(web, "0.0.0.0:15001", "the app connects to "+testenv.RemoteV4+":80", func() (net.Conn, error) {
