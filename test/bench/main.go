@@ -23,12 +23,17 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/fsnotify/fsnotify"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -190,6 +195,9 @@ func run() error {
 		return err
 	}
 	if err := bn.repairs(ctx, cluster, 20); err != nil {
+		return err
+	}
+	if err := bn.ruleFloors(40); err != nil {
 		return err
 	}
 	return bn.report(bin)
@@ -412,6 +420,8 @@ func (b *bench) report(bin string) error {
 	fmt.Printf("  with the agent, nftables:   %s (target <= 2 ms, #5)\n", own("seq/chain+agent/nftables"))
 	fmt.Printf("  no agent (fallback), iptables: %s, nftables: %s\n", own("seq/chain (no agent)"), own("seq/chain (no agent)/nftables"))
 	fmt.Printf("  DEL with the agent (start-up floor): %s\n", ms(p50("seq/chain+agent istio-cni DEL")))
+	fmt.Printf("  the rules alone (Apply of Istio's default rules into a fresh netns, warm process): nftables %s, iptables %s\n",
+		ms(p50("floor/default rules into a fresh netns, nftables (netlink)")), ms(p50("floor/default rules into a fresh netns, iptables (iptables-restore)")))
 	fmt.Printf("chain - primary ADD p50, sequential: agent %s, agent+nftables %s, no agent %s\n",
 		ms(p50("seq/chain+agent ADD")-p50("seq/primary (agent up) ADD")), ms(p50("seq/chain+agent/nftables ADD")-p50("seq/primary (agent up) ADD")),
 		ms(p50("seq/chain (no agent) ADD")-p50("seq/primary ADD")))
@@ -445,6 +455,43 @@ func (b *bench) report(bin string) error {
 			vs = append(vs, time.Since(start))
 		}
 		fmt.Printf("VERSION start-up p50 / p99, %-18s %s / %s\n", filepath.Base(b)+":", ms(pct(vs, .5)), ms(pct(vs, .99)))
+	}
+	return nil
+}
+
+// ruleFloors times Istio's default rule set going into fresh namespaces
+// from this process, warm: the kernel's share of every ADD, which no plugin
+// design avoids.
+func (b *bench) ruleFloors(n int) error {
+	params, _, err := redirect.FromPod(&podinfo.Pod{
+		Annotations: map[string]string{redirect.AnnotationStatus: "{}"},
+		Containers:  []podinfo.Container{{Name: redirect.ProxyContainerName}}})
+	if err != nil {
+		return err
+	}
+	plan := ruleset.Build(params, false)
+	backends := []struct {
+		name  string
+		rules plugin.Rules
+	}{{"nftables (netlink)", &nftables.Applier{}}, {"iptables (iptables-restore)", &iptables.Applier{}}}
+	for i := 0; i < n+3; i++ {
+		for _, be := range backends {
+			netns, err := testutils.NewNS()
+			if err != nil {
+				return err
+			}
+			start := time.Now()
+			_, err = be.rules.Apply(netns.Path(), plan)
+			took := time.Since(start)
+			_ = netns.Close()
+			_ = testutils.UnmountNS(netns)
+			if err != nil {
+				return err
+			}
+			if i >= 3 { // the first ones warm up
+				b.record("floor/default rules into a fresh netns, "+be.name, took)
+			}
+		}
 	}
 	return nil
 }
