@@ -74,19 +74,14 @@ func NewCNIMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometh
 // removes the socket (so relays run the fallback) and waits up to grace
 // for the commands under way.
 func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration) (done <-chan struct{}, err error) {
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, err
-	}
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	// Whoever can connect can have rules programmed in a namespace it
+	// holds open: root only.
+	l, err := listenSocket(path, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	// Whoever can connect can have rules programmed in a namespace it
-	// holds open: root only.
-	if err := os.Chmod(path, 0o600); err != nil {
-		_ = l.Close()
-		return nil, err
-	}
+	// The socket goes before the listener closes, so no relay connects to
+	// a closing agent.
 	l.SetUnlinkOnClose(false)
 	finished := make(chan struct{})
 	go func() {

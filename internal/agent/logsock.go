@@ -22,17 +22,10 @@ const LogSocketName = "log.sock"
 // cni-plugin, so plugin activity shows in `kubectl logs` of the agent.
 func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error {
 	path := filepath.Join(runDir, LogSocketName)
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		return err
-	}
 	// Plugins run as root too, but keep the socket usable whatever the
 	// runtime's umask was.
-	if err := os.Chmod(path, 0o666); err != nil {
-		_ = l.Close()
+	l, err := listenSocket(path, 0o666)
+	if err != nil {
 		return err
 	}
 	scoped := log.With("scope", "cni-plugin")
@@ -93,4 +86,22 @@ func emitPluginLine(log *slog.Logger, line string) {
 		attrs = append(attrs, k, v)
 	}
 	log.Log(context.Background(), level, strings.TrimSpace(msg), attrs...)
+}
+
+// listenSocket listens on path, replacing a socket a previous agent left
+// there, with mode set explicitly so the umask does not decide who may
+// connect.
+func listenSocket(path string, mode os.FileMode) (*net.UnixListener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		_ = l.Close()
+		return nil, err
+	}
+	return l, nil
 }

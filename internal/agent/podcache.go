@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -54,15 +53,8 @@ func StartPodCache(ctx context.Context, cs kubernetes.Interface, node string) *P
 // GET /readyz with the agent's readiness, for the plugin's STATUS.
 func (pc *PodCache) Serve(ctx context.Context, runDir string, readyReason func() string, log *slog.Logger) error {
 	path := filepath.Join(runDir, podinfo.AgentSocketName)
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	l, err := net.Listen("unix", path)
+	l, err := listenSocket(path, 0o600)
 	if err != nil {
-		return err
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		_ = l.Close()
 		return err
 	}
 	mux := http.NewServeMux()

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 )
 
 // Config is the installer's part of the agent configuration.
@@ -31,8 +33,12 @@ type Config struct {
 }
 
 // FallbackBinary is the complete plugin the relay runs when the agent is
-// away (cnirelay.FallbackBinary).
-const FallbackBinary = "istio-cni-fallback"
+// away.
+const FallbackBinary = cnirelay.FallbackBinary
+
+// pluginBinaries must all be in place; they are removed in this order, the
+// relay first, so it is never there without its fallback.
+var pluginBinaries = []string{PluginType, FallbackBinary}
 
 func cmpBool(a, b bool) int {
 	switch {
@@ -235,7 +241,7 @@ func (in *Installer) EnsureConf() (bool, error) {
 // place, and if not, what is missing.
 func (in *Installer) Ready() error {
 	for _, dir := range in.cfg.BinTargetDirs {
-		for _, name := range []string{PluginType, FallbackBinary} {
+		for _, name := range pluginBinaries {
 			if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
 				return fmt.Errorf("plugin binary: %w", err)
 			}
@@ -275,8 +281,7 @@ func (in *Installer) Cleanup() error {
 		errs = append(errs, fmt.Errorf("removing %s: %w", in.KubeconfigPath(), err))
 	}
 	for _, dir := range in.cfg.BinTargetDirs {
-		// The relay first: it must never be there without its fallback.
-		for _, name := range []string{PluginType, FallbackBinary} {
+		for _, name := range pluginBinaries {
 			p := filepath.Join(dir, name)
 			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, fmt.Errorf("removing %s: %w", p, err))

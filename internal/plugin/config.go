@@ -13,13 +13,14 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
 
 // Defaults of the plugin configuration.
 const (
-	DefaultRunDir         = "/var/run/istio-cni"
+	DefaultRunDir         = cnirelay.DefaultRunDir
 	KubeconfigName        = "istio-cni-kubeconfig"
 	DefaultRequestTimeout = 5 * time.Second
 	DefaultRetryBudget    = 30 * time.Second

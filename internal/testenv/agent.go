@@ -36,10 +36,7 @@ func NewAgentHost(ctx context.Context, dir string, c *Cluster, pluginBin string)
 			return nil, err
 		}
 	}
-	if err := os.Symlink(filepath.Join(filepath.Dir(pluginBin), FallbackBinary), filepath.Join(h.SrcDir, FallbackBinary)); err != nil {
-		return nil, err
-	}
-	if err := os.Symlink(pluginBin, filepath.Join(h.SrcDir, "istio-cni")); err != nil {
+	if err := linkPlugin(pluginBin, h.SrcDir); err != nil {
 		return nil, err
 	}
 	if _, err := h.RotateToken(ctx); err != nil {

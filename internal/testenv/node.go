@@ -15,6 +15,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -109,7 +110,16 @@ func BuildPlugin(dir string) (string, error) {
 }
 
 // FallbackBinary is the complete plugin next to the relay.
-const FallbackBinary = "istio-cni-fallback"
+const FallbackBinary = cnirelay.FallbackBinary
+
+// linkPlugin links the relay built by BuildPlugin, and the fallback beside
+// it, into dir under the names a runtime looks for.
+func linkPlugin(relay, dir string) error {
+	if err := os.Symlink(filepath.Join(filepath.Dir(relay), FallbackBinary), filepath.Join(dir, FallbackBinary)); err != nil {
+		return err
+	}
+	return os.Symlink(relay, filepath.Join(dir, "istio-cni"))
+}
 
 // BuildCommand compiles ./cmd/<name> into dir and returns its path.
 func BuildCommand(dir, name string) (string, error) {
@@ -150,14 +160,8 @@ func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error)
 			return nil, err
 		}
 	}
-	for _, name := range []string{FallbackBinary, "istio-cni"} {
-		src := filepath.Join(filepath.Dir(pluginBinary), name)
-		if name == "istio-cni" {
-			src = pluginBinary
-		}
-		if err := os.Symlink(src, filepath.Join(n.BinDir, name)); err != nil {
-			return nil, err
-		}
+	if err := linkPlugin(pluginBinary, n.BinDir); err != nil {
+		return nil, err
 	}
 	seq := nodeSeq.Add(1) % 250
 	ptp := map[string]any{

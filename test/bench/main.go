@@ -122,17 +122,27 @@ func run() error {
 	}
 	bn.samples = map[string][]time.Duration{}
 
-	// No agent: the relay runs the fallback plugin, which reads the pod
-	// from the API server and programs the rules itself.
-	for i := 0; i < *seqPods; i++ {
-		for _, s := range []struct {
-			name string
-			list *libcni.NetworkConfigList
-		}{{"seq/primary", node.Primary}, {"seq/chain (no agent)", node.Chained}, {"seq/chain (no agent)/nftables", chainedNFT}} {
-			if err := bn.pod(ctx, cluster, s.name, s.list); err != nil {
-				return err
+	type series struct {
+		name string
+		list *libcni.NetworkConfigList
+	}
+	// Sequential series interleave pod by pod, so machine noise falls on
+	// all of them alike.
+	sequential := func(all ...series) error {
+		for i := 0; i < *seqPods; i++ {
+			for _, s := range all {
+				if err := bn.pod(ctx, cluster, s.name, s.list); err != nil {
+					return err
+				}
 			}
 		}
+		return nil
+	}
+	// No agent: the relay runs the fallback plugin, which reads the pod
+	// from the API server and programs the rules itself.
+	if err := sequential(series{"seq/primary", node.Primary}, series{"seq/chain (no agent)", node.Chained},
+		series{"seq/chain (no agent)/nftables", chainedNFT}); err != nil {
+		return err
 	}
 	// The same with the node agent running: the relay hands each command
 	// to it, and pods come from its cache.
@@ -142,21 +152,12 @@ func run() error {
 	}
 	defer stopAgent()
 	bn.agent = podinfo.NewAgentClient(filepath.Join(node.RunDir, podinfo.AgentSocketName), time.Second)
-	for i := 0; i < *seqPods; i++ {
-		for _, s := range []struct {
-			name string
-			list *libcni.NetworkConfigList
-		}{{"seq/primary (agent up)", node.Primary}, {"seq/chain+agent", node.Chained}, {"seq/chain+agent/nftables", chainedNFT}} {
-			if err := bn.pod(ctx, cluster, s.name, s.list); err != nil {
-				return err
-			}
-		}
+	if err := sequential(series{"seq/primary (agent up)", node.Primary}, series{"seq/chain+agent", node.Chained},
+		series{"seq/chain+agent/nftables", chainedNFT}); err != nil {
+		return err
 	}
 	for r := 0; r < *rounds; r++ {
-		for _, series := range []struct {
-			name string
-			list *libcni.NetworkConfigList
-		}{{"par/primary", node.Primary}, {"par/chain+agent", node.Chained}, {"par/chain+agent/nftables", chainedNFT}} {
+		for _, series := range []series{{"par/primary", node.Primary}, {"par/chain+agent", node.Chained}, {"par/chain+agent/nftables", chainedNFT}} {
 			// Every pod is known to the API and the agent before the
 			// runtime starts them all at once.
 			pods := make([]*testenv.Pod, *parallel)
