@@ -191,6 +191,9 @@ func (h *AgentHost) LogText() string {
 // Done is closed when the agent process has exited.
 func (h *AgentHost) Done() <-chan struct{} { return h.done }
 
+// Pid is the agent's process id.
+func (h *AgentHost) Pid() int { return h.cmd.Process.Pid }
+
 // Signal sends sig to the agent.
 func (h *AgentHost) Signal(sig syscall.Signal) { _ = h.cmd.Process.Signal(sig) }
 

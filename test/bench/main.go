@@ -67,6 +67,11 @@ type bench struct {
 	seq     int
 	mu      sync.Mutex
 	samples map[string][]time.Duration
+	// agentCPU holds the agent and its children, when cgroup v2 is there.
+	agentCPU *cpuGroup
+	// cpu is CPU time per parallel series and command, and pods counted.
+	cpu     map[string]cpuSplit
+	cpuPods map[string]int
 }
 
 func run() error {
@@ -109,7 +114,8 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	bn := &bench{node: node, samples: map[string][]time.Duration{}, exec: newTimedExec()}
+	bn := &bench{node: node, samples: map[string][]time.Duration{}, exec: newTimedExec(),
+		cpu: map[string]cpuSplit{}, cpuPods: map[string]int{}}
 	// Time istio-cni's own process inside each chained command: that is
 	// its share of the pod's start, measured where a runtime runs it.
 	node.CNI = libcni.NewCNIConfigWithCacheDir([]string{node.BinDir}, filepath.Join(node.Dir, "cache"), bn.exec)
@@ -183,12 +189,23 @@ func run() error {
 						}
 					}()
 				}
+				before, err := bn.cpuNow()
+				if err != nil {
+					return err
+				}
 				close(start)
 				wg.Wait()
+				after, err := bn.cpuNow()
+				if err != nil {
+					return err
+				}
 				close(errs)
 				if err := <-errs; err != nil {
 					return err
 				}
+				k := series.name + " " + cmd
+				bn.cpu[k] = bn.cpu[k].add(after.sub(before))
+				bn.cpuPods[k] += len(pods)
 			}
 		}
 	}
@@ -237,6 +254,17 @@ func (b *bench) startAgent(ctx context.Context, c *testenv.Cluster, dir string) 
 		return nil, err
 	}
 	stop := func() { _, _ = h.Stop(10 * time.Second) }
+	// Its own group, as in its container: its CPU and its children's
+	// (iptables-restore) add up there.
+	if g, err := newCPUGroup("istio-cni-bench-agent"); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: the agent's CPU is not counted:", err)
+	} else if err := g.add(h.Pid()); err != nil {
+		g.close()
+		fmt.Fprintln(os.Stderr, "bench: the agent's CPU is not counted:", err)
+	} else {
+		b.agentCPU = g
+		stop = func() { _, _ = h.Stop(10 * time.Second); g.close() }
+	}
 	if err := h.WaitReady(30 * time.Second); err != nil {
 		stop()
 		return nil, err
@@ -428,6 +456,7 @@ func (b *bench) report(bin string) error {
 		ms(p50("seq/chain (no agent) ADD")-p50("seq/primary ADD")))
 	fmt.Printf("chain+agent / primary ADD p50, %d parallel: %.2fx (target <= 1.5x)\n", *parallel, ratio("par/chain+agent ADD", "par/primary ADD"))
 	fmt.Printf("nftables chain+agent / primary ADD p50, %d parallel: %.2fx (target <= 1.2x)\n", *parallel, ratio("par/chain+agent/nftables ADD", "par/primary ADD"))
+	b.reportCPU()
 	if rs := b.samples["repair"]; len(rs) > 0 {
 		fmt.Printf("broken pod to repaired p50/p99:             %s / %s (target < 1 s)\n", ms(pct(rs, .5)), ms(pct(rs, .99)))
 	}
