@@ -65,7 +65,7 @@ func (r Report) String() string {
 // the IPv6 passthrough address are set up as needed.
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 	var rep Report
-	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			set := planSet(plan, fam)
@@ -113,7 +113,7 @@ func (a *Applier) Remove(netnsPath string) (Report, error) {
 // Check returns an error describing every difference between the
 // namespace and the plan.
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
-	return ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+	return inPodNetns(netnsPath, func(netNS ns.NetNS) error {
 		var diffs []string
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
@@ -480,7 +480,7 @@ type Inspection struct {
 // Inspect reports the iptables variant in use and our rules, per family.
 func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
-	err := ns.WithNetNSPath(netnsPath, func(netNS ns.NetNS) error {
+	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			v, st, err := a.read(netNS, netnsPath, fam, snap)

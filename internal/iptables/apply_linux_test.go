@@ -1,11 +1,17 @@
 package iptables
 
 import (
+	"bytes"
+	"fmt"
+	"os"
 	"os/exec"
+	"runtime"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
@@ -169,4 +175,55 @@ func TestReplaceKeepsForeignRules(t *testing.T) {
 	if err := a.Check(n.Path(), basic); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestCommandsDoNotSeeNSS proves that the commands the applier starts run
+// in the pod's network namespace with the node's nsswitch.conf reading
+// empty (so `--uid-owner` lookups cannot reach LDAP or SSSD), and that the
+// rest of the process still sees the real file afterwards, on any thread.
+func TestCommandsDoNotSeeNSS(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "cat", "readlink")
+	host, err := os.ReadFile(nsswitchPath)
+	if err != nil || len(host) == 0 {
+		t.Fatalf("this test needs a non-empty %s on the machine (%v)", nsswitchPath, err)
+	}
+	pod := newNS(t)
+	var st unix.Stat_t
+	if err := unix.Stat(pod.Path(), &st); err != nil {
+		t.Fatal(err)
+	}
+	err = inPodNetns(pod.Path(), func(ns.NetNS) error {
+		out, err := exec.Command("cat", nsswitchPath).Output()
+		if err != nil {
+			return err
+		}
+		if len(out) != 0 {
+			return fmt.Errorf("a command started for the pod reads %s: %q", nsswitchPath, out)
+		}
+		link, err := exec.Command("readlink", "/proc/self/ns/net").Output()
+		if err != nil {
+			return err
+		}
+		if want := fmt.Sprintf("net:[%d]", st.Ino); strings.TrimSpace(string(link)) != want {
+			return fmt.Errorf("command ran in %s, want the pod's %s", strings.TrimSpace(string(link)), want)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < 16; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			if got, err := os.ReadFile(nsswitchPath); err != nil || !bytes.Equal(got, host) {
+				t.Errorf("after a pod command, the process reads %s as %q (%v)", nsswitchPath, got, err)
+			}
+		}()
+	}
+	wg.Wait()
 }

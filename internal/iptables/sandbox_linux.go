@@ -1,0 +1,69 @@
+package iptables
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+)
+
+// nsswitchPath is where glibc reads which name services to ask.
+const nsswitchPath = "/etc/nsswitch.conf"
+
+// inPodNetns runs fn on an OS thread inside the pod's network namespace,
+// as ns.WithNetNSPath does, so the iptables commands fn starts act on the
+// pod. When the node has an nsswitch.conf, that thread also gets a private
+// mount namespace in which the file reads empty: `--uid-owner 1337` makes
+// iptables look 1337 up as a user name before reading it as a number, and
+// with LDAP or SSSD behind NSS that lookup goes to the network and can hold
+// a pod's start for tens of seconds (Istio does the same, istio/istio#48416).
+// Where the file does not exist (the agent's image), glibc only reads local
+// files and nothing needs hiding.
+func inPodNetns(netnsPath string, fn func(ns.NetNS) error) error {
+	if _, err := os.Stat(nsswitchPath); err != nil {
+		return ns.WithNetNSPath(netnsPath, fn)
+	}
+	target, err := ns.GetNS(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer target.Close()
+	errc := make(chan error, 1)
+	go func() {
+		// Never unlocked: the thread's mount namespace differs from the
+		// process's, so Go must end the thread with this goroutine rather
+		// than run other code on it.
+		runtime.LockOSThread()
+		if err := hideNSS(); err != nil {
+			// Some nodes forbid it (SELinux, seccomp); the rules matter
+			// more than the lookup, so run as Istio does then: without.
+			errc <- ns.WithNetNSPath(netnsPath, fn)
+			return
+		}
+		if err := target.Set(); err != nil {
+			errc <- fmt.Errorf("entering %s: %w", netnsPath, err)
+			return
+		}
+		errc <- fn(target)
+	}()
+	return <-errc
+}
+
+// hideNSS gives the calling thread its own mount namespace, detached from
+// the host's mount propagation, with /dev/null over nsswitch.conf.
+func hideNSS() error {
+	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+		return fmt.Errorf("unshare mount namespace: %w", err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_PRIVATE|unix.MS_REC, ""); err != nil {
+		if err := unix.Mount("", "/", "", unix.MS_SLAVE|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("making / private: %w", err)
+		}
+	}
+	if err := unix.Mount("/dev/null", nsswitchPath, "", unix.MS_BIND, ""); err != nil {
+		return fmt.Errorf("hiding %s: %w", nsswitchPath, err)
+	}
+	return nil
+}
