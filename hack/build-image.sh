@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the node agent's image without a container engine, as a
 # docker-archive tarball: the agent (entry point), the plugin in
-# /opt/cni/bin, the validation and diagnostics commands, and Debian's
-# iptables (for repair in iptables mode) with its libraries.
+# /opt/cni/bin, the validation and diagnostics commands, Debian's iptables
+# with its libraries (the agent programs and repairs pods with it in
+# iptables mode), and a static busybox, whose nsenter writes the owner
+# rules of user-namespaced pods.
 # Usage: hack/build-image.sh [OUT.tar] [REPO:TAG]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ done
 
 debs="${DEB_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/debs}"
 mkdir -p "$debs"
-pkgs=(iptables libip4tc2 libip6tc2 libxtables12 libnetfilter-conntrack3 libnfnetlink0 libnftnl11 libmnl0 libc6 libgcc-s1 gcc-12-base netbase)
+pkgs=(iptables libip4tc2 libip6tc2 libxtables12 libnetfilter-conntrack3 libnfnetlink0 libnftnl11 libmnl0 libc6 libgcc-s1 gcc-12-base netbase busybox-static)
 (cd "$debs" && { apt-get download "${pkgs[@]}" >/dev/null 2>&1 || { apt-get update -qq && apt-get download "${pkgs[@]}" >/dev/null; }; })
 for p in "${pkgs[@]}"; do
   deb=$(ls -t "$debs/${p}"_*.deb | head -n 1)

@@ -4,7 +4,7 @@
 # the Go module proxy (cached in .cache/, so only the first run is slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(iptables nftables iproute2 containernetworking-plugins etcd-server util-linux containerd dpkg)
+pkgs=(iptables nftables iproute2 containernetworking-plugins etcd-server util-linux busybox-static containerd dpkg)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

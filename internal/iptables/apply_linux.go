@@ -66,10 +66,15 @@ func (r Report) String() string {
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 	var rep Report
 	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
+		t, err := a.target(netnsPath, netNS)
+		if err != nil {
+			return err
+		}
+		defer t.close()
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			set := planSet(plan, fam)
-			fr, err := a.sync(netNS, netnsPath, fam, set, snap)
+			fr, err := a.sync(t, fam, set, snap)
 			if err != nil {
 				return err
 			}
@@ -114,10 +119,15 @@ func (a *Applier) Remove(netnsPath string) (Report, error) {
 // namespace and the plan.
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	return inPodNetns(netnsPath, func(netNS ns.NetNS) error {
+		t, err := a.target(netnsPath, netNS)
+		if err != nil {
+			return err
+		}
+		defer t.close()
 		var diffs []string
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			_, st, err := a.read(netNS, netnsPath, fam, snap)
+			_, st, err := a.read(t, fam, snap)
 			if err != nil {
 				return err
 			}
@@ -147,10 +157,10 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 	return &ruleset.Set{Family: fam}
 }
 
-func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set *ruleset.Set, snap *tableSnapshot) (FamilyReport, error) {
+func (a *Applier) sync(t *podTarget, fam ruleset.Family, set *ruleset.Set, snap *tableSnapshot) (FamilyReport, error) {
 	start := time.Now()
 	fr := FamilyReport{Family: fam, Action: "none"}
-	v, st, err := a.read(netNS, netnsPath, fam, snap)
+	v, st, err := a.read(t, fam, snap)
 	if err != nil {
 		return fr, err
 	}
@@ -168,8 +178,8 @@ func (a *Applier) sync(netNS ns.NetNS, netnsPath string, fam ruleset.Family, set
 		text, fr.Action = ReplaceText(st, set), "replaced"
 	}
 	if text != "" {
-		if _, err := v.run(v.restore(fam), netnsPath, text, "--noflush", "--wait=30"); err != nil {
-			return fr, fmt.Errorf("programming %s rules with %s: %w", fam, v.restore(fam), err)
+		if _, err := t.run(true, v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
+			return fr, fmt.Errorf("programming %s rules with %s%s: %w", fam, v.restore(fam), t.how(), err)
 		}
 	}
 	fr.Duration = time.Since(start)
@@ -200,7 +210,7 @@ func (v *variant) restore(f ruleset.Family) string {
 // the namespace already has legacy tables, else nft, else the plain binary.
 // Reading /proc replaces Istio's probe commands, which cost several
 // process starts per pod.
-func (a *Applier) detect(netNS ns.NetNS, fam ruleset.Family) (*variant, error) {
+func (a *Applier) detect(fam ruleset.Family) (*variant, error) {
 	mk := func(name, suffix string) (*variant, error) {
 		v := &variant{name: name, legacy: name == VariantLegacy}
 		var err error
@@ -252,12 +262,12 @@ func hasLegacyTables(fam ruleset.Family) bool {
 }
 
 // read picks the variant for a family and reads our rules with it.
-func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family, snap *tableSnapshot) (*variant, *State, error) {
-	v, err := a.detect(netNS, fam)
+func (a *Applier) read(t *podTarget, fam ruleset.Family, snap *tableSnapshot) (*variant, *State, error) {
+	v, err := a.detect(fam)
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := a.state(netNS, netnsPath, v, fam, snap)
+	st, err := a.state(t, v, fam, snap)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -266,7 +276,7 @@ func (a *Applier) read(netNS ns.NetNS, netnsPath string, fam ruleset.Family, sna
 
 // state reads our rules; it only runs iptables-save when the namespace has
 // tables of that variant at all, which a fresh pod namespace does not.
-func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam ruleset.Family, snap *tableSnapshot) (*State, error) {
+func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family, snap *tableSnapshot) (*State, error) {
 	any, err := snap.has(v, fam)
 	if err != nil {
 		return nil, err
@@ -274,7 +284,7 @@ func (a *Applier) state(netNS ns.NetNS, netnsPath string, v *variant, fam rulese
 	if !any {
 		return &State{}, nil
 	}
-	out, err := v.run(v.save(fam), netnsPath, "")
+	out, err := t.run(false, v.save(fam), "")
 	if err != nil {
 		return nil, fmt.Errorf("reading %s rules with %s: %w", fam, v.save(fam), err)
 	}
@@ -324,26 +334,6 @@ func (s *tableSnapshot) has(v *variant, fam ruleset.Family) (bool, error) {
 	return s.families[nftables.TableFamilyIPv4], nil
 }
 
-// run executes an iptables binary with a lock scoped to the pod namespace,
-// so pods never wait on each other or on the host's xtables lock.
-func (v *variant) run(bin, netnsPath, stdin string, args ...string) (string, error) {
-	cmd := exec.Command(bin, args...)
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=" + netnsPath}
-	if stdin != "" {
-		cmd.Stdin = strings.NewReader(stdin)
-	}
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		msg := strings.TrimSpace(stderr.String())
-		if stdin != "" {
-			msg += "\ninput was:\n" + stdin
-		}
-		return "", fmt.Errorf("%w: %s", err, msg)
-	}
-	return stdout.String(), nil
-}
-
 func (a *Applier) lookPath(name string) (string, error) {
 	if a.LookPath != nil {
 		return a.LookPath(name)
@@ -356,8 +346,9 @@ func (a *Applier) lookPath(name string) (string, error) {
 		foundPaths.Store(key, p)
 		return p, nil
 	}
-	// Runtimes often exec plugins with a PATH that lacks sbin.
-	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/sbin"} {
+	// Runtimes often exec plugins with a PATH that lacks sbin, or with
+	// hardly any PATH at all.
+	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/sbin", "/usr/bin", "/bin"} {
 		p := filepath.Join(dir, name)
 		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
 			foundPaths.Store(key, p)
@@ -481,9 +472,14 @@ type Inspection struct {
 func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
 	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
+		t, err := a.target(netnsPath, netNS)
+		if err != nil {
+			return err
+		}
+		defer t.close()
 		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			v, st, err := a.read(netNS, netnsPath, fam, snap)
+			v, st, err := a.read(t, fam, snap)
 			if err != nil {
 				return err
 			}

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -226,4 +227,86 @@ func TestCommandsDoNotSeeNSS(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+// userNSPod is a network namespace that belongs to a user namespace of
+// its own (a pod with hostUsers: false), ids 0-65535 mapped from 262144.
+func userNSPod(t *testing.T) ns.NetNS {
+	t.Helper()
+	testutil.RequireRoot(t)
+	holder := exec.Command("/bin/sleep", "infinity")
+	holder.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET,
+		UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: 262144, Size: 65536}},
+		GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: 262144, Size: 65536}},
+		GidMappingsEnableSetgroups: true}
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = holder.Process.Kill(); _ = holder.Wait() })
+	n, err := ns.GetNS(fmt.Sprintf("/proc/%d/ns/net", holder.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = n.Close() })
+	return n
+}
+
+// hiding returns a LookPath that does not find the named binaries.
+func hiding(names ...string) func(string) (string, error) {
+	a := &Applier{}
+	return func(name string) (string, error) {
+		for _, n := range names {
+			if n == name {
+				return "", fmt.Errorf("%s hidden by the test", name)
+			}
+		}
+		return a.lookPath(name)
+	}
+}
+
+// TestUserNamespacedPodVariants writes the owner rules of a user-namespaced
+// pod with each variant and with each nsenter the agent may find (util-linux
+// on a node, busybox in the agent's image), and reads them back.
+func TestUserNamespacedPodVariants(t *testing.T) {
+	testutil.RequireTools(t, "nsenter", "busybox", "iptables-legacy-restore", "iptables-nft-restore")
+	plan := planFor(t, testutil.RedirectCases[0], false)
+	for _, variant := range []string{VariantLegacy, VariantNFT} {
+		for _, tool := range []string{"nsenter", "busybox"} {
+			t.Run(variant+"/"+tool, func(t *testing.T) {
+				pod := userNSPod(t)
+				a := &Applier{Force: variant}
+				if tool == "busybox" {
+					a.LookPath = hiding("nsenter")
+				}
+				rep, err := a.Apply(pod.Path(), plan)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := actions(rep); got != "applied,none" {
+					t.Fatalf("actions = %s", got)
+				}
+				if err := a.Check(pod.Path(), plan); err != nil {
+					t.Fatalf("read-back: %v", err)
+				}
+				if save := saveAll(t, pod, variant); !strings.Contains(save, "--uid-owner 1337") {
+					t.Fatalf("no owner rule in:\n%s", save)
+				}
+			})
+		}
+	}
+}
+
+// TestUserNamespacedPodWithoutNsenter: with no way into the pod's user
+// namespace the ADD fails saying why, and nothing is half-applied.
+func TestUserNamespacedPodWithoutNsenter(t *testing.T) {
+	testutil.RequireTools(t, "iptables-nft-restore")
+	pod := userNSPod(t)
+	a := &Applier{Force: VariantNFT, LookPath: hiding("nsenter", "busybox")}
+	_, err := a.Apply(pod.Path(), planFor(t, testutil.RedirectCases[0], false))
+	if err == nil || !strings.Contains(err.Error(), "hostUsers: false") || !strings.Contains(err.Error(), "nsenter") {
+		t.Fatalf("want an error naming hostUsers and nsenter, got %v", err)
+	}
+	if save := saveAll(t, pod, VariantNFT); strings.Contains(save, "ISTIO") {
+		t.Fatalf("rules applied despite the error:\n%s", save)
+	}
 }

@@ -209,6 +209,8 @@ type Pod struct {
 	Namespace, Name, UID, ContainerID string
 	NetNS                             ns.NetNS
 	RT                                *libcni.RuntimeConf
+	// holder keeps a user-namespaced pod's namespaces alive.
+	holder *exec.Cmd
 }
 
 // NewPod creates the pod's network namespace with lo up, as a runtime does.
@@ -217,36 +219,80 @@ func NewPod(namespace, name, uid, containerID string) (*Pod, error) {
 	if err != nil {
 		return nil, err
 	}
+	p := &Pod{Namespace: namespace, Name: name, UID: uid, ContainerID: containerID, NetNS: netns}
+	if err := p.setUp(); err != nil {
+		p.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+// UserNSBase is the host id that id 0 of a user-namespaced test pod maps
+// to; the kubelet likewise gives each such pod 65536 ids of its own.
+const UserNSBase = 4 * 65536
+
+// NewUserNSPod is NewPod for a pod with hostUsers: false: its network
+// namespace belongs to a user namespace of its own, whose ids 0-65535 are
+// UserNSBase onwards on the host, as the runtime sets it up.
+func NewUserNSPod(namespace, name, uid, containerID string) (*Pod, error) {
+	// By absolute path: some tests run with a PATH that holds no tools.
+	holder := exec.Command("/bin/sleep", "infinity")
+	holder.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET,
+		UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: UserNSBase, Size: 65536}},
+		GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: UserNSBase, Size: 65536}},
+		GidMappingsEnableSetgroups: true}
+	if err := holder.Start(); err != nil {
+		return nil, fmt.Errorf("starting a user-namespaced sandbox: %w", err)
+	}
+	netns, err := ns.GetNS(fmt.Sprintf("/proc/%d/ns/net", holder.Process.Pid))
+	if err != nil {
+		_ = holder.Process.Kill()
+		_ = holder.Wait()
+		return nil, err
+	}
+	p := &Pod{Namespace: namespace, Name: name, UID: uid, ContainerID: containerID, NetNS: netns, holder: holder}
+	if err := p.setUp(); err != nil {
+		p.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *Pod) setUp() error {
 	// Duplicate address detection would hold every ADD for a second or two
 	// while ptp waits for the IPv6 address to settle; the addresses here are
 	// unique by construction.
-	if err := netns.Do(func(ns.NetNS) error {
+	if err := p.NetNS.Do(func(ns.NetNS) error {
 		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/accept_dad", []byte("0"), 0o644); err != nil {
 			return err
 		}
 		return exec.Command("ip", "link", "set", "lo", "up").Run()
 	}); err != nil {
-		return nil, err
+		return err
 	}
-	p := &Pod{Namespace: namespace, Name: name, UID: uid, ContainerID: containerID, NetNS: netns}
 	p.RT = &libcni.RuntimeConf{
-		ContainerID: containerID,
-		NetNS:       netns.Path(),
+		ContainerID: p.ContainerID,
+		NetNS:       p.NetNS.Path(),
 		IfName:      "eth0",
 		Args: [][2]string{
 			{"IgnoreUnknown", "1"},
-			{"K8S_POD_NAMESPACE", namespace},
-			{"K8S_POD_NAME", name},
-			{"K8S_POD_INFRA_CONTAINER_ID", containerID},
-			{"K8S_POD_UID", uid},
+			{"K8S_POD_NAMESPACE", p.Namespace},
+			{"K8S_POD_NAME", p.Name},
+			{"K8S_POD_INFRA_CONTAINER_ID", p.ContainerID},
+			{"K8S_POD_UID", p.UID},
 		},
 	}
-	return p, nil
+	return nil
 }
 
 // Close removes the pod's namespace.
 func (p *Pod) Close() {
 	_ = p.NetNS.Close()
+	if p.holder != nil {
+		_ = p.holder.Process.Kill()
+		_ = p.holder.Wait()
+		return
+	}
 	_ = testutils.UnmountNS(p.NetNS)
 }
 

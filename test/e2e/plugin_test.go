@@ -59,6 +59,12 @@ type sandbox struct {
 
 func (e *env) newPod(spec *testenv.PodSpec) *testenv.Pod {
 	e.t.Helper()
+	return e.newPodIn(testenv.NewPod, spec)
+}
+
+// newPodIn is newPod with the sandbox made by mk.
+func (e *env) newPodIn(mk func(namespace, name, uid, containerID string) (*testenv.Pod, error), spec *testenv.PodSpec) *testenv.Pod {
+	e.t.Helper()
 	n := podSeq.Add(1)
 	name := fmt.Sprintf("pod-%d", n)
 	uid := ""
@@ -70,7 +76,7 @@ func (e *env) newPod(spec *testenv.PodSpec) *testenv.Pod {
 		}
 		uid = string(p.UID)
 	}
-	pod, err := testenv.NewPod(testNS, name, uid, fmt.Sprintf("c%060d", n))
+	pod, err := mk(testNS, name, uid, fmt.Sprintf("c%060d", n))
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -80,7 +86,13 @@ func (e *env) newPod(spec *testenv.PodSpec) *testenv.Pod {
 
 func (e *env) add(spec *testenv.PodSpec) *sandbox {
 	e.t.Helper()
-	pod := e.newPod(spec)
+	return e.addIn(testenv.NewPod, spec)
+}
+
+// addIn is add with the sandbox made by mk.
+func (e *env) addIn(mk func(namespace, name, uid, containerID string) (*testenv.Pod, error), spec *testenv.PodSpec) *sandbox {
+	e.t.Helper()
+	pod := e.newPodIn(mk, spec)
 	res, err := e.node.Add(context.Background(), e.node.Chained, pod)
 	if err != nil {
 		e.t.Fatalf("chained ADD: %v", err)
@@ -285,6 +297,24 @@ func trafficCases(t *testing.T, path, variant string) {
 					_, err := testenv.DialAs(sb.pod.NetNS.Path(), int(uid), int(gid), "tcp4", remote+":82")
 					return err
 				})
+			})
+
+			t.Run("user-namespaced-pod", func(t *testing.T) {
+				// hostUsers: false. The proxy runs as 1337 inside the pod's
+				// user namespace, another uid on the host; the owner match
+				// must mean the pod's 1337.
+				sb := e.addIn(testenv.NewUserNSPod, &testenv.PodSpec{Sidecar: true})
+				proxy := testenv.UserNSBase + 1337
+				expectDirect(t, remote+":83", func() error {
+					_, err := testenv.DialAs(sb.pod.NetNS.Path(), proxy, proxy, "tcp4", remote+":83")
+					return err
+				})
+				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":83"), func() (net.Conn, error) {
+					return testenv.Dial(sb.pod, "tcp4", remote+":83")
+				})
+				if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
+					t.Fatalf("CHECK on a user-namespaced pod: %v", err)
+				}
 			})
 
 			t.Run("inbound-to-15006", func(t *testing.T) {

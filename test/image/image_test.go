@@ -76,6 +76,16 @@ func TestImage(t *testing.T) {
 			t.Fatalf("%s in the image: %v %s", bin, err, b)
 		}
 	}
+	// Its nsenter, for user-namespaced pods (the agent calls it as an
+	// applet of busybox when no nsenter binary is there).
+	if b, err := exec.Command("chroot", rootfs, "/bin/busybox", "nsenter", "--help").CombinedOutput(); !strings.Contains(string(b), "Usage: nsenter") {
+		t.Fatalf("busybox nsenter in the image: %v %s", err, b)
+	}
+	// No nsswitch.conf: glibc then only reads local files for the owner
+	// match's user lookup, so the agent skips hiding it.
+	if _, err := os.Stat(filepath.Join(rootfs, "etc/nsswitch.conf")); !os.IsNotExist(err) {
+		t.Fatalf("the image has an /etc/nsswitch.conf (%v); the agent would hide it for every iptables command", err)
+	}
 	b, err := exec.Command("chroot", rootfs, "install-cni", "--kubeconfig-mode", "x").CombinedOutput()
 	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 {
 		t.Fatalf("install-cni in the image: %v %s", err, b)

@@ -1,0 +1,125 @@
+package iptables
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+)
+
+// podTarget is the pod namespace the iptables commands of one call act
+// on, and how they must be run there.
+type podTarget struct {
+	// path names the pod's network namespace; it doubles as the xtables
+	// lock file, so the lock is scoped to the pod.
+	path string
+	// userns is set when the network namespace belongs to a user
+	// namespace other than ours: a pod with hostUsers: false.
+	userns *os.File
+	netns  *os.File
+	// nsenter runs a command in userns: its argv before the namespace
+	// option.
+	nsenter []string
+}
+
+// target inspects the pod's network namespace, from inside it.
+//
+// The kernel accepts owner matches (-m owner, Istio's proxy exclusion)
+// only from a writer in the network namespace's own user namespace, where
+// 1337 then means the pod's uid 1337, which is another uid on the host. So
+// for a user-namespaced pod the commands run in its user namespace through
+// nsenter, as Istio's plugin does.
+func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
+	t := &podTarget{path: path}
+	fd, err := unix.IoctlRetInt(int(netNS.Fd()), unix.NS_GET_USERNS)
+	if err != nil {
+		// Kernels without the ioctl (before 4.9) have no pods in user
+		// namespaces either.
+		return t, nil
+	}
+	owner := os.NewFile(uintptr(fd), "userns")
+	same, err := sameNamespace(owner, "/proc/self/ns/user")
+	if err != nil || same {
+		owner.Close()
+		return t, err
+	}
+	t.userns = owner
+	if t.netns, err = os.Open(path); err != nil {
+		t.close()
+		return nil, err
+	}
+	if p, err := a.lookPath("nsenter"); err == nil {
+		t.nsenter = []string{p}
+	} else if p, err := a.lookPath("busybox"); err == nil {
+		t.nsenter = []string{p, "nsenter"}
+	} else {
+		t.close()
+		return nil, errors.New("the pod's network namespace belongs to a user namespace of its own (hostUsers: false); " +
+			"writing its owner rules needs nsenter (util-linux or busybox), found neither in PATH or sbin directories")
+	}
+	return t, nil
+}
+
+func sameNamespace(f *os.File, path string) (bool, error) {
+	var a, b unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &a); err != nil {
+		return false, err
+	}
+	if err := unix.Stat(path, &b); err != nil {
+		return false, err
+	}
+	return a.Dev == b.Dev && a.Ino == b.Ino, nil
+}
+
+func (t *podTarget) close() {
+	for _, f := range []*os.File{t.userns, t.netns} {
+		if f != nil {
+			_ = f.Close()
+		}
+	}
+}
+
+// how says, for messages, how a write ran when not plainly.
+func (t *podTarget) how() string {
+	if t.userns != nil {
+		return " (in the pod's user namespace, through " + strings.Join(t.nsenter, " ") + ")"
+	}
+	return ""
+}
+
+// run executes an iptables binary in the pod's network namespace (the
+// calling thread is in it), with a lock scoped to the pod, so pods never
+// wait on each other or on the host's xtables lock. Writes to a
+// user-namespaced pod run in its user namespace; reads need not (and
+// legacy iptables-save cannot list the tables from there).
+func (t *podTarget) run(write bool, bin, stdin string, args ...string) (string, error) {
+	cmd := exec.Command(bin, args...)
+	lock := t.path
+	if write && t.userns != nil {
+		// Descriptors rather than paths: from inside the pod's user
+		// namespace the agent's /proc/<pid>/fd cannot be opened.
+		argv := append(append([]string{}, t.nsenter...), "--user=/proc/self/fd/3", bin)
+		cmd = &exec.Cmd{Path: t.nsenter[0], Args: append(argv[len(t.nsenter)-1:], args...)}
+		cmd.ExtraFiles = []*os.File{t.userns, t.netns}
+		lock = "/proc/self/fd/4"
+	}
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=" + lock}
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		msg := strings.TrimSpace(stderr.String())
+		if stdin != "" {
+			msg += "\ninput was:\n" + stdin
+		}
+		return "", fmt.Errorf("%w: %s", err, msg)
+	}
+	return stdout.String(), nil
+}
