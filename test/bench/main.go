@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
@@ -473,19 +474,25 @@ func (b *bench) report(bin string) error {
 		return err
 	}
 	fmt.Printf("plugin binary size: istio-cni %.1f MB, istio-cni-fallback %.1f MB (target <= 20 MB)\n", float64(fi.Size())/1e6, float64(fb.Size())/1e6)
-	for _, b := range []string{bin, filepath.Join(filepath.Dir(bin), testenv.FallbackBinary)} {
-		var vs []time.Duration
+	for _, path := range []string{bin, filepath.Join(filepath.Dir(bin), testenv.FallbackBinary)} {
+		var vs, cs []time.Duration
 		for i := 0; i < 50; i++ {
-			cmd := exec.Command(b)
+			cmd := exec.Command(path)
 			cmd.Env = []string{"CNI_COMMAND=VERSION"}
 			start := time.Now()
 			if err := cmd.Run(); err != nil {
 				return fmt.Errorf("VERSION: %w", err)
 			}
 			vs = append(vs, time.Since(start))
+			ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+			cs = append(cs, time.Duration(ru.Utime.Nano()+ru.Stime.Nano()))
 		}
-		fmt.Printf("VERSION start-up p50 / p99, %-18s %s / %s\n", filepath.Base(b)+":", ms(pct(vs, .5)), ms(pct(vs, .99)))
+		fmt.Printf("VERSION start-up p50 / p99, %-18s %s / %s (CPU p50 %s)\n", filepath.Base(path)+":", ms(pct(vs, .5)), ms(pct(vs, .99)), ms(pct(cs, .5)))
+		if path == bin {
+			b.samples["cpu/relay start"] = cs
+		}
 	}
+	b.reportCPUFloor()
 	return nil
 }
 
@@ -510,9 +517,17 @@ func (b *bench) ruleFloors(n int) error {
 			if err != nil {
 				return err
 			}
+			cpuBefore, err := ownCPU()
+			if err != nil {
+				return err
+			}
 			start := time.Now()
 			_, err = be.rules.Apply(netns.Path(), plan)
 			took := time.Since(start)
+			cpuAfter, cerr := ownCPU()
+			if cerr != nil {
+				return cerr
+			}
 			_ = netns.Close()
 			_ = testutils.UnmountNS(netns)
 			if err != nil {
@@ -520,6 +535,7 @@ func (b *bench) ruleFloors(n int) error {
 			}
 			if i >= 3 { // the first ones warm up
 				b.record("floor/default rules into a fresh netns, "+be.name, took)
+				b.record("cpu/default rules into a fresh netns, "+be.name, cpuAfter-cpuBefore)
 			}
 		}
 	}
