@@ -314,7 +314,7 @@ func (s *CNIServer) source(conf *plugin.Config, uid string) (podinfo.Source, err
 			}
 			src = c
 		}
-		return &podinfo.Retrying{Source: src, RequestTimeout: conf.RequestTimeout(), Budget: conf.RetryBudget()}, nil
+		return conf.Bounded(src), nil
 	}}
 	if s.Pods != nil {
 		f.Agent = cacheSource{s.Pods, uid}

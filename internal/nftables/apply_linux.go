@@ -32,17 +32,7 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, 
 	if err != nil {
 		return rep, err
 	}
-	err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		// The library binds its socket to this thread's namespace.
-		conn, err := nftables.New()
-		if err != nil {
-			return fmt.Errorf("opening nftables netlink: %w", err)
-		}
-		defer conn.CloseLasting()
-		existing, err := ourTables(conn)
-		if err != nil {
-			return err
-		}
+	err = withOurTables(netnsPath, func(conn *nftables.Conn, existing []*nftables.Table) error {
 		action := "applied"
 		if len(existing) > 0 {
 			diffs, err := diff(conn, existing, rs)
@@ -83,16 +73,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	if err != nil {
 		return err
 	}
-	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		conn, err := nftables.New()
-		if err != nil {
-			return fmt.Errorf("opening nftables netlink: %w", err)
-		}
-		defer conn.CloseLasting()
-		existing, err := ourTables(conn)
-		if err != nil {
-			return err
-		}
+	return withOurTables(netnsPath, func(conn *nftables.Conn, existing []*nftables.Table) error {
 		diffs, err := diff(conn, existing, rs)
 		if err != nil {
 			return err
@@ -106,6 +87,24 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
 		}
 		return nil
+	})
+}
+
+// withOurTables runs fn inside the pod's namespace with a netlink
+// connection there and the tables of ours it holds.
+func withOurTables(netnsPath string, fn func(*nftables.Conn, []*nftables.Table) error) error {
+	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		// The library binds its socket to this thread's namespace.
+		conn, err := nftables.New()
+		if err != nil {
+			return fmt.Errorf("opening nftables netlink: %w", err)
+		}
+		defer conn.CloseLasting()
+		existing, err := ourTables(conn)
+		if err != nil {
+			return err
+		}
+		return fn(conn, existing)
 	})
 }
 
@@ -268,15 +267,9 @@ func canonical(e expr.Any) expr.Any {
 // Inspect lists our tables with their chains and rule counts.
 func (a *Applier) Inspect(netnsPath string) ([]string, error) {
 	var out []string
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		conn, err := nftables.New()
-		if err != nil {
-			return err
-		}
-		defer conn.CloseLasting()
-		tables, err := ourTables(conn)
-		if err != nil || len(tables) == 0 {
-			return err
+	err := withOurTables(netnsPath, func(conn *nftables.Conn, tables []*nftables.Table) error {
+		if len(tables) == 0 {
+			return nil
 		}
 		chains, err := conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
 		if err != nil {

@@ -152,8 +152,8 @@ func ParseArgs(s string) (*K8sArgs, error) {
 	return a, nil
 }
 
-// RequestTimeout bounds one API request for the pod (k8s_request_timeout).
-func (c *Config) RequestTimeout() time.Duration { return c.requestTimeout }
-
-// RetryBudget bounds all attempts to read the pod (k8s_retry_budget).
-func (c *Config) RetryBudget() time.Duration { return c.retryBudget }
+// Bounded wraps an API source of pods in the config's bounds: each
+// request within k8s_request_timeout, all attempts within k8s_retry_budget.
+func (c *Config) Bounded(api podinfo.Source) podinfo.Source {
+	return &podinfo.Retrying{Source: api, RequestTimeout: c.requestTimeout, Budget: c.retryBudget}
+}

@@ -156,7 +156,7 @@ func defaultSource(log *slog.Logger) func(*Config, string) (podinfo.Source, erro
 			if err != nil {
 				return nil, err
 			}
-			return &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}, nil
+			return conf.Bounded(c), nil
 		}}
 		if sock := conf.AgentSocketPath(); fileExists(sock) {
 			ac := podinfo.NewAgentClient(sock, agentTimeout)
