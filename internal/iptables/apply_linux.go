@@ -65,16 +65,10 @@ func (r Report) String() string {
 // the IPv6 passthrough address are set up as needed.
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 	var rep Report
-	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
-		t, err := a.target(netnsPath, netNS)
-		if err != nil {
-			return err
-		}
-		defer t.close()
-		snap := &tableSnapshot{}
+	err := a.inPod(netnsPath, func(t *podTarget) error {
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			set := planSet(plan, fam)
-			fr, err := a.sync(t, fam, set, snap)
+			fr, err := a.sync(t, fam, set)
 			if err != nil {
 				return err
 			}
@@ -118,16 +112,10 @@ func (a *Applier) Remove(netnsPath string) (Report, error) {
 // Check returns an error describing every difference between the
 // namespace and the plan.
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
-	return inPodNetns(netnsPath, func(netNS ns.NetNS) error {
-		t, err := a.target(netnsPath, netNS)
-		if err != nil {
-			return err
-		}
-		defer t.close()
+	return a.inPod(netnsPath, func(t *podTarget) error {
 		var diffs []string
-		snap := &tableSnapshot{}
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			_, st, err := a.read(t, fam, snap)
+			_, st, err := a.read(t, fam)
 			if err != nil {
 				return err
 			}
@@ -157,10 +145,10 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 	return &ruleset.Set{Family: fam}
 }
 
-func (a *Applier) sync(t *podTarget, fam ruleset.Family, set *ruleset.Set, snap *tableSnapshot) (FamilyReport, error) {
+func (a *Applier) sync(t *podTarget, fam ruleset.Family, set *ruleset.Set) (FamilyReport, error) {
 	start := time.Now()
 	fr := FamilyReport{Family: fam, Action: "none"}
-	v, st, err := a.read(t, fam, snap)
+	v, st, err := a.read(t, fam)
 	if err != nil {
 		return fr, err
 	}
@@ -262,12 +250,12 @@ func hasLegacyTables(fam ruleset.Family) bool {
 }
 
 // read picks the variant for a family and reads our rules with it.
-func (a *Applier) read(t *podTarget, fam ruleset.Family, snap *tableSnapshot) (*variant, *State, error) {
+func (a *Applier) read(t *podTarget, fam ruleset.Family) (*variant, *State, error) {
 	v, err := a.detect(fam)
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := a.state(t, v, fam, snap)
+	st, err := a.state(t, v, fam)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -276,8 +264,8 @@ func (a *Applier) read(t *podTarget, fam ruleset.Family, snap *tableSnapshot) (*
 
 // state reads our rules; it only runs iptables-save when the namespace has
 // tables of that variant at all, which a fresh pod namespace does not.
-func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family, snap *tableSnapshot) (*State, error) {
-	any, err := snap.has(v, fam)
+func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family) (*State, error) {
+	any, err := t.snap.has(v, fam)
 	if err != nil {
 		return nil, err
 	}
@@ -471,15 +459,9 @@ type Inspection struct {
 // Inspect reports the iptables variant in use and our rules, per family.
 func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
-	err := inPodNetns(netnsPath, func(netNS ns.NetNS) error {
-		t, err := a.target(netnsPath, netNS)
-		if err != nil {
-			return err
-		}
-		defer t.close()
-		snap := &tableSnapshot{}
+	err := a.inPod(netnsPath, func(t *podTarget) error {
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			v, st, err := a.read(t, fam, snap)
+			v, st, err := a.read(t, fam)
 			if err != nil {
 				return err
 			}

@@ -25,6 +25,20 @@ type podTarget struct {
 	// nsenter runs a command in userns: its argv before the namespace
 	// option.
 	nsenter []string
+	snap    tableSnapshot
+}
+
+// inPod runs fn on a thread in the pod's network namespace, with what
+// one call needs to know of it.
+func (a *Applier) inPod(netnsPath string, fn func(*podTarget) error) error {
+	return inPodNetns(netnsPath, func(netNS ns.NetNS) error {
+		t, err := a.target(netnsPath, netNS)
+		if err != nil {
+			return err
+		}
+		defer t.close()
+		return fn(t)
+	})
 }
 
 // target inspects the pod's network namespace, from inside it.
