@@ -91,17 +91,23 @@ func SyncRouting(plan *ruleset.Plan) error {
 	return syncTProxyRoutes(plan.TProxyRoutes, plan.V6 != nil)
 }
 
-// CheckRouting reports what routing the plan needs but the namespace
-// lacks. It must run inside the pod's namespace.
-func CheckRouting(plan *ruleset.Plan) ([]string, error) {
-	if !plan.TProxyRoutes {
-		return nil, nil
+// Mismatch completes a backend's rule differences with the routing the
+// plan needs but the namespace lacks, and says all of it in one error (nil
+// when nothing differs). It must run inside the pod's namespace.
+func Mismatch(plan *ruleset.Plan, diffs []string) error {
+	if plan.TProxyRoutes {
+		ok, err := hasTProxyRule(netlink.FAMILY_V4)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			diffs = append(diffs, "IPv4 policy rule fwmark 1337 lookup 133 missing")
+		}
 	}
-	ok, err := hasTProxyRule(netlink.FAMILY_V4)
-	if err != nil || ok {
-		return nil, err
+	if len(diffs) > 0 {
+		return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
 	}
-	return []string{"IPv4 policy rule fwmark 1337 lookup 133 missing"}, nil
+	return nil
 }
 
 // Remove deletes every rule and chain of ours and the TPROXY policy route.
@@ -123,15 +129,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 				diffs = append(diffs, fam.String()+" "+d)
 			}
 		}
-		missing, err := CheckRouting(plan)
-		if err != nil {
-			return err
-		}
-		diffs = append(diffs, missing...)
-		if len(diffs) > 0 {
-			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
-		}
-		return nil
+		return Mismatch(plan, diffs)
 	})
 }
 

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -308,5 +309,33 @@ func TestUserNamespacedPodWithoutNsenter(t *testing.T) {
 	}
 	if save := saveAll(t, pod, VariantNFT); strings.Contains(save, "ISTIO") {
 		t.Fatalf("rules applied despite the error:\n%s", save)
+	}
+}
+
+// TestCheckFindsMissingPolicyRoute: CHECK on a TPROXY pod fails when its
+// fwmark policy rule is gone, even with every iptables rule in place.
+func TestCheckFindsMissingPolicyRoute(t *testing.T) {
+	testutil.RequireTools(t, "iptables-nft-restore")
+	var tproxy testutil.RedirectCase
+	for _, c := range testutil.RedirectCases {
+		if c.Name == "tproxy" {
+			tproxy = c
+		}
+	}
+	plan := planFor(t, tproxy, false)
+	pod := newNS(t)
+	a := &Applier{Force: VariantNFT}
+	if _, err := a.Apply(pod.Path(), plan); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Check(pod.Path(), plan); err != nil {
+		t.Fatalf("CHECK right after ADD: %v", err)
+	}
+	if err := pod.Do(func(ns.NetNS) error { return netlink.RuleDel(tproxyRule(netlink.FAMILY_V4)) }); err != nil {
+		t.Fatal(err)
+	}
+	err := a.Check(pod.Path(), plan)
+	if err == nil || !strings.Contains(err.Error(), "policy rule fwmark 1337 lookup 133 missing") {
+		t.Fatalf("CHECK without the policy rule: %v", err)
 	}
 }

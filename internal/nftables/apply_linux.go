@@ -78,15 +78,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 		if err != nil {
 			return err
 		}
-		missing, err := iptables.CheckRouting(plan)
-		if err != nil {
-			return err
-		}
-		diffs = append(diffs, missing...)
-		if len(diffs) > 0 {
-			return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
-		}
-		return nil
+		return iptables.Mismatch(plan, diffs)
 	})
 }
 
