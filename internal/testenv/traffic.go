@@ -111,6 +111,19 @@ func DialAs(netnsPath string, uid, gid int, network, addr string) (string, error
 	return strings.TrimPrefix(s, "OK "), nil
 }
 
+// Ping writes a line and waits up to 3 s for the peer's line back: the
+// connection reached a listener that serves it, not just a SYN-ACK.
+func Ping(c net.Conn) error {
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		return err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
+		return fmt.Errorf("reading reply: %w", err)
+	}
+	return nil
+}
+
 // RunHelperIfRequested runs the helper role when the binary was started
 // as a helper, and exits. Call it first in TestMain.
 func RunHelperIfRequested() {
@@ -134,12 +147,8 @@ func RunHelperIfRequested() {
 			return err
 		}
 		defer c.Close()
-		if _, err := c.Write([]byte("ping\n")); err != nil {
+		if err := Ping(c); err != nil {
 			return err
-		}
-		_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
-		if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
-			return fmt.Errorf("reading reply: %w", err)
 		}
 		fmt.Println("OK", c.LocalAddr().String())
 		return nil

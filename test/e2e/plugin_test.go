@@ -223,12 +223,7 @@ func dialPing(pod *testenv.Pod, network, addr string) func() error {
 			return err
 		}
 		defer c.Close()
-		if _, err := c.Write([]byte("ping\n")); err != nil {
-			return err
-		}
-		_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
-		_, err = bufio.NewReader(c).ReadString('\n')
-		return err
+		return testenv.Ping(c)
 	}
 }
 

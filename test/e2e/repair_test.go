@@ -105,13 +105,21 @@ func setPodIP(t *testing.T, name, ip string) {
 
 var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
 
-func TestRepairInPlace(t *testing.T) {
-	ensureDaemonSet(t, false)
+// repairHost starts an agent for the test node, with a primary config in
+// place and the given flags.
+func repairHost(t *testing.T, flags ...string) *host {
+	t.Helper()
 	h := newHost(t)
 	if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+	h.start(append([]string{"--kubernetes-node-name", testenv.NodeName}, flags...)...)
+	return h
+}
+
+func TestRepairInPlace(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := repairHost(t, "--repair-host-proc", "/proc")
 	h.waitReadyz(200, 20*time.Second)
 	e := newEnv(t, nil)
 
@@ -153,11 +161,7 @@ func TestRepairDeleteAndLabel(t *testing.T) {
 	ensureDaemonSet(t, false)
 	for _, mode := range []string{"delete", "label"} {
 		t.Run(mode, func(t *testing.T) {
-			h := newHost(t)
-			if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods=false", "--repair-"+mode+"-pods")
+			h := repairHost(t, "--repair-repair-pods=false", "--repair-"+mode+"-pods")
 			h.waitReadyz(200, 20*time.Second)
 			ctx := context.Background()
 			mk := func(name string, spec testenv.PodSpec, exit int32) {
@@ -205,11 +209,7 @@ func TestRepairStartupScan(t *testing.T) {
 	e := newEnv(t, nil)
 	pod, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
 	setPodIP(t, pod.Name, ip)
-	h := newHost(t)
-	if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+	repairHost(t, "--repair-host-proc", "/proc")
 	ev := waitEvent(t, pod.Name, "RepairedPod")
 	if !strings.Contains(ev.Message, "start-up") {
 		t.Fatalf("event: %q", ev.Message)
@@ -226,11 +226,7 @@ func TestRepairGoesOn(t *testing.T) {
 	ensureDaemonSet(t, false)
 	ctx := context.Background()
 	t.Run("vanished-pod", func(t *testing.T) {
-		h := newHost(t)
-		if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		h.start("--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc")
+		h := repairHost(t, "--repair-host-proc", "/proc")
 		h.waitReadyz(200, 20*time.Second)
 		e := newEnv(t, nil)
 		gone, goneIP := racedPod(t, e, testenv.PodSpec{Sidecar: true})
@@ -252,15 +248,11 @@ func TestRepairGoesOn(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h := newHost(t)
-		if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
-			t.Fatal(err)
-		}
 		kc := filepath.Join(t.TempDir(), "restricted.kubeconfig")
 		if err := testenv.WriteKubeconfig(kc, cluster.URL, cluster.CAFile, tok); err != nil {
 			t.Fatal(err)
 		}
-		h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods=false", "--repair-delete-pods", "--kubeconfig", kc)
+		h := repairHost(t, "--repair-repair-pods=false", "--repair-delete-pods", "--kubeconfig", kc)
 		h.waitReadyz(200, 20*time.Second)
 		for _, name := range []string{"refused-1", "refused-2"} {
 			if _, err := testenv.CreatePod(ctx, cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true}); err != nil {
