@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
@@ -57,7 +58,7 @@ func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 		return t, nil
 	}
 	owner := os.NewFile(uintptr(fd), "userns")
-	same, err := sameNamespace(owner, "/proc/self/ns/user")
+	same, err := isOwnUserNS(owner)
 	if err != nil || same {
 		owner.Close()
 		return t, err
@@ -79,15 +80,23 @@ func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 	return t, nil
 }
 
-func sameNamespace(f *os.File, path string) (bool, error) {
-	var a, b unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &a); err != nil {
+// ownUserNS identifies this process's user namespace, which never changes.
+var ownUserNS = sync.OnceValues(func() (unix.Stat_t, error) {
+	var st unix.Stat_t
+	err := unix.Stat("/proc/self/ns/user", &st)
+	return st, err
+})
+
+func isOwnUserNS(f *os.File) (bool, error) {
+	own, err := ownUserNS()
+	if err != nil {
 		return false, err
 	}
-	if err := unix.Stat(path, &b); err != nil {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return false, err
 	}
-	return a.Dev == b.Dev && a.Ino == b.Ino, nil
+	return st.Dev == own.Dev && st.Ino == own.Ino, nil
 }
 
 func (t *podTarget) close() {
@@ -117,8 +126,8 @@ func (t *podTarget) run(write bool, bin, stdin string, args ...string) (string, 
 	if write && t.userns != nil {
 		// Descriptors rather than paths: from inside the pod's user
 		// namespace the agent's /proc/<pid>/fd cannot be opened.
-		argv := append(append([]string{}, t.nsenter...), "--user=/proc/self/fd/3", bin)
-		cmd = &exec.Cmd{Path: t.nsenter[0], Args: append(argv[len(t.nsenter)-1:], args...)}
+		argv := append(append(append([]string{}, t.nsenter[1:]...), "--user=/proc/self/fd/3", bin), args...)
+		cmd = exec.Command(t.nsenter[0], argv...)
 		cmd.ExtraFiles = []*os.File{t.userns, t.netns}
 		lock = "/proc/self/fd/4"
 	}
