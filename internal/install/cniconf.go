@@ -308,7 +308,7 @@ func Inspect(existing []byte, entry []byte) (EntryState, error) {
 	for i, p := range plugins {
 		if pluginType(p) == PluginType {
 			count++
-			last = i == len(plugins)-1 && sameJSON(p, entry)
+			last = i == len(plugins)-1 && SameJSON(p, entry)
 		}
 	}
 	switch {
@@ -320,7 +320,9 @@ func Inspect(existing []byte, entry []byte) (EntryState, error) {
 	return EntryStale, nil
 }
 
-func sameJSON(a, b []byte) bool {
+// SameJSON says whether two documents hold the same JSON value, whatever
+// their spacing and key order.
+func SameJSON(a, b []byte) bool {
 	var x, y any
 	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
 		return false

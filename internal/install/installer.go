@@ -180,7 +180,7 @@ func (in *Installer) EnsureConf() (bool, error) {
 		path := filepath.Join(dir, name)
 		want := StandaloneConf(in.cfg.Entry)
 		in.confPath = path
-		if cur, err := os.ReadFile(path); err == nil && sameJSON(cur, want) {
+		if cur, err := os.ReadFile(path); err == nil && SameJSON(cur, want) {
 			return false, nil
 		}
 		if err := WriteFileAtomic(path, want, in.createdMode(), false); err != nil {

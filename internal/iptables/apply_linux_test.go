@@ -8,7 +8,6 @@ import (
 	"runtime"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -16,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
 )
@@ -231,25 +231,16 @@ func TestCommandsDoNotSeeNSS(t *testing.T) {
 }
 
 // userNSPod is a network namespace that belongs to a user namespace of
-// its own (a pod with hostUsers: false), ids 0-65535 mapped from 262144.
+// its own (a pod with hostUsers: false).
 func userNSPod(t *testing.T) ns.NetNS {
 	t.Helper()
 	testutil.RequireRoot(t)
-	holder := exec.Command("/bin/sleep", "infinity")
-	holder.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET,
-		UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: 262144, Size: 65536}},
-		GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: 262144, Size: 65536}},
-		GidMappingsEnableSetgroups: true}
-	if err := holder.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = holder.Process.Kill(); _ = holder.Wait() })
-	n, err := ns.GetNS(fmt.Sprintf("/proc/%d/ns/net", holder.Process.Pid))
+	pod, err := testenv.NewUserNSPod("default", "p", "", "c")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = n.Close() })
-	return n
+	t.Cleanup(pod.Close)
+	return pod.NetNS
 }
 
 // hiding returns a LookPath that does not find the named binaries.

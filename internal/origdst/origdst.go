@@ -31,28 +31,33 @@ func Get(c net.Conn) (netip.AddrPort, error) {
 	err = raw.Control(func(fd uintptr) {
 		if v6 {
 			var sa unix.RawSockaddrInet6
-			l := uint32(unsafe.Sizeof(sa))
-			if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IPV6, soOriginalDst,
-				uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
-				serr = e
-				return
+			if serr = getsockopt(fd, unix.SOL_IPV6, unsafe.Pointer(&sa), unsafe.Sizeof(sa)); serr == nil {
+				out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netPort(&sa.Port))
 			}
-			port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:])
-			out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), port)
 			return
 		}
 		var sa unix.RawSockaddrInet4
-		l := uint32(unsafe.Sizeof(sa))
-		if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IP, soOriginalDst,
-			uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
-			serr = e
-			return
+		if serr = getsockopt(fd, unix.SOL_IP, unsafe.Pointer(&sa), unsafe.Sizeof(sa)); serr == nil {
+			out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netPort(&sa.Port))
 		}
-		port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:])
-		out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), port)
 	})
 	if err != nil {
 		return out, err
 	}
 	return out, serr
+}
+
+// getsockopt reads SO_ORIGINAL_DST at level into the sockaddr at p.
+func getsockopt(fd uintptr, level int, p unsafe.Pointer, size uintptr) error {
+	l := uint32(size)
+	if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, uintptr(level), soOriginalDst,
+		uintptr(p), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
+		return e
+	}
+	return nil
+}
+
+// netPort reads a sockaddr's port, which is in network byte order.
+func netPort(p *uint16) uint16 {
+	return binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(p))[:])
 }

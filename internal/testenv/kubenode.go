@@ -69,7 +69,7 @@ func BuildImage(dir, pkg, name, tag string) (string, error) {
 
 // StartKubeNode starts containerd and a kubelet for NodeName in dir and
 // waits for the node to be Ready. Call it inside the node namespace.
-func StartKubeNode(ctx context.Context, c *Cluster, dir string) (*KubeNode, error) {
+func StartKubeNode(ctx context.Context, c *Cluster, dir string) (_ *KubeNode, err error) {
 	n := &KubeNode{Dir: dir, ConfDir: filepath.Join(dir, "cni-conf"), BinDir: filepath.Join(dir, "cni-bin"),
 		Socket: filepath.Join(dir, "containerd.sock"), cluster: c}
 	for _, d := range []string{n.ConfDir, n.BinDir, filepath.Join(dir, "ipam")} {
@@ -110,34 +110,34 @@ state = %q
 	if err := n.start(logf, "containerd", "--config", cfgPath); err != nil {
 		return nil, err
 	}
+	// From here on a failure takes down what was started.
+	defer func() {
+		if err != nil {
+			n.Stop()
+		}
+	}()
 	if err := n.waitContainerd(30 * time.Second); err != nil {
-		n.Stop()
 		return nil, err
 	}
 	for _, img := range []struct{ pkg, name, tag string }{{"./test/images/pause", "pause", PauseImage}, {"./test/images/app", "app", AppImage}} {
 		tar, err := BuildImage(dir, img.pkg, img.name, img.tag)
 		if err != nil {
-			n.Stop()
 			return nil, err
 		}
 		if err := n.Import(tar); err != nil {
-			n.Stop()
 			return nil, err
 		}
 	}
 	kubelet, err := KubeletBinary()
 	if err != nil {
-		n.Stop()
 		return nil, err
 	}
 	kc := filepath.Join(dir, "kubelet.kubeconfig")
 	if err := c.AdminKubeconfig(kc); err != nil {
-		n.Stop()
 		return nil, err
 	}
 	port, err := freePort()
 	if err != nil {
-		n.Stop()
 		return nil, err
 	}
 	kcfg := `apiVersion: kubelet.config.k8s.io/v1beta1
@@ -165,16 +165,13 @@ imageServiceEndpoint: unix://` + n.Socket + `
 `
 	kcfgPath := filepath.Join(dir, "kubelet.yaml")
 	if err := os.WriteFile(kcfgPath, []byte(kcfg), 0o644); err != nil {
-		n.Stop()
 		return nil, err
 	}
 	if err := n.start(logf, kubelet, "--config", kcfgPath, "--kubeconfig", kc, "--hostname-override", NodeName,
 		"--root-dir", filepath.Join(dir, "kubelet"), "--cert-dir", filepath.Join(dir, "kubelet-pki"), "--node-ip", RemoteV4, "--v", "1"); err != nil {
-		n.Stop()
 		return nil, err
 	}
 	if err := n.waitNodeReady(ctx, 120*time.Second); err != nil {
-		n.Stop()
 		return nil, err
 	}
 	return n, nil

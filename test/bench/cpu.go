@@ -117,17 +117,19 @@ func (b *bench) cpuNow() (cpuSplit, error) {
 	return c, errors.Join(err1, err2, err3)
 }
 
+// perPod is a parallel series' CPU divided by the pods it started.
+func (b *bench) perPod(k string) cpuSplit {
+	c, n := b.cpu[k], time.Duration(max(b.cpuPods[k], 1))
+	return cpuSplit{c.runtime / n, c.plugins / n, c.agent / n}
+}
+
 // reportCPU prints CPU per pod for the parallel ADDs: what a burst of pod
 // starts costs the node, and who spends it.
 func (b *bench) reportCPU() {
-	per := func(k string) cpuSplit {
-		c, n := b.cpu[k], time.Duration(max(b.cpuPods[k], 1))
-		return cpuSplit{c.runtime / n, c.plugins / n, c.agent / n}
-	}
-	base := per("par/primary ADD")
+	base := b.perPod("par/primary ADD")
 	fmt.Printf("CPU per pod, %d parallel ADDs (runtime/libcni + plugin processes + agent with iptables-restore = total):\n", *parallel)
 	for _, s := range []string{"par/primary", "par/chain+agent", "par/chain+agent/nftables"} {
-		c := per(s + " ADD")
+		c := b.perPod(s + " ADD")
 		agent := ms(c.agent)
 		if b.agentCPU == nil {
 			agent = "    n/a   "
@@ -159,11 +161,7 @@ func mean(ds []time.Duration) time.Duration {
 // (iptables-restore or netlink, with the kernel's work). A ratio target
 // below this cannot be met by any code in the agent or the relay.
 func (b *bench) reportCPUFloor() {
-	per := func(k string) cpuSplit {
-		c, n := b.cpu[k], time.Duration(max(b.cpuPods[k], 1))
-		return cpuSplit{c.runtime / n, c.plugins / n, c.agent / n}
-	}
-	primary := per("par/primary ADD")
+	primary := b.perPod("par/primary ADD")
 	if primary.total() == 0 {
 		return
 	}
@@ -171,7 +169,7 @@ func (b *bench) reportCPUFloor() {
 	fmt.Printf("CPU floor of a chained ADD over the primary's, %d parallel (runtime's extra plugin + relay start + rules):\n", *parallel)
 	for _, s := range []struct{ series, rules string }{
 		{"par/chain+agent", "iptables (iptables-restore)"}, {"par/chain+agent/nftables", "nftables (netlink)"}} {
-		runtime := per(s.series+" ADD").runtime - primary.runtime
+		runtime := b.perPod(s.series+" ADD").runtime - primary.runtime
 		rules := mean(b.samples["cpu/default rules into a fresh netns, "+s.rules])
 		floor := primary.total() + runtime + relay + rules
 		fmt.Printf("  %-26s %s + %s + %s = %s over %s: at least %.2fx\n", s.series, ms(runtime), ms(relay), ms(rules),

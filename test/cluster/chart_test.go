@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -247,7 +247,7 @@ func chartOnNode(t *testing.T, backend string) {
 		if err != nil {
 			return false, err.Error()
 		}
-		return sameJSON(now, before), string(now)
+		return install.SameJSON(now, before), string(now)
 	})
 	// The binary goes last, after the entry and the kubeconfig.
 	waitFor(t, "plugin binary removed after uninstall", 30*time.Second, func() (bool, string) {
@@ -279,16 +279,6 @@ func waitLog(t *testing.T, pod *corev1.Pod, container, want string) {
 		}
 		return strings.Contains(string(b), want), s
 	})
-}
-
-func sameJSON(a, b []byte) bool {
-	var x, y any
-	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
-		return false
-	}
-	xa, _ := json.Marshal(x)
-	ya, _ := json.Marshal(y)
-	return string(xa) == string(ya)
 }
 
 func podProblems(p *corev1.Pod) string {
