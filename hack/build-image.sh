@@ -22,12 +22,10 @@ for cmd in istio-cni istio-cni-fallback; do
   CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$rootfs/opt/cni/bin/$cmd" "./cmd/$cmd"
 done
 
-debs="${DEB_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/debs}"
-mkdir -p "$debs"
-pkgs=(iptables libip4tc2 libip6tc2 libxtables12 libnetfilter-conntrack3 libnfnetlink0 libnftnl11 libmnl0 libc6 libgcc-s1 gcc-12-base netbase busybox-static)
-(cd "$debs" && { apt-get download "${pkgs[@]}" >/dev/null 2>&1 || { apt-get update -qq && apt-get download "${pkgs[@]}" >/dev/null; }; })
-for p in "${pkgs[@]}"; do
-  deb=$(ls -t "$debs/${p}"_*.deb | head -n 1)
+# Inside a test node (no uplink) the packages must already be there: the
+# tests set ISTIO_CNI_OFFLINE=1 and `make setup` fetched them.
+debs=$(hack/image-debs.sh ${ISTIO_CNI_OFFLINE:+--offline})
+for deb in $debs; do
   dpkg-deb -x "$deb" "$rootfs"
 done
 go run ./hack/imagepack -rootfs "$rootfs" -tag "$tag" -entrypoint install-cni -out "$out"

@@ -33,9 +33,10 @@ staging=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-g
   printf ')\n'
 } > "$mod/tools.go"
 cd "$mod"
-GOFLAGS=-mod=mod go mod tidy >/dev/null 2>&1 || GOFLAGS=-mod=mod go mod download
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod"
+go mod tidy >/dev/null 2>&1 || go mod download
 for b in "${missing[@]}"; do
   echo "building $b $KUBE_VERSION (a few minutes, cached afterwards)" >&2
-  GOFLAGS=-mod=mod CGO_ENABLED=0 go build -trimpath -ldflags=-s -o "$cache/$b.tmp" "k8s.io/kubernetes/cmd/$b"
+  CGO_ENABLED=0 go build -trimpath -ldflags=-s -o "$cache/$b.tmp" "k8s.io/kubernetes/cmd/$b"
   mv "$cache/$b.tmp" "$cache/$b"
 done

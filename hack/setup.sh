@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Installs what the tests, the demo and the benchmark need on a fresh
-# Debian machine: the Debian packages below and a kube-apiserver built from
-# the Go module proxy (cached in .cache/, so only the first run is slow).
+# Installs everything the tests, the demo and the benchmark need on a fresh
+# Debian machine, and downloads everything they will build from, so that
+# nothing needs the network once they run in namespaces without an uplink:
+#   - Debian packages (apt-get): iptables, nftables, iproute2, the CNI
+#     reference plugins, etcd, util-linux, busybox, containerd (with runc);
+#   - the Go modules of this repository (go mod download);
+#   - the Debian packages that go into the agent's image (hack/image-debs.sh);
+#   - kube-apiserver, kubelet and kube-controller-manager built from the Go
+#     module proxy (hack/build-kube.sh), cached by version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(iptables nftables iproute2 containernetworking-plugins etcd-server util-linux busybox-static containerd dpkg)
@@ -18,4 +24,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+go mod download
+hack/image-debs.sh >/dev/null
 hack/build-kube.sh kube-apiserver kubelet kube-controller-manager

@@ -16,12 +16,14 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
@@ -64,6 +66,9 @@ func NewMetrics() *Metrics {
 		Help:    "Time from a pod first seen broken to the repair controller's successful action.",
 		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
 	m.PluginCommands, m.PluginLatency, m.PluginLookups = NewCNIMetrics()
+	// The Go runtime and process collectors, as Istio's agent exposes
+	// (go_*, process_*): memory, goroutines, open descriptors.
+	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay, m.Repaired, m.RepairLatency,
 		m.PluginCommands, m.PluginLatency, m.PluginLookups)
 	return m
@@ -81,6 +86,9 @@ type Agent struct {
 	DaemonSetPresent func(ctx context.Context) (bool, error)
 	// Clientset, when set, feeds the node-local pod cache.
 	Clientset kubernetes.Interface
+	// PluginLog receives the plugin's lines (scope cni-plugin), at its
+	// scope's level; nil means the agent's logger.
+	PluginLog *slog.Logger
 
 	mu       sync.Mutex
 	notReady string
@@ -217,7 +225,11 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := os.MkdirAll(a.opts.RunDir, 0o755); err != nil {
 		return fmt.Errorf("creating run dir: %w", err)
 	}
-	if err := serveLogSocket(srvCtx, a.opts.RunDir, a.log); err != nil {
+	pluginLog := a.PluginLog
+	if pluginLog == nil {
+		pluginLog = a.log.With("scope", logging.ScopePlugin)
+	}
+	if err := serveLogSocket(srvCtx, a.opts.RunDir, pluginLog); err != nil {
 		return fmt.Errorf("plugin log socket: %w", err)
 	}
 	var pods *PodCache
@@ -228,7 +240,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		return fmt.Errorf("agent socket: %w", err)
 	}
 	cni := &CNIServer{
-		Log:   a.log.With("scope", "cni-plugin"),
+		Log:   pluginLog,
 		Rules: a.iptablesRules(), NFTables: &nftables.Applier{},
 		Pods: pods, Clientset: a.Clientset, ReadyReason: a.ReadyReason,
 		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
@@ -259,6 +271,7 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 	var changedAt time.Time
 	for {
 		wrote, err := a.installOnce()
+		firstPass := first
 		if wrote && !first {
 			a.metrics.Reinsertions.Inc()
 			if !changedAt.IsZero() {
@@ -292,12 +305,14 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 				a.metrics.Installs.WithLabelValues(se.Result).Inc()
 			}
 		default:
+			// As Istio counts: every pass that put the plugin in place,
+			// the first, each re-insertion and each recovery.
+			if firstPass || wrote || a.ReadyReason() != "" {
+				a.metrics.Installs.WithLabelValues(install.ResultSuccess).Inc()
+			}
 			if r := a.in.Ready(); r != nil {
 				a.setReady(r.Error())
 			} else {
-				if a.ReadyReason() != "" {
-					a.metrics.Installs.WithLabelValues(install.ResultSuccess).Inc()
-				}
 				a.setReady("")
 			}
 		}
@@ -343,6 +358,7 @@ func (a *Agent) startRepair(ctx context.Context) {
 		LabelKey: a.opts.RepairLabelKey, LabelValue: a.opts.RepairLabelValue,
 		SidecarAnnotation: a.opts.RepairSidecarAnno, InitContainerName: a.opts.RepairInitContainer,
 		ExitCode: int32(a.opts.RepairExitCode), TerminationMessage: a.opts.RepairTermMessage,
+		LabelSelectors: a.opts.RepairLabelSelector, FieldSelectors: a.opts.RepairFieldSelector,
 	}
 	if cfg.Mode() == "" {
 		a.log.Warn("repair is enabled but no mode is: set repair-repair-pods, repair-delete-pods or repair-label-pods")

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"time"
 )
@@ -18,8 +19,8 @@ import (
 const LogSocketName = "log.sock"
 
 // serveLogSocket receives plugin log lines (POST /log, a JSON array of
-// JSON lines) and re-emits each through the agent's logger with scope
-// cni-plugin, so plugin activity shows in `kubectl logs` of the agent.
+// JSON lines) and re-emits each through log (the agent's cni-plugin
+// scope), so plugin activity shows in `kubectl logs` of the agent.
 func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error {
 	path := filepath.Join(runDir, LogSocketName)
 	// Plugins run as root too, but keep the socket usable whatever the
@@ -28,7 +29,6 @@ func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error 
 	if err != nil {
 		return err
 	}
-	scoped := log.With("scope", "cni-plugin")
 	mux := http.NewServeMux()
 	mux.HandleFunc("/log", func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost {
@@ -46,7 +46,7 @@ func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error 
 			return
 		}
 		for _, line := range lines {
-			emitPluginLine(scoped, line)
+			emitPluginLine(log, line)
 		}
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
@@ -75,8 +75,21 @@ func emitPluginLine(log *slog.Logger, line string) {
 	case "error", "fatal":
 		level = slog.LevelError
 	}
+	// In the plugin's own order where it can be known: JSON objects have
+	// none, so sorted, with the pod first.
+	keys := make([]string, 0, len(entry))
+	for k := range entry {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if (keys[i] == "pod") != (keys[j] == "pod") {
+			return keys[i] == "pod"
+		}
+		return keys[i] < keys[j]
+	})
 	attrs := make([]any, 0, 2*len(entry))
-	for k, v := range entry {
+	for _, k := range keys {
+		v := entry[k]
 		switch k {
 		case "msg", "level":
 			continue

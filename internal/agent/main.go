@@ -2,8 +2,8 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -13,6 +13,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/version"
 )
 
 // Exit codes of install-cni.
@@ -24,14 +27,43 @@ const (
 
 // Main runs the node agent and returns its exit code.
 func Main(args []string) int {
-	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
-	opts, err := ParseOptions(args, os.Getenv)
+	if len(args) > 0 && args[0] == "version" {
+		return version.Command(args[1:], os.Stdout, os.Stderr)
+	}
+	opts, err := ParseOptions(args, os.LookupEnv)
+	if errors.Is(err, ErrHelp) {
+		return ExitOK
+	}
 	if err != nil {
-		log.Error("invalid configuration", "error", err.Error())
+		fmt.Fprintf(os.Stderr, "install-cni: invalid configuration: %v\n", err)
 		return ExitBadUsage
 	}
-	log.Info("starting install-cni", "options", fmt.Sprintf("%+v", *opts))
+	logs, err := logging.Open(opts.Log, os.Stdout, os.Stderr)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "install-cni: %v\n", err)
+		return ExitBadUsage
+	}
+	defer logs.Close()
+	log := logs.Logger(logging.ScopeAgent)
+	for _, p := range logs.Problems {
+		log.Warn("logging option not understood", "problem", p)
+	}
+	if opts.PluginLogLevelSet {
+		lv, ok := logging.PluginLevel(opts.PluginLogLevel)
+		if !ok {
+			log.Warn("plugin-log-level not understood; using "+logging.LevelName(lv), "value", opts.PluginLogLevel)
+		}
+		opts.PluginLogLevel = logging.LevelName(lv)
+	} else {
+		opts.PluginLogLevel = logging.LevelName(logs.Level(logging.ScopePlugin))
+	}
+	for _, n := range opts.Notes {
+		log.Warn(n)
+	}
+	log.Info("starting install-cni", "version", version.Get().String(), "logLevel", logging.LevelName(logs.Level(logging.ScopeAgent)),
+		"pluginLogLevel", opts.PluginLogLevel, "options", fmt.Sprintf("%+v", *opts))
 	a := New(opts, log, os.Getenv)
+	a.PluginLog = logs.Logger(logging.ScopePlugin)
 	if cs, err := clientset(opts); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {

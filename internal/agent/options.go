@@ -9,6 +9,11 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+
+	"github.com/istio-cni-go/istio-cni/internal/logging"
 )
 
 // Options are the agent's settings. Each is a flag (--kebab-case) and an
@@ -60,30 +65,63 @@ type Options struct {
 	RepairTermMessage   string
 	RepairSidecarAnno   string
 	HostProcDir         string
+	RepairLabelSelector string
+	RepairFieldSelector string
+
+	// Log are Istio's logging flags (--log_output_level and the rest).
+	Log logging.Options
+	// PluginLogLevelSet: plugin-log-level was given; otherwise the plugin's
+	// level is the cni-plugin scope's of --log_output_level, as in Istio.
+	PluginLogLevelSet bool
+	// Notes are start-up messages about settings accepted for
+	// compatibility with Istio's manifests but without effect here.
+	Notes []string
 }
 
 type optDef struct {
 	name, help, def string
 	set             func(string) error
+	// istio marks Istio's own settings: as with Istio's viper binding
+	// (AllowEmptyEnv), an environment variable that is set but empty
+	// counts, as "", false or 0. Our own keys treat it as unset.
+	istio bool
+	// env is the variable's name when it is not the flag's upper-cased;
+	// "-" means a flag only (Istio's logging flags).
+	env string
+	// ignored says why a setting accepted for compatibility has no effect;
+	// it is named in the start-up log when given (and not false).
+	ignored string
+	isBool  bool
 }
 
 // rawFlag keeps a flag's text for later parsing; boolean options accept
-// the bare form (--disable-safe-upgrade).
+// the bare form (--disable-safe-upgrade). A repeatable flag
+// (--log_target) keeps every occurrence.
 type rawFlag struct {
 	v      string
+	all    []string
 	isBool bool
 }
 
 func (f *rawFlag) String() string     { return f.v }
-func (f *rawFlag) Set(v string) error { f.v = v; return nil }
+func (f *rawFlag) Set(v string) error { f.v = v; f.all = append(f.all, v); return nil }
 func (f *rawFlag) IsBoolFlag() bool   { return f.isBool }
 
-// ParseOptions reads flags from args and the environment from getenv.
-func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
-	o := &Options{}
+// ErrHelp is returned for --help; the usage has been printed.
+var ErrHelp = flag.ErrHelp
+
+// ParseOptions reads flags from args and the environment through
+// lookupEnv (os.LookupEnv).
+func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Options, error) {
+	o := &Options{Log: logging.DefaultOptions()}
 	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
+	// Empty means false and 0, as viper's casts read an empty variable.
 	boolean := func(p *bool) func(string) error {
 		return func(v string) error {
+			if v == "" {
+				*p = false
+				return nil
+			}
 			b, err := strconv.ParseBool(v)
 			*p = b
 			return err
@@ -91,9 +129,22 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 	}
 	integer := func(p *int) func(string) error {
 		return func(v string) error {
+			if v == "" {
+				*p = 0
+				return nil
+			}
 			n, err := strconv.Atoi(v)
 			*p = n
 			return err
+		}
+	}
+	selector := func(p *string, parse func(string) error) func(string) error {
+		return func(v string) error {
+			*p = strings.TrimSpace(v)
+			if *p == "" {
+				return nil
+			}
+			return parse(*p)
 		}
 	}
 	list := func(p *[]string) func(string) error {
@@ -107,65 +158,113 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 			return nil
 		}
 	}
+	var repairNode string
 	defs := []optDef{
-		{"mounted-cni-net-dir", "host CNI config dir as mounted in the agent", "/host/etc/cni/net.d", str(&o.CNINetDir)},
-		{"cni-conf-name", "CNI config file to use (empty: the runtime's choice)", "", str(&o.CNIConfName)},
-		{"chained-cni-plugin", "insert into the primary config (false: write a standalone config)", "true", boolean(&o.Chained)},
-		{"cni-agent-run-dir", "run dir shared with the plugin", "/var/run/istio-cni", str(&o.RunDir)},
-		{"cni-bin-source-dir", "binaries to install", "/opt/cni/bin", str(&o.BinSourceDir)},
-		{"cni-bin-target-dirs", "host CNI bin dirs, comma separated", "/host/opt/cni/bin", list(&o.BinTargetDirs)},
-		{"kubeconfig-mode", "mode of the plugin kubeconfig", "0600", func(v string) error {
+		{name: "mounted-cni-net-dir", help: "host CNI config dir as mounted in the agent", def: "/host/etc/cni/net.d", set: str(&o.CNINetDir), istio: true},
+		{name: "cni-conf-name", help: "CNI config file to use (empty: the runtime's choice)", set: str(&o.CNIConfName), istio: true},
+		{name: "chained-cni-plugin", help: "insert into the primary config (false: write a standalone config)", def: "true", set: boolean(&o.Chained), istio: true},
+		{name: "cni-agent-run-dir", help: "run dir shared with the plugin", def: "/var/run/istio-cni", set: str(&o.RunDir), istio: true},
+		{name: "cni-bin-source-dir", help: "binaries to install", def: "/opt/cni/bin", set: str(&o.BinSourceDir)},
+		{name: "cni-bin-target-dirs", help: "host CNI bin dirs, comma separated", def: "/host/opt/cni/bin", set: list(&o.BinTargetDirs)},
+		{name: "kubeconfig-mode", help: "mode of the plugin kubeconfig", def: "0600", istio: true, set: func(v string) error {
+			if v == "" {
+				o.KubeconfigMode = 0
+				return nil
+			}
 			m, err := strconv.ParseUint(v, 0, 32)
 			o.KubeconfigMode = os.FileMode(m)
 			return err
 		}},
-		{"cni-conf-group-read", "make files the agent creates group readable", "false", boolean(&o.ConfGroupRead)},
-		{"kube-ca-file", "CA for the plugin kubeconfig (default: the service account's)", "", str(&o.KubeCAFile)},
-		{"skip-tls-verify", "let the plugin skip API server certificate checks", "false", boolean(&o.SkipTLSVerify)},
-		{"service-account-dir", "service account mount", "/var/run/secrets/kubernetes.io/serviceaccount", str(&o.ServiceAccountDir)},
-		{"monitoring-port", "Prometheus metrics port (0 disables)", "15014", integer(&o.MonitoringPort)},
-		{"readiness-port", "health and readiness port", "8000", integer(&o.ReadinessPort)},
-		{"exclude-namespaces", "namespaces whose pods are never redirected", "", list(&o.ExcludeNamespaces)},
-		{"pod-namespace", "the agent's namespace", "", str(&o.PodNamespace)},
-		{"plugin-log-level", "plugin log level written into its config", "info", str(&o.PluginLogLevel)},
-		{"native-nftables", "rule backend: true (nftables over netlink), false (iptables) or auto (nftables when the host has no iptables)", "false", func(v string) error {
+		{name: "cni-conf-group-read", help: "make files the agent creates group readable", def: "false", set: boolean(&o.ConfGroupRead), istio: true},
+		{name: "kube-ca-file", help: "CA for the plugin kubeconfig (default: the service account's)", set: str(&o.KubeCAFile), istio: true},
+		{name: "skip-tls-verify", help: "let the plugin skip API server certificate checks", def: "false", set: boolean(&o.SkipTLSVerify), istio: true},
+		{name: "service-account-dir", help: "service account mount", def: "/var/run/secrets/kubernetes.io/serviceaccount", set: str(&o.ServiceAccountDir)},
+		{name: "monitoring-port", help: "Prometheus metrics port (0 disables)", def: "15014", set: integer(&o.MonitoringPort), istio: true},
+		{name: "readiness-port", help: "health and readiness port", def: "8000", set: integer(&o.ReadinessPort)},
+		{name: "exclude-namespaces", help: "namespaces whose pods are never redirected", set: list(&o.ExcludeNamespaces), istio: true},
+		{name: "pod-namespace", help: "the agent's namespace", set: str(&o.PodNamespace), istio: true},
+		{name: "plugin-log-level", help: "plugin log level written into its config (default: the cni-plugin scope's level of --log_output_level)", set: func(v string) error {
+			o.PluginLogLevel = v
+			return nil
+		}},
+		{name: "native-nftables", help: "rule backend: true (nftables over netlink), false (iptables) or auto (nftables when the host has no iptables)", def: "false", istio: true, set: func(v string) error {
 			if strings.EqualFold(v, "auto") {
 				o.NftablesAuto = true
 				return nil
 			}
-			b, err := strconv.ParseBool(v)
-			o.NativeNftables = b
-			return err
+			return boolean(&o.NativeNftables)(v)
 		}},
-		{"host-root", "the host's root file system, for native-nftables=auto", "/host/proc/1/root", str(&o.HostRoot)},
-		{"ambient-enabled", "ambient mode flag passed to the plugin", "false", boolean(&o.AmbientEnabled)},
-		{"disable-safe-upgrade", "remove the plugin on every termination, even during a rollout", "false", boolean(&o.DisableSafeUpgrade)},
-		{"daemonset-name", "the agent's DaemonSet, checked on termination", "istio-cni-node", str(&o.DaemonSetName)},
-		{"kubernetes-node-name", "this node", "", str(&o.NodeName)},
-		{"kubeconfig", "kubeconfig for the agent itself (default: in-cluster)", "", str(&o.Kubeconfig)},
-		{"conflict-window", "window for detecting a component that reverts us", "10s", func(v string) error {
+		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
+		{name: "ambient-enabled", help: "ambient mode flag passed to the plugin", def: "false", set: boolean(&o.AmbientEnabled), istio: true},
+		{name: "disable-safe-upgrade", help: "remove the plugin on every termination, even during a rollout", def: "false", set: boolean(&o.DisableSafeUpgrade)},
+		{name: "daemonset-name", help: "the agent's DaemonSet, checked on termination", def: "istio-cni-node", set: str(&o.DaemonSetName)},
+		{name: "kubernetes-node-name", help: "this node (default: --repair-node-name, NODE_NAME, the host name)", set: str(&o.NodeName), istio: true},
+		{name: "kubeconfig", help: "kubeconfig for the agent itself (default: in-cluster)", set: str(&o.Kubeconfig)},
+		{name: "conflict-window", help: "window for detecting a component that reverts us", def: "10s", set: func(v string) error {
 			d, err := time.ParseDuration(v)
 			o.ConflictWindow = d
 			return err
 		}},
-		{"conflict-limit", "rewrites within the window before backing off", "5", integer(&o.ConflictLimit)},
-		{"repair-enabled", "run the repair controller", "true", boolean(&o.RepairEnabled)},
-		{"repair-repair-pods", "repair broken pods in place", "true", boolean(&o.RepairPods)},
-		{"repair-delete-pods", "delete broken pods (when not repairing)", "false", boolean(&o.RepairDeletePods)},
-		{"repair-label-pods", "label broken pods (when not repairing or deleting)", "false", boolean(&o.RepairLabelPods)},
-		{"repair-broken-pod-label-key", "label key for broken pods", "cni.istio.io/uninitialized", str(&o.RepairLabelKey)},
-		{"repair-broken-pod-label-value", "label value for broken pods", "true", str(&o.RepairLabelValue)},
-		{"repair-init-container-name", "the validation init container", "istio-validation", str(&o.RepairInitContainer)},
-		{"repair-init-container-exit-code", "its exit code when the rules are missing", "126", integer(&o.RepairExitCode)},
-		{"repair-init-container-termination-message", "its termination message (empty: any)", "", str(&o.RepairTermMessage)},
-		{"repair-sidecar-annotation", "annotation that marks pods with a sidecar", "sidecar.istio.io/status", str(&o.RepairSidecarAnno)},
-		{"repair-host-proc", "the host's /proc, to find pod network namespaces", "/host/proc", str(&o.HostProcDir)},
+		{name: "conflict-limit", help: "rewrites within the window before backing off", def: "5", set: integer(&o.ConflictLimit)},
+		{name: "repair-enabled", help: "run the repair controller", def: "true", set: boolean(&o.RepairEnabled), istio: true},
+		// Istio's binary defaults to false here; its chart sets true.
+		{name: "repair-repair-pods", help: "repair broken pods in place", def: "false", set: boolean(&o.RepairPods), istio: true},
+		{name: "repair-delete-pods", help: "delete broken pods (when not repairing)", def: "false", set: boolean(&o.RepairDeletePods), istio: true},
+		{name: "repair-label-pods", help: "label broken pods (when not repairing or deleting)", def: "false", set: boolean(&o.RepairLabelPods), istio: true},
+		{name: "repair-broken-pod-label-key", help: "label key for broken pods", def: "cni.istio.io/uninitialized", set: str(&o.RepairLabelKey), istio: true},
+		{name: "repair-broken-pod-label-value", help: "label value for broken pods", def: "true", set: str(&o.RepairLabelValue), istio: true},
+		{name: "repair-init-container-name", help: "the validation init container", def: "istio-validation", set: str(&o.RepairInitContainer), istio: true},
+		{name: "repair-init-container-exit-code", help: "its exit code when the rules are missing", def: "126", set: integer(&o.RepairExitCode), istio: true},
+		{name: "repair-init-container-termination-message", help: "its termination message (empty: any)", set: str(&o.RepairTermMessage), istio: true},
+		{name: "repair-sidecar-annotation", help: "annotation that marks pods with a sidecar", def: "sidecar.istio.io/status", set: str(&o.RepairSidecarAnno), istio: true},
+		{name: "repair-host-proc", help: "the host's /proc, to find pod network namespaces", def: "/host/proc", set: str(&o.HostProcDir)},
+		{name: "repair-label-selectors", help: "label selector (key=value,...) added to the repair controller's pod watch", istio: true,
+			set: selector(&o.RepairLabelSelector, func(v string) error { _, err := labels.Parse(v); return err })},
+		{name: "repair-field-selectors", help: "field selector (field=value,...) added to the repair controller's pod watch", istio: true,
+			set: selector(&o.RepairFieldSelector, func(v string) error { _, err := fields.ParseSelector(v); return err })},
+		{name: "repair-node-name", help: "the node whose pods are repaired (default: this node)", istio: true, set: func(v string) error {
+			repairNode = v
+			return nil
+		}},
+		// Istio's logging flags.
+		{name: "log_output_level", help: "per-scope levels: <scope>:<level>,... (scopes default, cni-agent, cni-plugin, all; levels debug, info, warn, error, none)", def: o.Log.OutputLevel, set: str(&o.Log.OutputLevel), env: "-"},
+		{name: "log_stacktrace_level", help: "per-scope level at which stack traces are added", def: o.Log.StacktraceLevel, set: str(&o.Log.StacktraceLevel), env: "-"},
+		{name: "log_caller", help: "scopes whose lines name their source line", set: str(&o.Log.Caller), env: "-"},
+		{name: "log_as_json", help: "JSON lines instead of Istio's console format", def: "false", set: boolean(&o.Log.AsJSON), env: "-"},
+		{name: "log_target", help: "where to log: stdout, stderr or a file path (repeatable)", def: "stdout", env: "-"},
+		{name: "log_rotate", help: "a rotating log file, besides the targets", set: str(&o.Log.RotatePath), env: "-"},
+		{name: "log_rotate_max_age", help: "days to keep rotated files (0: no limit)", def: "30", set: integer(&o.Log.RotateMaxAgeDays), env: "-"},
+		{name: "log_rotate_max_size", help: "megabytes before the file is rotated", def: "104857600", set: integer(&o.Log.RotateMaxSizeMB), env: "-"},
+		{name: "log_rotate_max_backups", help: "rotated files to keep (0: no limit)", def: "1000", set: integer(&o.Log.RotateMaxBackups), env: "-"},
+		// Accepted so that Istio's manifests and command lines run unchanged.
+		{name: "ctrlz_port", help: "Istio's ControlZ introspection port (not provided; ignored)", def: "9876", env: "-", ignored: "ControlZ is not provided; use :15014/metrics and the logs"},
+		{name: "ctrlz_address", help: "Istio's ControlZ address (not provided; ignored)", def: "localhost", env: "-", ignored: "ControlZ is not provided"},
+		{name: "log-level", help: "unused, as in Istio (the plugin's level follows --log_output_level)", ignored: "unused in Istio too; the plugin's level follows the cni-plugin scope of --log_output_level"},
+		{name: "cni-network-config", help: "unused, as in Istio", ignored: "unused in Istio too"},
+		{name: "cni-network-config-file", help: "unused, as in Istio", ignored: "unused in Istio too"},
+		{name: "ztunnel-uds-address", help: "ztunnel's socket (ambient mode; not provided yet)", ignored: "ambient mode is not provided yet"},
+		{name: "enable-ambient-detection-retry", help: "ambient mode (not provided yet)", ignored: "ambient mode is not provided yet", isBool: true},
+		{name: "istio-owned-cni-config", help: "Istio-owned conflist (ambient mode only, as in Istio)", ignored: "Istio writes its own conflist only in ambient mode, which is not provided yet", isBool: true},
+		{name: "istio-owned-cni-config-filename", help: "Istio-owned conflist name (ambient mode only, as in Istio)", ignored: "it names the Istio-owned conflist, which Istio writes in ambient mode only"},
+	}
+	// Older Istio releases' settings, accepted so that their manifests start.
+	for _, name := range []string{"cni-net-dir", "kubecfg-file-name", "update-cni-binaries", "skip-cni-binaries", "log-uds-address", "ebpf-enabled", "repair-run-as-daemon"} {
+		defs = append(defs, optDef{name: name, help: "older Istio releases' setting, ignored", ignored: "a setting of older Istio releases, without effect today"})
+	}
+	for _, name := range []string{"v", "stderrthreshold", "alsologtostderr", "logtostderr"} {
+		defs = append(defs, optDef{name: name, help: "deprecated in Istio, ignored", env: "-", isBool: strings.HasSuffix(name, "tostderr"),
+			ignored: "deprecated in Istio; use --log_output_level and --log_target"})
 	}
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	values := map[string]*rawFlag{}
 	for _, d := range defs {
-		values[d.name] = &rawFlag{isBool: (d.def == "true" || d.def == "false") && d.name != "native-nftables"}
-		fs.Var(values[d.name], d.name, fmt.Sprintf("%s (env %s, default %q)", d.help, envName(d.name), d.def))
+		// native-nftables also takes "auto", so it needs its value.
+		values[d.name] = &rawFlag{isBool: d.isBool || (d.def == "true" || d.def == "false") && d.name != "native-nftables"}
+		env := ""
+		if e := d.envName(); e != "" {
+			env = "env " + e + ", "
+		}
+		fs.Var(values[d.name], d.name, fmt.Sprintf("%s (%sdefault %q)", d.help, env, d.def))
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -177,19 +276,43 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 	fs.Visit(func(f *flag.Flag) { setFlags[f.Name] = true })
 	for _, d := range defs {
 		v, src := d.def, "default"
-		if e := getenv(envName(d.name)); e != "" {
-			v, src = e, "env "+envName(d.name)
+		if e := d.envName(); e != "" {
+			if ev, ok := lookupEnv(e); ok && (ev != "" || d.istio) {
+				v, src = ev, "env "+e
+			}
 		}
 		if setFlags[d.name] {
 			v, src = values[d.name].v, "flag --"+d.name
+		}
+		if d.ignored != "" {
+			if src != "default" && !(d.isBool && (v == "" || v == "false")) {
+				o.Notes = append(o.Notes, fmt.Sprintf("%s=%q is accepted for compatibility with Istio and ignored: %s", src, v, d.ignored))
+			}
+			continue
+		}
+		if d.name == "log_target" {
+			if setFlags[d.name] {
+				o.Log.Targets = values[d.name].all
+			}
+			continue
+		}
+		if d.name == "plugin-log-level" {
+			o.PluginLogLevelSet = src != "default"
 		}
 		if err := d.set(v); err != nil {
 			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
 		}
 	}
+	// An older chart's spelling of EXCLUDE_NAMESPACES.
+	if v, ok := lookupEnv("EXCLUDED_NAMESPACES"); ok && len(o.ExcludeNamespaces) == 0 {
+		_ = list(&o.ExcludeNamespaces)(v)
+	}
+	if o.NodeName == "" {
+		o.NodeName = repairNode
+	}
 	for _, k := range []string{"REPAIR_NODE_NAME", "NODE_NAME"} {
 		if o.NodeName == "" {
-			o.NodeName = getenv(k)
+			o.NodeName, _ = lookupEnv(k)
 		}
 	}
 	if o.NodeName == "" {
@@ -198,7 +321,24 @@ func ParseOptions(args []string, getenv func(string) string) (*Options, error) {
 	if o.KubeconfigMode&^0o777 != 0 {
 		return nil, fmt.Errorf("invalid kubeconfig-mode %o", o.KubeconfigMode)
 	}
+	// Empty is what Istio would take from an empty variable, but a node
+	// agent cannot work without these two.
+	for name, v := range map[string]string{"mounted-cni-net-dir": o.CNINetDir, "cni-agent-run-dir": o.RunDir} {
+		if v == "" {
+			return nil, fmt.Errorf("%s (env %s) is empty", name, envName(name))
+		}
+	}
 	return o, nil
+}
+
+func (d optDef) envName() string {
+	switch d.env {
+	case "-":
+		return ""
+	case "":
+		return envName(d.name)
+	}
+	return d.env
 }
 
 func envName(flagName string) string {

@@ -58,23 +58,6 @@ func New(out io.Writer) *Logger {
 	return l
 }
 
-// ParseLevel maps Istio's level names to slog levels.
-func ParseLevel(s string) (slog.Level, error) {
-	switch strings.ToLower(s) {
-	case "debug":
-		return slog.LevelDebug, nil
-	case "", "info":
-		return slog.LevelInfo, nil
-	case "warn", "warning":
-		return slog.LevelWarn, nil
-	case "error", "fatal":
-		return slog.LevelError, nil
-	case "none":
-		return slog.LevelError + 100, nil
-	}
-	return 0, fmt.Errorf("unknown log level %q (want debug, info, warn, error or none)", s)
-}
-
 // SetLevel changes the level of an existing logger.
 func (l *Logger) SetLevel(lv slog.Level) { l.level.Set(lv) }
 

@@ -75,9 +75,6 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if !filepath.IsAbs(conf.CNIAgentRunDir) {
 		return nil, &ConfigError{Key: "cni_agent_run_dir", Msg: fmt.Sprintf("%q is not an absolute path", conf.CNIAgentRunDir)}
 	}
-	if _, err := logging.ParseLevel(conf.PluginLogLevel); err != nil {
-		return nil, &ConfigError{Key: "plugin_log_level", Msg: err.Error()}
-	}
 	for _, ns := range conf.ExcludeNamespaces {
 		if strings.TrimSpace(ns) == "" {
 			return nil, &ConfigError{Key: "exclude_namespaces", Msg: "empty namespace in list"}

@@ -194,7 +194,9 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 		return nil, types.NewError(types.ErrDecodingFailure, err.Error(), "")
 	}
 	p.logSocket = conf.LogSocketPath()
-	lv, _ := logging.ParseLevel(conf.PluginLogLevel)
+	// Istio's tooling writes many spellings of a level (scoped lists,
+	// fatal, panic); none of them may fail a pod.
+	lv, levelOK := logging.PluginLevel(conf.PluginLogLevel)
 	p.Log.SetLevel(lv)
 	k8s, err := ParseArgs(args.Args)
 	if err != nil {
@@ -208,6 +210,9 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 			lv = slog.LevelDebug
 		}
 		log.Log(context.Background(), lv, "served without the node agent", "reason", p.FallbackReason)
+	}
+	if !levelOK && logging.FirstTime("plugin_log_level", conf.PluginLogLevel) {
+		log.Warn("plugin_log_level not understood; using "+logging.LevelName(lv), "plugin_log_level", conf.PluginLogLevel)
 	}
 	if conf.AmbientEnabled {
 		log.Warn("ambient_enabled is set but this plugin serves sidecar mode only; ambient pods are not enrolled")

@@ -46,7 +46,7 @@ func TestConfigErrorsNameTheKey(t *testing.T) {
 	cases := []struct{ json, key string }{
 		{`{"type":"istio-cni","exclude_namespaces":"kube-system"}`, "exclude_namespaces"},
 		{`{"type":"istio-cni","exclude_namespaces":["a",""]}`, "exclude_namespaces"},
-		{`{"type":"istio-cni","plugin_log_level":"loud"}`, "plugin_log_level"},
+		{`{"type":"istio-cni","plugin_log_level":5}`, "plugin_log_level"},
 		{`{"type":"istio-cni","cni_agent_run_dir":"relative/dir"}`, "cni_agent_run_dir"},
 		{`{"type":"istio-cni","ambient_enabled":"yes"}`, "ambient_enabled"},
 		{`{"type":"istio-cni","k8s_retry_budget":"forever"}`, "k8s_retry_budget"},
@@ -62,6 +62,17 @@ func TestConfigErrorsNameTheKey(t *testing.T) {
 	}
 	if _, err := ParseConfig([]byte(`{"type":`)); err == nil {
 		t.Error("malformed JSON accepted")
+	}
+}
+
+// Istio's tooling writes levels in many spellings, scoped lists among
+// them; none may fail a pod (an unknown one is logged and taken as info).
+func TestAnyLogLevelIsAccepted(t *testing.T) {
+	for _, lv := range []string{"", "debug", "info", "warn", "error", "none", "fatal", "panic", "default:info",
+		"cni:debug,default:warn", "default:info,cni-plugin:debug", "loud", "a:b:c"} {
+		if _, err := ParseConfig([]byte(`{"type":"istio-cni","plugin_log_level":"` + lv + `"}`)); err != nil {
+			t.Errorf("plugin_log_level %q: %v", lv, err)
+		}
 	}
 }
 

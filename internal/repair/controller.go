@@ -78,7 +78,13 @@ func New(cfg Config, cs kubernetes.Interface, rules plugin.Rules, procDir string
 // Run watches the pods of node until ctx ends.
 func (c *Controller) Run(ctx context.Context, node string) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "spec.nodeName=" + node }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = "spec.nodeName=" + node
+			if c.cfg.FieldSelectors != "" {
+				o.FieldSelector += "," + c.cfg.FieldSelectors
+			}
+			o.LabelSelector = c.cfg.LabelSelectors
+		}))
 	inf := factory.Core().V1().Pods()
 	enqueue := func(obj any) {
 		if p, ok := obj.(*corev1.Pod); ok {

@@ -23,6 +23,10 @@ type Config struct {
 	InitContainerName  string
 	ExitCode           int32
 	TerminationMessage string
+	// LabelSelectors and FieldSelectors narrow the pods watched, as
+	// Istio's REPAIR_LABEL_SELECTORS and REPAIR_FIELD_SELECTORS do; the
+	// node's own field selector always applies.
+	LabelSelectors, FieldSelectors string
 }
 
 // DefaultConfig is Istio's default: repair in place.

@@ -97,7 +97,7 @@ func (h *AgentHost) Start(agentBin string, extra ...string) error {
 	args := append([]string{"--mounted-cni-net-dir", h.NetDir, "--cni-bin-target-dirs", h.BinDir,
 		"--cni-bin-source-dir", h.SrcDir, "--cni-agent-run-dir", h.RunDir, "--service-account-dir", h.SADir,
 		"--readiness-port", strconv.Itoa(h.ReadyPort), "--monitoring-port", strconv.Itoa(h.MetricsPort),
-		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc}, extra...)
+		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc, "--log_as_json"}, extra...)
 	h.cmd = exec.Command(agentBin, args...)
 	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
 	if err := h.Log.Truncate(0); err != nil {

@@ -251,7 +251,7 @@ func (b *bench) startAgent(ctx context.Context, c *testenv.Cluster, dir string) 
 		return nil, err
 	}
 	if err := h.Start(agentBin, "--conflict-limit", "100000", "--disable-safe-upgrade",
-		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc"); err != nil {
+		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods"); err != nil {
 		return nil, err
 	}
 	stop := func() { _, _ = h.Stop(10 * time.Second) }

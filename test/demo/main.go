@@ -135,7 +135,7 @@ func run() error {
 	say("   The kubelet reports the failed istio-validation container (exit 126) in the pod status.")
 
 	step("The agent starts: it installs the plugin and inserts it into the node's CNI config.")
-	if err := d.host.Start(d.agent, "--plugin-log-level", "warn", "--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc"); err != nil {
+	if err := d.host.Start(d.agent, "--plugin-log-level", "warn", "--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods"); err != nil {
 		return err
 	}
 	d.cleanups = append(d.cleanups, func() { _, _ = d.host.Stop(10 * time.Second) })

@@ -234,6 +234,15 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 	if m := h.metric("istio_cni_install_ready"); !strings.HasSuffix(m, " 1") {
 		t.Fatalf("install_ready metric: %q", m)
 	}
+	if m := h.metric(`istio_cni_installs_total{result="SUCCESS"}`); !strings.HasSuffix(m, " 1") {
+		t.Fatalf("installs_total after the first install: %q", m)
+	}
+	// The Go runtime and process collectors, as Istio's agent exposes.
+	for _, name := range []string{"go_goroutines", "go_memstats_heap_alloc_bytes", "process_open_fds", "process_resident_memory_bytes"} {
+		if h.metric(name) == "" {
+			t.Errorf("metric %s missing", name)
+		}
+	}
 
 	t.Run("reinsert-after-primary-rewrites-100-times", func(t *testing.T) {
 		var worst time.Duration
@@ -261,6 +270,8 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 		t.Logf("worst re-insertion time over 100 rewrites: %s", worst)
 		// The counter is bumped just after the write the loop above saw.
 		h.waitMetric("istio_cni_config_reinsertions_total", "100", 5*time.Second)
+		// Istio counts a successful install pass for each re-insertion too.
+		h.waitMetric(`istio_cni_installs_total{result="SUCCESS"}`, "101", 5*time.Second)
 	})
 
 	t.Run("token-rotation-rewrites-kubeconfig", func(t *testing.T) {

@@ -113,7 +113,8 @@ func repairHost(t *testing.T, flags ...string) *host {
 	if err := os.WriteFile(filepath.Join(h.NetDir, "10-calico.conflist"), calicoBytes(t), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	h.start(append([]string{"--kubernetes-node-name", testenv.NodeName}, flags...)...)
+	// The chart sets repair-repair-pods; the binary defaults to false, as Istio's.
+	h.start(append([]string{"--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods"}, flags...)...)
 	return h
 }
 

@@ -1,0 +1,135 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+// TestIstioLoggingFlags runs the agent with every logging flag Istio's
+// install-cni takes, in Istio's console format: it starts, logs at the
+// levels asked for (warn for its own lines, debug for the plugin's), the
+// plugin's debug lines appear in its output both for the commands it runs
+// itself and for those the fallback plugin forwards over log.sock, and the
+// flags it has no use for are named at start-up.
+func TestIstioLoggingFlags(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
+		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(h.RunDir, "..", "ipam") + `","ranges":[[{"subnet":"10.246.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
+	if err := os.WriteFile(filepath.Join(h.NetDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{"ptp", "host-local"} {
+		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(h.BinDir, p)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	logDir := t.TempDir()
+	h.start("--kubernetes-node-name", testenv.NodeName, "--log_as_json=false",
+		"--log_output_level=default:warn,cni-plugin:debug", "--log_caller=cni-plugin", "--log_stacktrace_level=default:none",
+		"--log_target=stdout", "--log_target="+filepath.Join(logDir, "target.log"),
+		"--log_rotate="+filepath.Join(logDir, "rotating.log"), "--log_rotate_max_age=1", "--log_rotate_max_backups=2", "--log_rotate_max_size=5",
+		"--ctrlz_port=9876", "--ctrlz_address=127.0.0.1")
+	h.waitReadyz(200, 20*time.Second)
+
+	primary, _, err := install.FindPrimary(h.NetDir, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(primary)
+	if !strings.Contains(string(b), `"plugin_log_level":"debug"`) && !strings.Contains(string(b), `"plugin_log_level": "debug"`) {
+		t.Fatalf("the plugin's level must follow cni-plugin:debug; entry:\n%s", b)
+	}
+	list, err := libcni.ConfListFromBytes(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same chain with the fallback plugin in istio-cni's place: it runs
+	// in its own process and forwards its lines over log.sock.
+	var raw map[string]any
+	if err := json.Unmarshal(b, &raw); err != nil {
+		t.Fatal(err)
+	}
+	plugins := raw["plugins"].([]any)
+	plugins[len(plugins)-1].(map[string]any)["type"] = "istio-cni-fallback"
+	fb, _ := json.Marshal(raw)
+	fallbackList, err := libcni.ConfListFromBytes(fb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cni := libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil)
+	for _, c := range []struct {
+		name string
+		list *libcni.NetworkConfigList
+	}{{"via-agent", list}, {"via-fallback", fallbackList}} {
+		k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: "logging-" + c.name, Sidecar: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pod, err := testenv.NewPod(testNS, k8sPod.Name, string(k8sPod.UID), "clog"+strings.ReplaceAll(c.name, "-", ""))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pod.Close()
+		if _, err := cni.AddNetworkList(context.Background(), c.list, pod.RT); err != nil {
+			t.Fatalf("%s: ADD: %v", c.name, err)
+		}
+		if err := cni.DelNetworkList(context.Background(), c.list, pod.RT); err != nil {
+			t.Fatalf("%s: DEL: %v", c.name, err)
+		}
+	}
+
+	logs := h.LogText()
+	lines := strings.Split(logs, "\n")
+	has := func(level, scope, msg, pod string) bool {
+		for _, l := range lines {
+			f := strings.Split(l, "\t")
+			if len(f) >= 4 && f[1] == level && f[2] == scope && strings.Contains(l, msg) && strings.Contains(l, pod) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, c := range []string{"via-agent", "via-fallback"} {
+		if !has("debug", "cni-plugin", "pod deleted", testNS+"/logging-"+c) {
+			t.Errorf("%s: the plugin's DEL debug line is missing from the agent's output", c)
+		}
+		if !has("info", "cni-plugin", "redirect rules programmed", testNS+"/logging-"+c) {
+			t.Errorf("%s: the plugin's ADD line is missing", c)
+		}
+	}
+	for _, l := range lines {
+		f := strings.Split(l, "\t")
+		if len(f) >= 3 && f[2] == "cni-agent" && (f[1] == "info" || f[1] == "debug") {
+			t.Errorf("an agent line below warn passed --log_output_level=default:warn: %q", l)
+		}
+		if strings.HasPrefix(l, "{") {
+			t.Errorf("a JSON line without --log_as_json: %q", l)
+		}
+	}
+	for _, want := range []string{"--ctrlz_port", "--ctrlz_address"} {
+		if !has("warn", "cni-agent", want, "ignored") {
+			t.Errorf("the start-up log does not say %s is ignored", want)
+		}
+	}
+	// The plugin's own lines name their source (--log_caller=cni-plugin).
+	if !strings.Contains(logs, "plugin/plugin.go:") {
+		t.Error("--log_caller=cni-plugin: no caller on the plugin's lines")
+	}
+	for _, f := range []string{"target.log", "rotating.log"} {
+		b, err := os.ReadFile(filepath.Join(logDir, f))
+		if err != nil || !strings.Contains(string(b), "redirect rules programmed") {
+			t.Errorf("%s does not hold the log: %v", f, err)
+		}
+	}
+}
