@@ -89,17 +89,58 @@ func (h *AgentHost) RotateToken(ctx context.Context) (string, error) {
 
 // Start runs the agent binary for this host.
 func (h *AgentHost) Start(agentBin string, extra ...string) error {
-	kc := filepath.Join(filepath.Dir(h.NetDir), "admin.kubeconfig")
-	if err := h.cluster.AdminKubeconfig(kc); err != nil {
+	kc, host, port, err := h.apiAccess()
+	if err != nil {
 		return err
 	}
-	host, port, _ := net.SplitHostPort(strings.TrimPrefix(h.cluster.URL, "https://"))
 	args := append([]string{"--mounted-cni-net-dir", h.NetDir, "--cni-bin-target-dirs", h.BinDir,
 		"--cni-bin-source-dir", h.SrcDir, "--cni-agent-run-dir", h.RunDir, "--service-account-dir", h.SADir,
 		"--readiness-port", strconv.Itoa(h.ReadyPort), "--monitoring-port", strconv.Itoa(h.MetricsPort),
 		"--pod-namespace", "istio-system", "--exclude-namespaces", "kube-system", "--kubeconfig", kc, "--log_as_json"}, extra...)
+	return h.run(agentBin, args, []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")})
+}
+
+// StartAsContainer runs the agent with exactly the arguments and
+// environment a pod spec gives its container, plus what the container's
+// mounts would provide: the host's dirs at the paths the DaemonSet mounts
+// them (given as the environment of those settings, so the command line
+// stays as rendered), the service account, and the API server's address.
+func (h *AgentHost) StartAsContainer(agentBin string, args []string, env map[string]string) error {
+	kc, host, port, err := h.apiAccess()
+	if err != nil {
+		return err
+	}
+	mounts := map[string]string{
+		"MOUNTED_CNI_NET_DIR": h.NetDir, "CNI_BIN_TARGET_DIRS": h.BinDir, "CNI_BIN_SOURCE_DIR": h.SrcDir,
+		"CNI_AGENT_RUN_DIR": h.RunDir, "SERVICE_ACCOUNT_DIR": h.SADir, "REPAIR_HOST_PROC": "/proc", "HOST_ROOT": "/",
+		"READINESS_PORT": strconv.Itoa(h.ReadyPort), "MONITORING_PORT": strconv.Itoa(h.MetricsPort),
+		"KUBECONFIG": kc, "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port, "PATH": os.Getenv("PATH"),
+	}
+	var environ []string
+	for k, v := range env {
+		if _, ok := mounts[k]; ok {
+			return fmt.Errorf("the pod spec sets %s, which the test's mounts provide", k)
+		}
+		environ = append(environ, k+"="+v)
+	}
+	for k, v := range mounts {
+		environ = append(environ, k+"="+v)
+	}
+	return h.run(agentBin, args, environ)
+}
+
+func (h *AgentHost) apiAccess() (kubeconfig, host, port string, err error) {
+	kubeconfig = filepath.Join(filepath.Dir(h.NetDir), "admin.kubeconfig")
+	if err := h.cluster.AdminKubeconfig(kubeconfig); err != nil {
+		return "", "", "", err
+	}
+	host, port, _ = net.SplitHostPort(strings.TrimPrefix(h.cluster.URL, "https://"))
+	return kubeconfig, host, port, nil
+}
+
+func (h *AgentHost) run(agentBin string, args, env []string) error {
 	h.cmd = exec.Command(agentBin, args...)
-	h.cmd.Env = []string{"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "PATH=" + os.Getenv("PATH")}
+	h.cmd.Env = env
 	if err := h.Log.Truncate(0); err != nil {
 		return err
 	}

@@ -1,6 +1,9 @@
 // Package chart renders the Helm chart with the Helm SDK for a matrix of
-// values, compares the output with goldens, lints it, and has the real
-// kube-apiserver validate every object with a server-side dry run.
+// values (Istio values files among them), checks what each renders, compares
+// a few with goldens, lints them, and has the real kube-apiserver validate
+// every object with a server-side dry run. It also checks that each value
+// of Istio's istio-cni chart works here, is accepted without effect for a
+// stated reason, or fails the render naming the value.
 package chart
 
 import (
@@ -8,16 +11,19 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"sort"
 	"strings"
 	"testing"
 	"time"
 
-	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
-	"helm.sh/helm/v3/pkg/engine"
 	"helm.sh/helm/v3/pkg/lint"
 	"helm.sh/helm/v3/pkg/lint/support"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apiextv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -25,6 +31,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"sigs.k8s.io/yaml"
 
@@ -54,53 +61,568 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// valueSets are the configurations users run today.
-var valueSets = map[string]string{
-	"default":         ``,
-	"istio-layout":    "cni:\n  excludeNamespaces: [kube-system, istio-system]\n  logLevel: debug\n  cniBinDir: /opt/custom/bin\n",
-	"image":           "hub: example.com/mesh\ntag: 1.2.3\nvariant: distroless\npullPolicy: Always\n",
-	"logging-level":   "logging:\n  level: warn\n",
-	"repair-delete":   "repair:\n  repairPods: false\n  deletePods: true\n",
-	"repair-label":    "repair:\n  repairPods: false\n  labelPods: true\n",
-	"repair-off":      "repair:\n  enabled: false\n",
-	"nftables":        "global:\n  nativeNftables: true\n",
-	"nftables-auto":   "nativeNftables: auto\nrepair:\n  enabled: false\n",
-	"gke":             "global:\n  platform: gke\n",
-	"openshift":       "platform: openshift\n",
-	"k3s":             "platform: k3s\n",
-	"k3d":             "platform: k3d\n",
-	"microk8s":        "platform: microk8s\n",
-	"minikube":        "platform: minikube\n",
-	"standalone-conf": "chained: false\ncniConfFileName: 99-istio.conf\n",
-	"multus":          "provider: multus\n",
-	"extras":          "seLinuxOptions:\n  level: s0\npsp_cluster_role: psp-privileged\npodAnnotations:\n  team: mesh\nresources:\n  requests:\n    cpu: 50m\ntolerations: []\nenv:\n  GOMAXPROCS: \"2\"\n",
+// rendered is one render of the chart.
+type rendered struct {
+	files map[string]string
+	objs  map[string]string // "Kind/name" -> YAML document
 }
 
-func render(t *testing.T, valuesYAML string) map[string]string {
+func renderSet(t *testing.T, values, kube string) *rendered {
 	t.Helper()
-	ch, err := loader.Load(chartDir)
+	files, err := testenv.RenderChart(values, kube)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	objs, err := testenv.RenderedObjects(files)
 	if err != nil {
 		t.Fatal(err)
 	}
-	vals, err := chartutil.ReadValues([]byte(valuesYAML))
-	if err != nil {
-		t.Fatal(err)
+	return &rendered{files: files, objs: objs}
+}
+
+// text is every rendered file, in the goldens' form.
+func (r *rendered) text() string {
+	keys := make([]string, 0, len(r.files))
+	for k := range r.files {
+		keys = append(keys, k)
 	}
-	rv, err := chartutil.ToRenderValues(ch, vals, chartutil.ReleaseOptions{Name: "istio-cni", Namespace: "istio-system", IsInstall: true}, nil)
-	if err != nil {
-		t.Fatal(err)
+	sort.Strings(keys)
+	var all strings.Builder
+	for _, k := range keys {
+		if strings.TrimSpace(r.files[k]) == "" || strings.HasSuffix(k, ".tpl") {
+			continue
+		}
+		fmt.Fprintf(&all, "# %s\n%s\n", filepath.Base(k), strings.TrimSpace(r.files[k]))
 	}
-	out, err := engine.Render(ch, rv)
-	if err != nil {
-		t.Fatal(err)
+	return all.String()
+}
+
+func (r *rendered) kinds() []string {
+	var out []string
+	for k := range r.objs {
+		out = append(out, k)
 	}
+	sort.Strings(out)
 	return out
+}
+
+func (r *rendered) has(key string) bool { _, ok := r.objs[key]; return ok }
+
+// decode fills into from the object, rejecting fields its type lacks.
+func (r *rendered) decode(t *testing.T, key string, into any) {
+	t.Helper()
+	doc, ok := r.objs[key]
+	if !ok {
+		t.Fatalf("%s not rendered; rendered: %v", key, r.kinds())
+	}
+	if err := yaml.UnmarshalStrict([]byte(doc), into); err != nil {
+		t.Fatalf("%s: %v", key, err)
+	}
+}
+
+func (r *rendered) daemonSet(t *testing.T) *appsv1.DaemonSet {
+	t.Helper()
+	var ds appsv1.DaemonSet
+	r.decode(t, "DaemonSet/istio-cni-node", &ds)
+	return &ds
+}
+
+func (r *rendered) container(t *testing.T) corev1.Container {
+	t.Helper()
+	ds := r.daemonSet(t)
+	if n := len(ds.Spec.Template.Spec.Containers); n != 1 {
+		t.Fatalf("%d containers", n)
+	}
+	return ds.Spec.Template.Spec.Containers[0]
+}
+
+func (r *rendered) config(t *testing.T) map[string]string {
+	t.Helper()
+	var cm corev1.ConfigMap
+	r.decode(t, "ConfigMap/istio-cni-config", &cm)
+	return cm.Data
+}
+
+func (r *rendered) hostPath(t *testing.T, volume string) string {
+	t.Helper()
+	for _, v := range r.daemonSet(t).Spec.Template.Spec.Volumes {
+		if v.Name == volume && v.HostPath != nil {
+			return v.HostPath.Path
+		}
+	}
+	return ""
+}
+
+func (r *rendered) rules(t *testing.T, role string) []rbacv1.PolicyRule {
+	t.Helper()
+	var cr rbacv1.ClusterRole
+	r.decode(t, "ClusterRole/"+role, &cr)
+	return cr.Rules
+}
+
+func (r *rendered) envVar(t *testing.T, name string) (corev1.EnvVar, bool) {
+	t.Helper()
+	for _, e := range r.container(t).Env {
+		if e.Name == name {
+			return e, true
+		}
+	}
+	return corev1.EnvVar{}, false
+}
+
+func eq[T any](t *testing.T, what string, got, want T) {
+	t.Helper()
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("%s = %#v, want %#v", what, got, want)
+	}
+}
+
+func wantArgs(want ...string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		c := r.container(t)
+		eq(t, "command", c.Command, []string{"install-cni"})
+		if len(want) == 0 {
+			want = nil
+		}
+		eq(t, "args", c.Args, want)
+	}
+}
+
+func wantConfig(kv ...string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		data := r.config(t)
+		for i := 0; i+1 < len(kv); i += 2 {
+			got, ok := data[kv[i]]
+			switch {
+			case kv[i+1] == "<absent>":
+				if ok {
+					t.Errorf("ConfigMap has %s=%q, want none", kv[i], got)
+				}
+			case !ok || got != kv[i+1]:
+				t.Errorf("ConfigMap %s = %q (present %v), want %q", kv[i], got, ok, kv[i+1])
+			}
+		}
+	}
+}
+
+func wantDirs(bin, conf string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		eq(t, "cni-bin-dir", r.hostPath(t, "cni-bin-dir"), bin)
+		eq(t, "cni-net-dir", r.hostPath(t, "cni-net-dir"), conf)
+	}
+}
+
+func wantObjects(keys ...string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		sort.Strings(keys)
+		eq(t, "objects", r.kinds(), keys)
+	}
+}
+
+func wantImage(image, policy string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		c := r.container(t)
+		eq(t, "image", c.Image, image)
+		eq(t, "imagePullPolicy", string(c.ImagePullPolicy), policy)
+	}
+}
+
+func wantRequests(cpu, memory string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		req := r.container(t).Resources.Requests
+		eq(t, "cpu request", req.Cpu().String(), cpu)
+		eq(t, "memory request", req.Memory().String(), memory)
+	}
+}
+
+// wantAppArmor checks which of the two forms of "unconfined" is rendered.
+func wantAppArmor(annotation bool) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		ds := r.daemonSet(t)
+		got := ds.Spec.Template.Annotations["container.apparmor.security.beta.kubernetes.io/install-cni"]
+		field := ds.Spec.Template.Spec.Containers[0].SecurityContext.AppArmorProfile
+		if annotation {
+			eq(t, "AppArmor annotation", got, "unconfined")
+			if field != nil {
+				t.Errorf("appArmorProfile %+v set with the annotation", field)
+			}
+		} else {
+			if got != "" {
+				t.Errorf("AppArmor annotation %q set, want the field only", got)
+			}
+			if field == nil || field.Type != corev1.AppArmorProfileTypeUnconfined {
+				t.Errorf("appArmorProfile = %+v, want Unconfined", field)
+			}
+		}
+	}
+}
+
+func wantSELinux(want *corev1.SELinuxOptions) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		eq(t, "seLinuxOptions", r.container(t).SecurityContext.SELinuxOptions, want)
+	}
+}
+
+func wantQuota(pods int64) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		if pods == 0 {
+			if r.has("ResourceQuota/istio-cni-resource-quota") {
+				t.Error("ResourceQuota rendered")
+			}
+			return
+		}
+		var q corev1.ResourceQuota
+		r.decode(t, "ResourceQuota/istio-cni-resource-quota", &q)
+		eq(t, "quota pods", q.Spec.Hard.Pods().Value(), pods)
+		eq(t, "quota scope", q.Spec.ScopeSelector.MatchExpressions, []corev1.ScopedResourceSelectorRequirement{
+			{ScopeName: corev1.ResourceQuotaScopePriorityClass, Operator: corev1.ScopeSelectorOpIn, Values: []string{"system-node-critical"}}})
+	}
+}
+
+// wantSameAs: the render equals another value set's (a value without effect).
+func wantSameAs(values string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		if other := renderSet(t, values, "").text(); r.text() != other {
+			t.Errorf("render differs from that of %q", values)
+		}
+	}
+}
+
+func all(checks ...func(*testing.T, *rendered)) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		for _, c := range checks {
+			c(t, r)
+		}
+	}
+}
+
+type valueSet struct {
+	values string
+	// kube is the cluster version the templates see; empty is Helm's default.
+	kube string
+	// golden: the whole render is compared with testdata/<name>.golden.yaml.
+	golden bool
+	check  func(*testing.T, *rendered)
+}
+
+var defaultObjects = []string{"ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni",
+	"ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni", "ClusterRole/istio-cni-repair-role", "ClusterRoleBinding/istio-cni-repair-rolebinding"}
+
+// istioValuesFile is what an operator of Istio's chart runs today: the
+// legacy cni.* layout, a revision, scoped log levels, JSON logs.
+const istioValuesFile = `revision: canary
+ownerName: istio-cni-canary
+cni:
+  hub: docker.io/istio
+  tag: 1.30.1
+  logging:
+    level: "cni:debug,default:warn"
+  excludeNamespaces: [istio-system, kube-system]
+  cniBinDir: /opt/cni/bin
+  cniConfDir: /etc/cni/net.d
+  repair:
+    enabled: true
+    repairPods: true
+    hub: ""
+    tag: ""
+  seccompProfile:
+    type: RuntimeDefault
+  resourceQuotas:
+    enabled: true
+    pods: 100
+  env:
+    CNI_CONF_GROUP_READ: "true"
+global:
+  variant: distroless
+  logAsJson: true
+  imagePullSecrets: [pull-secret]
+  networkPolicy:
+    enabled: true
+  logging:
+    level: "default:info"
+`
+
+var valueSets = map[string]valueSet{
+	"default": {golden: true, check: all(
+		wantObjects(defaultObjects...),
+		wantArgs("--log_output_level=info"),
+		wantDirs("/opt/cni/bin", "/etc/cni/net.d"),
+		wantAppArmor(true),
+		wantImage("registry.istio.io/release/install-cni:latest", ""),
+		wantRequests("100m", "100Mi"),
+		wantConfig("REPAIR_REPAIR_PODS", "true", "PLUGIN_LOG_LEVEL", "<absent>", "CHAINED_CNI_PLUGIN", "true", "EXCLUDE_NAMESPACES", "kube-system"),
+		func(t *testing.T, r *rendered) {
+			ds := r.daemonSet(t)
+			for k, v := range map[string]string{"istio.io/rev": "default", "install.operator.istio.io/owning-resource": "unknown",
+				"operator.istio.io/component": "Cni", "release": "istio-cni", "app.kubernetes.io/part-of": "istio"} {
+				eq(t, "DaemonSet label "+k, ds.Labels[k], v)
+			}
+			eq(t, "terminationGracePeriodSeconds", *ds.Spec.Template.Spec.TerminationGracePeriodSeconds, int64(30))
+			for _, name := range []string{"NODE_NAME", "REPAIR_NODE_NAME", "POD_NAME", "POD_NAMESPACE"} {
+				if e, ok := r.envVar(t, name); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil {
+					t.Errorf("env %s: %+v", name, e)
+				}
+			}
+			for name, res := range map[string]string{"GOMEMLIMIT": "limits.memory", "GOMAXPROCS": "limits.cpu"} {
+				if e, ok := r.envVar(t, name); !ok || e.ValueFrom == nil || e.ValueFrom.ResourceFieldRef == nil || e.ValueFrom.ResourceFieldRef.Resource != res {
+					t.Errorf("env %s: %+v", name, e)
+				}
+			}
+		})},
+	"istio-values-file": {values: istioValuesFile, golden: true, check: all(
+		wantArgs("--log_output_level=cni:debug,default:warn", "--log_as_json"),
+		wantImage("docker.io/istio/install-cni:1.30.1-distroless", ""),
+		wantConfig("EXCLUDE_NAMESPACES", "istio-system,kube-system", "CNI_CONF_GROUP_READ", "true"),
+		wantQuota(100),
+		func(t *testing.T, r *rendered) {
+			var sa corev1.ServiceAccount
+			r.decode(t, "ServiceAccount/istio-cni", &sa)
+			eq(t, "imagePullSecrets", sa.ImagePullSecrets, []corev1.LocalObjectReference{{Name: "pull-secret"}})
+			if !r.has("NetworkPolicy/istio-cni-canary") {
+				t.Errorf("no NetworkPolicy istio-cni-canary: %v", r.kinds())
+			}
+			if e, _ := r.envVar(t, "CNI_CONF_GROUP_READ"); e.Value != "true" {
+				t.Errorf("env CNI_CONF_GROUP_READ = %+v", e)
+			}
+			eq(t, "seccompProfile", r.container(t).SecurityContext.SeccompProfile, &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault})
+		})},
+	// Our own chart's values and extensions.
+	"extras": {golden: true, values: `nativeNftables: auto
+psp_cluster_role: psp-privileged
+seLinuxOptions:
+  level: s0
+useAppArmorAnnotation: false
+podAnnotations:
+  team: mesh
+  prometheus.io/scrape: "false"
+podLabels:
+  tier: node
+daemonSetLabels:
+  tier: node
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            - {key: mesh, operator: In, values: ["on"]}
+resources:
+  requests:
+    cpu: 50m
+tolerations: []
+updateStrategy:
+  type: OnDelete
+terminationGracePeriodSeconds: 10
+cniConfFileName: 10-calico.conflist
+istioOwnedCNIConfig: true
+istioOwnedCNIConfigFileName: 02-mesh.conflist
+repair:
+  repairPods: false
+  labelPods: true
+env:
+  GOMAXPROCS: "2"
+  REPAIR_ENABLED: "true"
+`, check: all(
+		wantAppArmor(false),
+		wantSELinux(&corev1.SELinuxOptions{Level: "s0", Type: "spc_t"}),
+		wantConfig("NATIVE_NFTABLES", "auto", "REPAIR_LABEL_PODS", "true", "REPAIR_REPAIR_PODS", "false",
+			"CNI_CONF_NAME", "10-calico.conflist", "ISTIO_OWNED_CNI_CONFIG", "true",
+			"ISTIO_OWNED_CNI_CONF_FILENAME", "02-mesh.conflist", "ISTIO_OWNED_CNI_CONFIG_FILENAME", "02-mesh.conflist", "GOMAXPROCS", "2"),
+		func(t *testing.T, r *rendered) {
+			ds := r.daemonSet(t)
+			eq(t, "scrape annotation", ds.Spec.Template.Annotations["prometheus.io/scrape"], "false")
+			eq(t, "pod label", ds.Spec.Template.Labels["tier"], "node")
+			eq(t, "tolerations", ds.Spec.Template.Spec.Tolerations, []corev1.Toleration(nil))
+			if e, _ := r.envVar(t, "GOMAXPROCS"); e.Value != "2" || e.ValueFrom != nil {
+				t.Errorf("env GOMAXPROCS = %+v, want the value given", e)
+			}
+			if !r.has("RoleBinding/istio-cni-psp") {
+				t.Error("no psp RoleBinding")
+			}
+			// nativeNftables=auto looks at the host through /proc, with repair off too.
+			eq(t, "host proc", r.hostPath(t, "cni-host-procfs"), "/proc")
+		})},
+
+	"istio-layout": {values: "cni:\n  excludeNamespaces: [kube-system, istio-system]\n  logLevel: debug\n  cniBinDir: /opt/custom/bin\n", check: all(
+		wantArgs("--log_output_level=debug"),
+		wantDirs("/opt/custom/bin", "/etc/cni/net.d"),
+		wantConfig("EXCLUDE_NAMESPACES", "kube-system,istio-system"))},
+	// cni.* wins over the same key at the top level, as in Istio.
+	"istio-layout-precedence": {values: "cniConfDir: /top\ncni:\n  cniConfDir: /legacy\n", check: wantDirs("/opt/cni/bin", "/legacy")},
+	"image":                   {values: "hub: example.com/mesh\ntag: 1.2.3\nvariant: distroless\npullPolicy: Always\n", check: wantImage("example.com/mesh/install-cni:1.2.3-distroless", "Always")},
+	"image-global":            {values: "global:\n  hub: example.org/istio\n  tag: 1.29.0\n  variant: debug\n  imagePullPolicy: IfNotPresent\n", check: wantImage("example.org/istio/install-cni:1.29.0-debug", "IfNotPresent")},
+	"image-reference":         {values: "image: mirror.example/cni/agent:v7\ntag: ignored\n", check: wantImage("mirror.example/cni/agent:v7", "")},
+
+	"logging-level":          {values: "logging:\n  level: warn\n", check: wantArgs("--log_output_level=warn")},
+	"logging-default-scoped": {values: "cni:\n  logging:\n    level: default:info\n", check: wantArgs("--log_output_level=default:info")},
+	"logging-global-scoped":  {values: "global:\n  logging:\n    level: cni:debug,default:warn\n", check: wantArgs("--log_output_level=cni:debug,default:warn")},
+	"logging-plugin":         {values: "cni:\n  logging:\n    level: cni-plugin:debug\n", check: all(wantArgs("--log_output_level=cni-plugin:debug"), wantConfig("PLUGIN_LOG_LEVEL", "<absent>"))},
+	"logging-precedence":     {values: "logging:\n  level: warn\nlogLevel: error\nglobal:\n  logging:\n    level: debug\n", check: wantArgs("--log_output_level=warn")},
+	"loglevel-legacy":        {values: "logLevel: error\nglobal:\n  logging:\n    level: debug\n", check: wantArgs("--log_output_level=error")},
+	// Istio passes no level when both are empty; the agent's default applies.
+	"logging-none":      {values: "global:\n  logging:\n    level: \"\"\n", check: wantArgs()},
+	"logging-json":      {values: "global:\n  logAsJson: true\n", check: wantArgs("--log_output_level=info", "--log_as_json")},
+	"repair-delete":     {values: "repair:\n  repairPods: false\n  deletePods: true\n", check: all(wantConfig("REPAIR_DELETE_PODS", "true", "REPAIR_REPAIR_PODS", "false"), repairRule("pods", "delete"))},
+	"repair-label":      {values: "repair:\n  repairPods: false\n  labelPods: true\n", check: all(wantConfig("REPAIR_LABEL_PODS", "true", "REPAIR_REPAIR_PODS", "false"), repairRule("pods/status", "patch"))},
+	"repair-precedence": {values: "repair:\n  repairPods: true\n  deletePods: true\n  labelPods: true\n", check: all(wantConfig("REPAIR_REPAIR_PODS", "true", "REPAIR_DELETE_PODS", "false", "REPAIR_LABEL_PODS", "false"), repairRule("", ""))},
+	"repair-off": {values: "repair:\n  enabled: false\n", check: all(
+		wantConfig("REPAIR_ENABLED", "false", "REPAIR_REPAIR_PODS", "false"),
+		wantObjects("ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni", "ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni"),
+		func(t *testing.T, r *rendered) { eq(t, "host proc", r.hostPath(t, "cni-host-procfs"), "") })},
+	"nftables":      {values: "global:\n  nativeNftables: true\n", check: wantConfig("NATIVE_NFTABLES", "true")},
+	"nftables-auto": {values: "nativeNftables: auto\nrepair:\n  enabled: false\n", check: all(wantConfig("NATIVE_NFTABLES", "auto"), func(t *testing.T, r *rendered) { eq(t, "host proc", r.hostPath(t, "cni-host-procfs"), "/proc") })},
+
+	// Platforms.
+	"gke":            {values: "global:\n  platform: gke\n", golden: true, check: all(wantDirs("/home/kubernetes/bin", "/etc/cni/net.d"), wantQuota(5000))},
+	"gke-quota-pods": {values: "platform: gke\nresourceQuotas:\n  pods: 200\n", check: wantQuota(200)},
+	// Istio's own detection: an empty cniBinDir on a cluster whose version says GKE.
+	"gke-version-detect":  {values: "cniBinDir: \"\"\n", kube: "v1.33.2-gke.1111", check: all(wantDirs("/home/kubernetes/bin", "/etc/cni/net.d"), wantQuota(0))},
+	"gke-version-dir-set": {kube: "v1.33.2-gke.1111", check: wantDirs("/opt/cni/bin", "/etc/cni/net.d")},
+	"no-gke-version":      {values: "cniBinDir: \"\"\n", kube: "v1.33.2", check: wantDirs("/opt/cni/bin", "/etc/cni/net.d")},
+	"openshift": {values: "platform: openshift\n", golden: true, check: all(
+		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"),
+		wantConfig("CHAINED_CNI_PLUGIN", "false", "CNI_CONF_NAME", "istio-cni.conf"),
+		wantSELinux(&corev1.SELinuxOptions{Type: "spc_t"}),
+		sccRule(true),
+		func(t *testing.T, r *rendered) {
+			if !r.has("NetworkAttachmentDefinition/istio-cni") {
+				t.Error("no NetworkAttachmentDefinition")
+			}
+		})},
+	// The user's values win over the platform's.
+	"openshift-overrides": {values: "global:\n  platform: openshift\nchained: true\ncniBinDir: /opt/cni/bin\nseLinuxOptions:\n  level: s0\n", check: all(
+		wantDirs("/opt/cni/bin", "/etc/cni/multus/net.d"),
+		wantConfig("CHAINED_CNI_PLUGIN", "true"),
+		wantSELinux(&corev1.SELinuxOptions{Type: "spc_t", Level: "s0"}))},
+	// Istio adds type spc_t to any SELinux options that name no type.
+	"selinux-own-type": {values: "seLinuxOptions:\n  type: container_runtime_t\n  level: s0:c1\n", check: wantSELinux(&corev1.SELinuxOptions{Type: "container_runtime_t", Level: "s0:c1"})},
+	// An empty dir (this chart's older default, in copied values files) keeps the platform's.
+	"k3s-empty-dirs": {values: "platform: k3s\ncniBinDir: \"\"\ncni:\n  cniConfDir: \"\"\n", check: wantDirs("/var/lib/rancher/k3s/data/cni", "/var/lib/rancher/k3s/agent/etc/cni/net.d")},
+	"k3s":            {values: "platform: k3s\n", check: wantDirs("/var/lib/rancher/k3s/data/cni", "/var/lib/rancher/k3s/agent/etc/cni/net.d")},
+	"k3d":            {values: "platform: k3d\n", check: wantDirs("/bin", "/var/lib/rancher/k3s/agent/etc/cni/net.d")},
+	"microk8s":       {values: "platform: microk8s\n", check: wantDirs("/var/snap/microk8s/current/opt/cni/bin", "/var/snap/microk8s/current/args/cni-network")},
+	// minikube's only setting is the netns dir, which ambient mode alone mounts.
+	"minikube":        {values: "platform: minikube\n", check: wantSameAs("")},
+	"standalone-conf": {values: "chained: false\ncniConfFileName: 99-istio.conf\n", check: wantConfig("CHAINED_CNI_PLUGIN", "false", "CNI_CONF_NAME", "99-istio.conf")},
+	"multus": {values: "provider: multus\n", check: func(t *testing.T, r *rendered) {
+		if !r.has("NetworkAttachmentDefinition/istio-cni") {
+			t.Error("no NetworkAttachmentDefinition")
+		}
+	}},
+
+	// AppArmor: the value alone decides, whatever the cluster's version, as
+	// in Istio (the field needs Kubernetes 1.30; the annotation is deprecated
+	// there but still honoured).
+	"apparmor-annotation-k129": {kube: "v1.29.8", check: wantAppArmor(true)},
+	"apparmor-field-k129":      {values: "useAppArmorAnnotation: false\n", kube: "v1.29.8", check: wantAppArmor(false)},
+	"apparmor-annotation-k134": {kube: "v1.34.4", check: wantAppArmor(true)},
+	"apparmor-field-k134":      {values: "useAppArmorAnnotation: false\n", kube: "v1.34.4", check: wantAppArmor(false)},
+
+	"revision": {values: "revision: canary\nownerName: mesh-operator\nglobal:\n  networkPolicy:\n    enabled: true\n", check: func(t *testing.T, r *rendered) {
+		for key, doc := range r.objs {
+			var obj metav1.PartialObjectMetadata
+			if err := yaml.Unmarshal([]byte(doc), &obj); err != nil {
+				t.Fatal(err)
+			}
+			eq(t, key+" istio.io/rev", obj.Labels["istio.io/rev"], "canary")
+			eq(t, key+" owning-resource", obj.Labels["install.operator.istio.io/owning-resource"], "mesh-operator")
+			eq(t, key+" component", obj.Labels["operator.istio.io/component"], "Cni")
+		}
+		if !r.has("NetworkPolicy/istio-cni-canary") {
+			t.Errorf("no NetworkPolicy istio-cni-canary: %v", r.kinds())
+		}
+	}},
+	"network-policy": {values: "global:\n  networkPolicy:\n    enabled: true\n", check: func(t *testing.T, r *rendered) {
+		var np networkingv1.NetworkPolicy
+		r.decode(t, "NetworkPolicy/istio-cni", &np)
+		eq(t, "pod selector", np.Spec.PodSelector.MatchLabels, map[string]string{"k8s-app": "istio-cni-node"})
+		var ports []string
+		for _, in := range np.Spec.Ingress {
+			for _, p := range in.Ports {
+				ports = append(ports, fmt.Sprintf("%s/%s", *p.Protocol, p.Port.String()))
+			}
+			if len(in.From) != 0 {
+				t.Errorf("ingress from %v, want anyone", in.From)
+			}
+		}
+		eq(t, "ingress ports", ports, []string{"TCP/15014", "TCP/8000"})
+		eq(t, "egress", np.Spec.Egress, []networkingv1.NetworkPolicyEgressRule{{}})
+	}},
+	"scope-cluster": {values: "global:\n  resourceScope: cluster\n  networkPolicy:\n    enabled: true\npsp_cluster_role: psp\nprovider: multus\nresourceQuotas:\n  enabled: true\n",
+		check: wantObjects("ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni", "ClusterRole/istio-cni-repair-role", "ClusterRoleBinding/istio-cni-repair-rolebinding")},
+	"scope-namespace": {values: "global:\n  resourceScope: namespace\n  networkPolicy:\n    enabled: true\npsp_cluster_role: psp\nprovider: multus\nresourceQuotas:\n  enabled: true\n",
+		check: wantObjects("ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni", "NetworkPolicy/istio-cni",
+			"RoleBinding/istio-cni-psp", "NetworkAttachmentDefinition/istio-cni", "ResourceQuota/istio-cni-resource-quota")},
+	// global.defaultResources applies when resources is empty, as in Istio.
+	"default-resources":        {values: "resources: null\nglobal:\n  defaultResources:\n    requests:\n      cpu: 250m\n      memory: 64Mi\n", check: wantRequests("250m", "64Mi")},
+	"default-resources-unused": {values: "global:\n  defaultResources:\n    requests:\n      cpu: 250m\n", check: wantRequests("100m", "100Mi")},
+	"image-pull-secrets-object": {values: "global:\n  imagePullSecrets: [a, {name: b}]\n", check: func(t *testing.T, r *rendered) {
+		var sa corev1.ServiceAccount
+		r.decode(t, "ServiceAccount/istio-cni", &sa)
+		eq(t, "imagePullSecrets", sa.ImagePullSecrets, []corev1.LocalObjectReference{{Name: "a"}, {Name: "b"}})
+	}},
+
+	// Profiles and compatibility versions. Only demo and openshift change
+	// this chart; the rest configure istiod or ambient mode.
+	"profile-demo":        {values: "profile: demo\n", check: wantRequests("10m", "40Mi")},
+	"global-profile-demo": {values: "global:\n  profile: demo\n", check: wantRequests("10m", "40Mi")},
+	"profile-demo-user":   {values: "profile: demo\nresources:\n  requests:\n    cpu: 500m\n", check: wantRequests("500m", "40Mi")},
+	"profile-default":     {values: "profile: default\n", check: wantSameAs("")},
+	"profile-stable":      {values: "profile: stable\n", check: wantSameAs("")},
+	"profile-preview":     {values: "profile: preview\n", check: wantSameAs("")},
+	"profile-remote":      {values: "profile: remote\n", check: wantSameAs("")},
+	"profile-openshift": {values: "profile: openshift\n", check: all(
+		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"), sccRule(true), wantSELinux(nil))},
+	"profile-ambient-sidecar": {values: "profile: ambient\nambient:\n  enabled: false\n", check: wantImage("registry.istio.io/release/install-cni:latest-distroless", "")},
+	"compat-1.28":             {values: "compatibilityVersion: \"1.28\"\n", check: wantSameAs("")},
+	"compat-unquoted":         {values: "compatibilityVersion: 1.30\nprofile: demo\n", check: wantSameAs("profile: demo\n")},
+	"global-compat":           {values: "global:\n  compatibilityVersion: \"1.24\"\n  platform: k3s\n", check: wantSameAs("platform: k3s\n")},
+}
+
+func repairRule(resource, verb string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		var extra []rbacv1.PolicyRule
+		for _, rule := range r.rules(t, "istio-cni-repair-role") {
+			if !reflect.DeepEqual(rule.Resources, []string{"events"}) {
+				extra = append(extra, rule)
+			}
+		}
+		if resource == "" {
+			eq(t, "repair rules beyond events", extra, []rbacv1.PolicyRule(nil))
+			return
+		}
+		if len(extra) != 1 || !reflect.DeepEqual(extra[0].Resources, []string{resource}) || extra[0].Verbs[0] != verb {
+			t.Errorf("repair rules beyond events = %+v, want %s %s", extra, verb, resource)
+		}
+	}
+}
+
+func sccRule(want bool) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		got := false
+		for _, rule := range r.rules(t, "istio-cni") {
+			got = got || reflect.DeepEqual(rule.Resources, []string{"securitycontextconstraints"})
+		}
+		eq(t, "SCC rule", got, want)
+	}
+}
+
+func sortedSets() []string {
+	names := make([]string, 0, len(valueSets))
+	for n := range valueSets {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
 }
 
 func TestRenderGoldenAndDryRun(t *testing.T) {
 	ctx := context.Background()
 	ensureTestCluster(t, ctx)
-	dyn, err := dynamic.NewForConfig(cluster.Config)
+	// The API server's deprecation warnings (the AppArmor annotation) are
+	// expected here: Istio's default keeps the annotation.
+	cfg := rest.CopyConfig(cluster.Config)
+	cfg.WarningHandler = rest.NoWarnings{}
+	dyn, err := dynamic.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,41 +635,209 @@ func TestRenderGoldenAndDryRun(t *testing.T) {
 		t.Fatal(err)
 	}
 	mapper := restmapper.NewDiscoveryRESTMapper(groups)
-	names := make([]string, 0, len(valueSets))
-	for n := range valueSets {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	for _, name := range names {
+	goldens := map[string]bool{}
+	for _, name := range sortedSets() {
+		set := valueSets[name]
 		t.Run(name, func(t *testing.T) {
-			files := render(t, valueSets[name])
-			keys := make([]string, 0, len(files))
-			for k := range files {
-				keys = append(keys, k)
-			}
-			sort.Strings(keys)
-			var all strings.Builder
-			for _, k := range keys {
-				if strings.TrimSpace(files[k]) == "" || strings.HasSuffix(k, ".tpl") {
-					continue
+			r := renderSet(t, set.values, set.kube)
+			for _, key := range r.kinds() {
+				obj := &unstructured.Unstructured{}
+				if err := yaml.Unmarshal([]byte(r.objs[key]), &obj.Object); err != nil {
+					t.Fatalf("%s: %v", key, err)
 				}
-				fmt.Fprintf(&all, "# %s\n%s\n", filepath.Base(k), strings.TrimSpace(files[k]))
-				for _, doc := range strings.Split(files[k], "\n---") {
-					if strings.TrimSpace(doc) == "" || strings.TrimSpace(strings.TrimLeft(doc, "-")) == "" {
-						continue
-					}
-					obj := &unstructured.Unstructured{}
-					if err := yaml.Unmarshal([]byte(doc), &obj.Object); err != nil {
-						t.Fatalf("%s: %v\n%s", k, err, doc)
-					}
-					if len(obj.Object) == 0 {
-						continue
-					}
-					dryRun(t, ctx, dyn, mapper, obj)
-				}
+				dryRun(t, ctx, dyn, mapper, obj)
 			}
-			testutil.CompareGolden(t, name+".golden.yaml", all.String())
+			if set.golden {
+				goldens[name+".golden.yaml"] = true
+				testutil.CompareGolden(t, name+".golden.yaml", r.text())
+			}
+			if set.check != nil {
+				set.check(t, r)
+			}
 		})
+	}
+	// A golden no value set writes any more is stale.
+	files, _ := filepath.Glob("testdata/*.golden.yaml")
+	for _, f := range files {
+		if !goldens[filepath.Base(f)] {
+			t.Errorf("%s belongs to no golden value set; remove it", f)
+		}
+	}
+}
+
+// TestRenderFailures: the values Istio's chart fails on (and ambient mode,
+// which this chart does not provide) fail here, naming the value.
+func TestRenderFailures(t *testing.T) {
+	for _, tc := range []struct{ values, want string }{
+		{"platform: eks\n", "platform=eks: unknown platform"},
+		{"global:\n  platform: kind\n", "global.platform=kind: unknown platform"},
+		// Istio's charts ship no minimal or empty profile (those are istioctl's).
+		{"profile: minimal\n", "profile=minimal: unknown profile"},
+		{"profile: empty\n", "profile=empty: unknown profile"},
+		{"global:\n  profile: nope\n", "global.profile=nope: unknown profile"},
+		{"compatibilityVersion: \"1.19\"\n", "compatibilityVersion=1.19: unknown compatibility version"},
+		{"compatibilityVersion: \"2.0\"\n", "compatibilityVersion=2.0: unknown compatibility version"},
+		{"global:\n  compatibilityVersion: \"1.10\"\n", "global.compatibilityVersion=1.10: unknown compatibility version"},
+		{"ambient:\n  enabled: true\n", "ambient.enabled=true: ambient mode is not provided by this chart"},
+		{"cni:\n  ambient:\n    enabled: true\n", "ambient.enabled=true: ambient mode is not provided by this chart"},
+		{"profile: ambient\n", "profile=ambient (it sets ambient.enabled=true): ambient mode is not provided"},
+		{"profile: openshift-ambient\n", "profile=openshift-ambient (it sets ambient.enabled=true): ambient mode is not provided"},
+		{"global:\n  profile: ambient-windows\n", "global.profile=ambient-windows (it sets ambient.enabled=true)"},
+		{"defaults:\n  hub: x\n", "defaults="},
+		{"global:\n  resourceScope: everything\n", "global.resourceScope=everything"},
+	} {
+		t.Run(strings.TrimSpace(strings.ReplaceAll(tc.values, "\n", " ")), func(t *testing.T) {
+			_, err := testenv.RenderChart(tc.values, "")
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("render error = %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// How each value of Istio's istio-cni chart (its newest values.yaml, plus
+// the profile selectors of its zzz_profile.yaml) is handled here.
+const (
+	works    = "works"    // the render changes, as in Istio
+	noEffect = "noEffect" // accepted; the render is the default's (why says why)
+	fails    = "fails"    // the render fails naming the value
+)
+
+var istioValues = []struct {
+	key, values, handling, why string
+}{
+	{"hub", "hub: example.com/x\n", works, ""},
+	{"tag", "tag: 1.2.3\n", works, ""},
+	{"variant", "variant: distroless\n", works, ""},
+	{"image", "image: example.com/x/install-cni:1\n", works, ""},
+	{"pullPolicy", "pullPolicy: Always\n", works, ""},
+	{"logging.level", "logging:\n  level: debug\n", works, ""},
+	{"cniBinDir", "cniBinDir: /x\n", works, ""},
+	{"cniConfDir", "cniConfDir: /x\n", works, ""},
+	{"cniConfFileName", "cniConfFileName: 10-x.conflist\n", works, ""},
+	{"cniNetnsDir", "cniNetnsDir: /x\n", noEffect, "only ambient mode mounts it (Istio's unused volume in sidecar mode is left out)"},
+	{"istioOwnedCNIConfig", "istioOwnedCNIConfig: true\n", works, ""},
+	{"istioOwnedCNIConfigFileName", "istioOwnedCNIConfigFileName: 03-x.conflist\n", works, ""},
+	{"excludeNamespaces", "excludeNamespaces: [a]\n", works, ""},
+	{"affinity", "affinity:\n  nodeAffinity: {}\n", works, ""},
+	{"daemonSetLabels", "daemonSetLabels: {a: b}\n", works, ""},
+	{"podAnnotations", "podAnnotations: {a: b}\n", works, ""},
+	{"podLabels", "podLabels: {a: b}\n", works, ""},
+	{"chained", "chained: false\n", works, ""},
+	{"provider", "provider: multus\n", works, ""},
+	{"ambient.enabled", "ambient:\n  enabled: true\n", fails, ""},
+	{"ambient.enablementSelectors", "ambient:\n  enablementSelectors: []\n", noEffect, "ambient only"},
+	{"ambient.configDir", "ambient:\n  configDir: /x\n", noEffect, "unused in Istio too"},
+	{"ambient.dnsCapture", "ambient:\n  dnsCapture: false\n", noEffect, "ambient only"},
+	{"ambient.ipv6", "ambient:\n  ipv6: false\n", noEffect, "ambient only"},
+	{"ambient.reconcileIptablesOnStartup", "ambient:\n  reconcileIptablesOnStartup: false\n", noEffect, "ambient only"},
+	{"ambient.shareHostNetworkNamespace", "ambient:\n  shareHostNetworkNamespace: true\n", noEffect, "ambient only"},
+	{"ambient.enableAmbientDetectionRetry", "ambient:\n  enableAmbientDetectionRetry: true\n", noEffect, "ambient only"},
+	{"repair.enabled", "repair:\n  enabled: false\n", works, ""},
+	{"repair.repairPods", "repair:\n  repairPods: false\n", works, ""},
+	{"repair.deletePods", "repair:\n  repairPods: false\n  deletePods: true\n", works, ""},
+	{"repair.labelPods", "repair:\n  repairPods: false\n  labelPods: true\n", works, ""},
+	{"repair.initContainerName", "repair:\n  initContainerName: x\n", works, ""},
+	{"repair.brokenPodLabelKey", "repair:\n  brokenPodLabelKey: x\n", works, ""},
+	{"repair.brokenPodLabelValue", "repair:\n  brokenPodLabelValue: x\n", works, ""},
+	{"repair.hub", "repair:\n  hub: x\n", noEffect, "unused in Istio too"},
+	{"repair.tag", "repair:\n  tag: x\n", noEffect, "unused in Istio too"},
+	{"seccompProfile", "seccompProfile: {type: RuntimeDefault}\n", works, ""},
+	{"seLinuxOptions", "seLinuxOptions: {level: s0}\n", works, ""},
+	{"useAppArmorAnnotation", "useAppArmorAnnotation: false\n", works, ""},
+	{"resources", "resources: {requests: {cpu: 1}}\n", works, ""},
+	{"resourceQuotas.enabled", "resourceQuotas:\n  enabled: true\n", works, ""},
+	{"resourceQuotas.pods", "resourceQuotas:\n  enabled: true\n  pods: 9\n", works, ""},
+	{"tolerations", "tolerations: []\n", works, ""},
+	{"updateStrategy", "updateStrategy: {type: OnDelete}\n", works, ""},
+	{"terminationGracePeriodSeconds", "terminationGracePeriodSeconds: 5\n", works, ""},
+	{"revision", "revision: x\n", works, ""},
+	{"ownerName", "ownerName: x\n", works, ""},
+	{"env", "env: {A: b}\n", works, ""},
+	{"profile", "profile: demo\n", works, ""},
+	{"compatibilityVersion", "compatibilityVersion: \"1.28\"\n", noEffect, "the defaults it restores are ambient's"},
+	{"platform", "platform: k3s\n", works, ""},
+	{"global.hub", "global:\n  hub: example.com/x\n", works, ""},
+	{"global.tag", "global:\n  tag: x\n", works, ""},
+	{"global.variant", "global:\n  variant: debug\n", works, ""},
+	{"global.imagePullPolicy", "global:\n  imagePullPolicy: Always\n", works, ""},
+	{"global.logging.level", "global:\n  logging:\n    level: debug\n", works, ""},
+	{"global.logAsJson", "global:\n  logAsJson: true\n", works, ""},
+	{"global.imagePullSecrets", "global:\n  imagePullSecrets: [x]\n", works, ""},
+	{"global.defaultResources", "resources: null\nglobal:\n  defaultResources: {requests: {cpu: 1}}\n", works, ""},
+	{"global.defaultResources (resources set)", "global:\n  defaultResources: {requests: {cpu: 1}}\n", noEffect, "it applies only when resources is empty, as in Istio"},
+	{"global.networkPolicy.enabled", "global:\n  networkPolicy:\n    enabled: true\n", works, ""},
+	{"global.nativeNftables", "global:\n  nativeNftables: true\n", works, ""},
+	{"global.resourceScope", "global:\n  resourceScope: cluster\n", works, ""},
+	{"global.platform", "global:\n  platform: k3s\n", works, ""},
+	{"global.profile", "global:\n  profile: demo\n", works, ""},
+	{"global.compatibilityVersion", "global:\n  compatibilityVersion: \"1.28\"\n", noEffect, "the defaults it restores are ambient's"},
+	{"defaults", "defaults:\n  hub: x\n", fails, ""},
+	// Older releases' keys that Istio's newest chart no longer reads.
+	{"privileged", "privileged: true\n", noEffect, "Istio's chart no longer reads it; the agent runs unprivileged with capabilities, as Istio's"},
+	// This chart's own values.
+	{"logLevel", "logLevel: debug\n", works, ""},
+	{"nativeNftables", "nativeNftables: auto\n", works, ""},
+	{"psp_cluster_role", "psp_cluster_role: x\n", works, ""},
+	{"cni.*", "cni:\n  tag: x\n", works, ""},
+}
+
+func TestIstioValues(t *testing.T) {
+	base, err := testenv.RenderChart("", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	baseText := (&rendered{files: base}).text()
+	for _, v := range istioValues {
+		t.Run(v.key, func(t *testing.T) {
+			files, err := testenv.RenderChart(v.values, "")
+			switch v.handling {
+			case fails:
+				name := strings.TrimSuffix(v.key, ".*")
+				if err == nil || !strings.Contains(err.Error(), name) {
+					t.Fatalf("render error = %v, want one naming %s", err, name)
+				}
+				return
+			case noEffect:
+				if v.why == "" {
+					t.Fatal("a value without effect needs a reason")
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			changed := (&rendered{files: files}).text() != baseText
+			if changed != (v.handling == works) {
+				t.Errorf("%s: render changed = %v, want %v", v.handling, changed, v.handling == works)
+			}
+		})
+	}
+}
+
+// TestAgentInvocation: the command line and environment the kubelet would
+// give the agent, for another package to run the agent with.
+func TestAgentInvocation(t *testing.T) {
+	files, err := testenv.RenderChart(istioValuesFile+"env:\n  CNI_CONF_GROUP_READ: \"false\"\n  EXTRA: \"$(EXCLUDE_NAMESPACES);$$(KEPT)\"\n  REPAIR_ENABLED: \"false\"\n", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	args, env, err := testenv.AgentInvocation(files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eq(t, "args", args, []string{"install-cni", "--log_output_level=cni:debug,default:warn", "--log_as_json"})
+	for k, want := range map[string]string{
+		"EXCLUDE_NAMESPACES": "istio-system,kube-system", "REPAIR_REPAIR_PODS": "true", "REPAIR_SIDECAR_ANNOTATION": "sidecar.istio.io/status",
+		// cni.env and env both apply; cni.* wins, as in Istio.
+		"CNI_CONF_GROUP_READ": "true", "REPAIR_ENABLED": "false",
+		"EXTRA": "istio-system,kube-system;$(KEPT)",
+	} {
+		eq(t, "env "+k, env[k], want)
+	}
+	for _, k := range []string{"NODE_NAME", "POD_NAME", "POD_NAMESPACE", "GOMEMLIMIT", "PLUGIN_LOG_LEVEL"} {
+		if v, ok := env[k]; ok {
+			t.Errorf("env %s=%q, want it left to the caller", k, v)
+		}
 	}
 }
 
@@ -216,12 +906,19 @@ func ensureTestCluster(t *testing.T, ctx context.Context) {
 }
 
 func TestLint(t *testing.T) {
-	for name, vals := range valueSets {
-		v, err := chartutil.ReadValues([]byte(vals))
+	for _, name := range sortedSets() {
+		set := valueSets[name]
+		v, err := chartutil.ReadValues([]byte(set.values))
 		if err != nil {
 			t.Fatal(err)
 		}
-		res := lint.AllWithKubeVersion(chartDir, v, "istio-system", nil)
+		var kv *chartutil.KubeVersion
+		if set.kube != "" {
+			if kv, err = chartutil.ParseKubeVersion(set.kube); err != nil {
+				t.Fatal(err)
+			}
+		}
+		res := lint.AllWithKubeVersion(chartDir, v, "istio-system", kv)
 		for _, m := range res.Messages {
 			if m.Severity >= support.WarningSev {
 				t.Errorf("%s: lint: %s", name, m.Error())

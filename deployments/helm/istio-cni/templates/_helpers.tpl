@@ -1,65 +1,147 @@
-{{/* Values with Istio's legacy cni.* layout folded in (cni.* wins, as in Istio). */}}
-{{- define "istio-cni.values" -}}
-{{- $v := deepCopy .Values -}}
-{{- if .Values.cni -}}{{- $v = mergeOverwrite $v .Values.cni -}}{{- end -}}
-{{- toYaml $v -}}
+{{/*
+istio-cni.init replaces .Values with the effective values, once per render
+(every template includes it first, so the order Helm renders templates in
+does not matter): the defaults, then the profile, the compatibility version
+and the platform named in your values, then your values, then your cni.*
+values. Unlike Istio, where a platform's cni.* settings land after your
+top-level values, anything you give (but an empty string) wins over every
+named set.
+It also fails the render on values this chart cannot honour.
+*/}}
+{{- define "istio-cni.init" -}}
+{{- if not (hasKey $ "IstioCNIEffectiveValues") -}}
+{{- $raw := $.Values -}}
+{{- if hasKey $raw "defaults" -}}
+{{- fail (printf "defaults=%s: values go at the top level (--set hub=x, not --set defaults.hub=x)" (toJson (get $raw "defaults"))) -}}
+{{- end -}}
+{{- $data := $.Files.Get "files/profiles.yaml" | fromYaml -}}
+{{- $user := deepCopy (omit $raw "_internal_defaults_do_not_set") -}}
+{{- $userGlobal := dict -}}
+{{- if kindIs "map" $user.global }}{{ $userGlobal = $user.global }}{{ end -}}
+{{- $v := deepCopy (get $raw "_internal_defaults_do_not_set" | default dict) -}}
+{{- $named := list -}}
+{{- range $sel := list (list "profile" "profiles" "unknown profile") (list "compatibilityVersion" "compatibilityVersions" "unknown compatibility version") (list "platform" "platforms" "unknown platform") -}}
+{{- $key := index $sel 0 -}}
+{{- $name := coalesce (get $user $key) (get $userGlobal $key) -}}
+{{- if $name -}}
+{{- $what := $key -}}
+{{- if not (get $user $key) }}{{ $what = printf "global.%s" $key }}{{ end -}}
+{{- if kindIs "float64" $name }}{{ $name = printf "%.2f" $name }}{{ end -}}
+{{- $table := get $data (index $sel 1) -}}
+{{- if not (hasKey $table (toString $name)) -}}
+{{- fail (printf "%s=%v: %s; known: %s" $what $name (index $sel 2) (keys $table | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- $named = append $named (list (printf "%s=%v" $what $name) (deepCopy (get $table (toString $name) | default dict))) -}}
+{{- $_ := mustMergeOverwrite $v (deepCopy (index ($named | last) 1)) -}}
+{{- end -}}
+{{- end -}}
+{{- $userCNI := dict -}}
+{{- if kindIs "map" $user.cni }}{{ $userCNI = $user.cni }}{{ end -}}
+{{- /* An empty string (this chart's older "use the platform's" default, in
+  copied values files) leaves a named set's value in place, which is also
+  what Istio renders there. */ -}}
+{{- range $set := $named -}}
+{{- range $k, $_ := index $set 1 -}}
+{{- range $layer := list $user $userCNI -}}
+{{- if and (hasKey $layer $k) (kindIs "string" (get $layer $k)) (eq (get $layer $k) "") }}{{ $_ := unset $layer $k }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := mustMergeOverwrite $v (omit $user "cni") $userCNI -}}
+{{- $_ := unset $v "cni" -}}
+{{- if not (kindIs "map" $v.global) }}{{ $_ := set $v "global" dict }}{{ end -}}
+{{- if ($v.ambient | default dict).enabled -}}
+{{- $by := "ambient.enabled=true" -}}
+{{- range $named -}}
+{{- if (get (index . 1) "ambient" | default dict).enabled }}{{ $by = printf "%s (it sets ambient.enabled=true)" (index . 0) }}{{ end -}}
+{{- end -}}
+{{- fail (printf "%s: ambient mode is not provided by this chart yet; install Istio's own istio-cni chart for ambient, or use sidecar mode (ambient.enabled=false)" $by) -}}
+{{- end -}}
+{{- $scope := lower (toString ($v.global.resourceScope | default "all")) -}}
+{{- if not (has $scope (list "all" "cluster" "namespace")) -}}
+{{- fail (printf "global.resourceScope=%v: must be all, cluster or namespace" $v.global.resourceScope) -}}
+{{- end -}}
+{{- $_ := set $v.global "resourceScope" $scope -}}
+{{- $_ := set $ "Values" $v -}}
+{{- $_ := set $ "IstioCNIEffectiveValues" true -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the namespaced / cluster-scoped objects render (global.resourceScope). */}}
+{{- define "istio-cni.namespaced" -}}
+{{- if ne .Values.global.resourceScope "cluster" }}true{{ end -}}
+{{- end -}}
+{{- define "istio-cni.clusterScoped" -}}
+{{- if ne .Values.global.resourceScope "namespace" }}true{{ end -}}
+{{- end -}}
+
+{{/* Labels Istio puts on every object of its charts. */}}
+{{- define "istio-cni.istioLabels" -}}
+app.kubernetes.io/name: istio-cni
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/part-of: "istio"
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
+{{/* Labels of the install operator and revisions, as Istio sets them. */}}
+{{- define "istio-cni.operatorLabels" -}}
+release: {{ .Release.Name | quote }}
+istio.io/rev: {{ .Values.revision | default "default" | quote }}
+install.operator.istio.io/owning-resource: {{ .Values.ownerName | default "unknown" | quote }}
+operator.istio.io/component: "Cni"
+{{- end -}}
+
+{{- define "istio-cni.labels" -}}
+app: istio-cni
+{{ include "istio-cni.operatorLabels" . }}
+{{ include "istio-cni.istioLabels" . }}
 {{- end -}}
 
 {{- define "istio-cni.platform" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- $v.platform | default $v.global.platform | default "" -}}
+{{- .Values.platform | default .Values.global.platform | default "" -}}
 {{- end -}}
 
-{{/* Host CNI bin dir: the value, else the platform's, else /opt/cni/bin. */}}
+{{/* Host CNI bin dir; empty detects GKE from the cluster's version, as Istio does. */}}
 {{- define "istio-cni.binDir" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- $p := include "istio-cni.platform" . -}}
-{{- $byPlatform := dict "gke" "/home/kubernetes/bin" "k3d" "/bin" "k3s" "/var/lib/rancher/k3s/data/cni" "microk8s" "/var/snap/microk8s/current/opt/cni/bin" "openshift" "/var/lib/cni/bin" -}}
-{{- $v.cniBinDir | default (get $byPlatform $p) | default "/opt/cni/bin" -}}
+{{- if .Values.cniBinDir -}}{{ .Values.cniBinDir }}
+{{- else if contains "-gke" .Capabilities.KubeVersion.GitVersion -}}/home/kubernetes/bin
+{{- else -}}/opt/cni/bin
+{{- end -}}
 {{- end -}}
 
 {{- define "istio-cni.confDir" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- $p := include "istio-cni.platform" . -}}
-{{- $byPlatform := dict "k3d" "/var/lib/rancher/k3s/agent/etc/cni/net.d" "k3s" "/var/lib/rancher/k3s/agent/etc/cni/net.d" "microk8s" "/var/snap/microk8s/current/args/cni-network" "openshift" "/etc/cni/multus/net.d" -}}
-{{- $v.cniConfDir | default (get $byPlatform $p) | default "/etc/cni/net.d" -}}
+{{- .Values.cniConfDir | default "/etc/cni/net.d" -}}
 {{- end -}}
 
-{{- define "istio-cni.chained" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- if eq (include "istio-cni.platform" .) "openshift" }}false{{ else }}{{ $v.chained }}{{ end -}}
-{{- end -}}
-
-{{- define "istio-cni.confFileName" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- if and (eq (include "istio-cni.platform" .) "openshift") (not $v.cniConfFileName) }}istio-cni.conf{{ else }}{{ $v.cniConfFileName }}{{ end -}}
-{{- end -}}
-
-{{- define "istio-cni.provider" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- if eq (include "istio-cni.platform" .) "openshift" }}multus{{ else }}{{ $v.provider }}{{ end -}}
-{{- end -}}
-
+{{/* --log_output_level: logging.level, this chart's older logLevel, global.logging.level. */}}
 {{- define "istio-cni.logLevel" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- $v.logLevel | default $v.logging.level | default $v.global.logging.level | default "info" -}}
+{{- coalesce (dig "logging" "level" "" .Values) .Values.logLevel (dig "logging" "level" "" .Values.global) | default "" -}}
 {{- end -}}
 
 {{- define "istio-cni.nativeNftables" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- $n := $v.nativeNftables -}}
-{{- if and (kindIs "bool" $n) (not $n) }}{{ $n = $v.global.nativeNftables }}{{ end -}}
+{{- $n := .Values.nativeNftables -}}
+{{- if and (kindIs "bool" $n) (not $n) }}{{ $n = .Values.global.nativeNftables | default false }}{{ end -}}
 {{- $n -}}
 {{- end -}}
 
+{{/* The one repair mode in effect, by Istio's precedence (empty: repair off). */}}
 {{- define "istio-cni.repairMode" -}}
-{{- $r := (include "istio-cni.values" . | fromYaml).repair -}}
+{{- $r := .Values.repair | default dict -}}
 {{- if not $r.enabled }}{{ else if $r.repairPods }}repair{{ else if $r.deletePods }}delete{{ else if $r.labelPods }}label{{ end -}}
 {{- end -}}
 
 {{- define "istio-cni.image" -}}
-{{- $v := include "istio-cni.values" . | fromYaml -}}
-{{- if contains "/" $v.image -}}{{ $v.image }}{{- else -}}
-{{ $v.hub | default $v.global.hub }}/{{ $v.image }}:{{ $v.tag | default $v.global.tag }}{{ if $v.variant }}-{{ $v.variant }}{{ end }}
+{{- $image := .Values.image | default "install-cni" | toString -}}
+{{- if contains "/" $image -}}{{ $image }}
+{{- else -}}
+{{- $variant := .Values.variant | default .Values.global.variant -}}
+{{ .Values.hub | default .Values.global.hub }}/{{ $image }}:{{ .Values.tag | default .Values.global.tag }}{{ with $variant }}-{{ . }}{{ end }}
 {{- end -}}
+{{- end -}}
+
+{{/* An env value as a string; null is empty, as in Istio's chart. */}}
+{{- define "istio-cni.envString" -}}
+{{- if not (kindIs "invalid" .) }}{{ toString . }}{{ end -}}
 {{- end -}}
