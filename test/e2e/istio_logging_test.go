@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -131,5 +132,25 @@ func TestIstioLoggingFlags(t *testing.T) {
 		if err != nil || !strings.Contains(string(b), "redirect rules programmed") {
 			t.Errorf("%s does not hold the log: %v", f, err)
 		}
+	}
+}
+
+// TestAgentVersionAndHelp: `install-cni version`, as Istio's, prints the
+// build and exits 0; so does --help.
+func TestAgentVersionAndHelp(t *testing.T) {
+	out, err := exec.Command(agentBin, "version").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "version.BuildInfo{Version:") {
+		t.Fatalf("install-cni version: %v %q", err, out)
+	}
+	if out, err := exec.Command(agentBin, "version", "--short").CombinedOutput(); err != nil || strings.TrimSpace(string(out)) == "" {
+		t.Fatalf("install-cni version --short: %v %q", err, out)
+	}
+	out, err = exec.Command(agentBin, "--help").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "-log_output_level") || !strings.Contains(string(out), "-repair-label-selectors") {
+		t.Fatalf("install-cni --help: %v %q", err, out)
+	}
+	out, err = exec.Command(agentBin, "--no-such-flag").CombinedOutput()
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "no-such-flag") {
+		t.Fatalf("an unknown flag must exit 2 naming it: %v %q", err, out)
 	}
 }
