@@ -22,17 +22,7 @@ import (
 // and the plugin's log lines show up in the agent's output.
 func TestAgentInstalledNodeRedirects(t *testing.T) {
 	ensureDaemonSet(t, false)
-	h := newHost(t)
-	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
-		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(h.RunDir, "..", "ipam") + `","ranges":[[{"subnet":"10.245.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
-	if err := os.WriteFile(filepath.Join(h.NetDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []string{"ptp", "host-local"} {
-		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(h.BinDir, p)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	h := ptpHost(t, "10.245.0.0/24")
 	h.start("--kubernetes-node-name", testenv.NodeName)
 	h.waitReadyz(200, 20*time.Second)
 

@@ -24,17 +24,7 @@ import (
 // flags it has no use for are named at start-up.
 func TestIstioLoggingFlags(t *testing.T) {
 	ensureDaemonSet(t, false)
-	h := newHost(t)
-	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,` +
-		`"ipam":{"type":"host-local","dataDir":"` + filepath.Join(h.RunDir, "..", "ipam") + `","ranges":[[{"subnet":"10.246.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
-	if err := os.WriteFile(filepath.Join(h.NetDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []string{"ptp", "host-local"} {
-		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, p), filepath.Join(h.BinDir, p)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	h := ptpHost(t, "10.246.0.0/24")
 	logDir := t.TempDir()
 	h.start("--kubernetes-node-name", testenv.NodeName, "--log_as_json=false",
 		"--log_output_level=default:warn,cni-plugin:debug", "--log_caller=cni-plugin", "--log_stacktrace_level=default:none",
