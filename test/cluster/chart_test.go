@@ -166,14 +166,16 @@ func chartOnNode(t *testing.T, backend string) {
 		t.Fatalf("agent pods: %v %v", agents, err)
 	}
 	agentPod := &agents.Items[0]
-	waitLog(t, agentPod, "install-cni", `"pod":"mesh/`+name+`"`)
+	// The chart's default, as Istio's: the console format, labels as key=value.
+	podLabel := "pod=mesh/" + name + " "
+	waitLog(t, agentPod, "install-cni", podLabel)
 	agentLog, err := os.ReadFile(filepath.Join("/var/log/pods", agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	served := false
 	for _, line := range strings.Split(string(agentLog), "\n") {
-		if !strings.Contains(line, `"pod":"mesh/`+name+`"`) {
+		if !strings.Contains(line+" ", podLabel) {
 			continue
 		}
 		if strings.Contains(line, "served without the node agent") {
