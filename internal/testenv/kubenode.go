@@ -25,8 +25,11 @@ const (
 // with the cluster, its CNI config a ptp primary.
 type KubeNode struct {
 	Dir, ConfDir, BinDir, Socket string
-	cluster                      *Cluster
-	procs                        []*exec.Cmd
+	// Cgroups is the node's cgroup layout: the kubelet's QoS tree, and
+	// the runtime and kubelet in a cgroup of their own.
+	Cgroups *NodeCgroups
+	cluster *Cluster
+	procs   []*exec.Cmd
 }
 
 // KubeletBinary returns the kubelet built by hack/build-kube.sh.
@@ -107,7 +110,7 @@ state = %q
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return nil, err
 	}
-	if err := n.start(logf, "containerd", "--config", cfgPath); err != nil {
+	if n.Cgroups, err = NewNodeCgroups("/istio-cni-node-" + strconv.Itoa(os.Getpid())); err != nil {
 		return nil, err
 	}
 	// From here on a failure takes down what was started.
@@ -116,6 +119,9 @@ state = %q
 			n.Stop()
 		}
 	}()
+	if err := n.start(logf, "containerd", "--config", cfgPath); err != nil {
+		return nil, err
+	}
 	if err := n.waitContainerd(30 * time.Second); err != nil {
 		return nil, err
 	}
@@ -143,7 +149,8 @@ state = %q
 	kcfg := `apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 cgroupDriver: cgroupfs
-cgroupsPerQOS: false
+cgroupsPerQOS: true
+cgroupRoot: ` + n.Cgroups.Root + `
 enforceNodeAllocatable: []
 failSwapOn: false
 resolvConf: ""
@@ -184,7 +191,7 @@ func (n *KubeNode) start(logf *os.File, bin string, args ...string) error {
 		return fmt.Errorf("starting %s: %w", bin, err)
 	}
 	n.procs = append(n.procs, cmd)
-	return nil
+	return n.Cgroups.MoveToRuntime(cmd.Process.Pid)
 }
 
 // Ctr runs ctr against this node's containerd, in the kubelet's namespace.
@@ -247,6 +254,9 @@ func (n *KubeNode) Stop() {
 	}
 	n.procs = nil
 	killShims(n.Socket)
+	if n.Cgroups != nil {
+		n.Cgroups.Remove()
+	}
 }
 
 func killShims(socket string) {

@@ -166,6 +166,13 @@ func chartOnNode(t *testing.T, backend string) {
 		t.Fatalf("agent pods: %v %v", agents, err)
 	}
 	agentPod := &agents.Items[0]
+	// The agent's container runs with the chart's CPU request as a real
+	// node gives it: a Burstable pod whose cgroup weighs 100m.
+	if cg, err := node.Cgroups.PodCgroup(string(agentPod.UID)); err != nil || filepath.Base(filepath.Dir(cg)) != "burstable" {
+		t.Errorf("agent pod cgroup %q (%v); want it under kubepods/burstable", cg, err)
+	} else if b, err := os.ReadFile(filepath.Join(cg, "cpu.shares")); err != nil || strings.TrimSpace(string(b)) != "102" {
+		t.Errorf("agent pod cpu.shares %q (%v); want 102 for the chart's 100m request", b, err)
+	}
 	// The chart's default, as Istio's: the console format, labels as key=value.
 	podLabel := "pod=mesh/" + name + " "
 	waitLog(t, agentPod, "install-cni", podLabel)

@@ -7,6 +7,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -71,11 +73,41 @@ func TestPodRuns(t *testing.T) {
 		p, err := cluster.Client.CoreV1().Pods("plain").Get(ctx, "server", metav1.GetOptions{})
 		if err == nil && p.Status.Phase == corev1.PodRunning && p.Status.PodIP != "" {
 			t.Logf("pod running with IP %s", p.Status.PodIP)
+			checkPodCgroups(t, p)
 			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("pod not running: %+v", p.Status)
 		}
 		time.Sleep(200 * time.Millisecond) // polling the API server, bounded
+	}
+}
+
+// checkPodCgroups asserts the node's cgroup layout is a real node's: the
+// pod (no requests: BestEffort) in the kubelet's QoS tree with its UID in
+// the path, its processes there, and the runtime in a cgroup of its own.
+func checkPodCgroups(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	cg, err := node.Cgroups.PodCgroup(string(p.UID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if filepath.Base(filepath.Dir(cg)) != "besteffort" {
+		t.Errorf("a pod without requests is BestEffort; its cgroup is %s", cg)
+	}
+	var procs []string
+	_ = filepath.WalkDir(cg, func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.Name() == "cgroup.procs" {
+			b, _ := os.ReadFile(path)
+			procs = append(procs, strings.Fields(string(b))...)
+		}
+		return nil
+	})
+	if len(procs) < 2 {
+		t.Fatalf("pod cgroup %s holds processes %v; want the sandbox's and the app's", cg, procs)
+	}
+	self, _ := os.ReadFile(filepath.Join("/proc", procs[0], "cgroup"))
+	if !strings.Contains(string(self), "/kubepods/besteffort/pod"+string(p.UID)+"/") {
+		t.Errorf("process %s of the pod is not in its pod cgroup:\n%s", procs[0], self)
 	}
 }

@@ -1,0 +1,155 @@
+package testenv
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// cgroupMount is where the machine's cgroup hierarchies are.
+const cgroupMount = "/sys/fs/cgroup"
+
+// NodeCgroups is the cgroup layout of a real node, made under a root of
+// its own in every cgroup v1 hierarchy: the kubelet's QoS tree
+// (<root>/kubepods/{burstable,besteffort}/pod<uid>) and the runtime and
+// kubelet in <root>/runtime, as a node runs them in a slice of their own.
+type NodeCgroups struct {
+	// Root is the kubelet's cgroupRoot, relative to each hierarchy.
+	Root string
+	dirs []string // one per v1 hierarchy: <mount>/<hierarchy>
+	// all are every hierarchy, the unified one too, where the kubelet
+	// also makes cgroups in hybrid mode: removal looks in each.
+	all []string
+}
+
+// NewNodeCgroups creates root and root/runtime in every v1 hierarchy.
+func NewNodeCgroups(root string) (*NodeCgroups, error) {
+	entries, err := os.ReadDir(cgroupMount)
+	if err != nil {
+		return nil, err
+	}
+	g := &NodeCgroups{Root: root}
+	for _, e := range entries {
+		h := filepath.Join(cgroupMount, e.Name())
+		if e.IsDir() {
+			g.all = append(g.all, h)
+		}
+		// Only v1 hierarchies: the kubelet's cgroupfs driver uses them
+		// when the machine runs in hybrid mode.
+		if _, err := os.Stat(filepath.Join(h, "cgroup.clone_children")); err != nil {
+			continue
+		}
+		if fi, err := os.Lstat(h); err != nil || !fi.IsDir() {
+			continue
+		}
+		g.dirs = append(g.dirs, h)
+		for _, d := range []string{root, filepath.Join(root, "runtime")} {
+			p := filepath.Join(h, d)
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				g.Remove()
+				return nil, err
+			}
+			if strings.HasSuffix(e.Name(), "cpuset") {
+				// A new cpuset cgroup starts with no CPUs and no memory
+				// nodes; it takes its parent's.
+				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+					b, err := os.ReadFile(filepath.Join(filepath.Dir(p), f))
+					if err == nil {
+						err = os.WriteFile(filepath.Join(p, f), b, 0o644)
+					}
+					if err != nil {
+						g.Remove()
+						return nil, fmt.Errorf("%s: %w", filepath.Join(p, f), err)
+					}
+				}
+			}
+		}
+	}
+	if len(g.dirs) == 0 {
+		return nil, errors.New("no cgroup v1 hierarchy under " + cgroupMount)
+	}
+	return g, nil
+}
+
+// MoveToRuntime moves pid into root/runtime in every hierarchy.
+func (g *NodeCgroups) MoveToRuntime(pid int) error {
+	for _, h := range g.dirs {
+		if err := os.WriteFile(filepath.Join(h, g.Root, "runtime", "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
+			return fmt.Errorf("moving %d to %s: %w", pid, filepath.Join(h, g.Root, "runtime"), err)
+		}
+	}
+	return nil
+}
+
+// Remove kills what is left in the tree (every process there is the
+// node's), waits for it to exit, and removes the tree, deepest first.
+func (g *NodeCgroups) Remove() {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		pids := g.procs()
+		for _, pid := range pids {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		if len(pids) == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // waiting for killed processes to exit, bounded
+	}
+	for _, h := range g.all {
+		dirs := g.tree(h)
+		sort.Slice(dirs, func(i, j int) bool { return len(dirs[i]) > len(dirs[j]) })
+		for _, d := range dirs {
+			_ = os.Remove(d)
+		}
+	}
+}
+
+func (g *NodeCgroups) tree(h string) []string {
+	var dirs []string
+	_ = filepath.WalkDir(filepath.Join(h, g.Root), func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			dirs = append(dirs, p)
+		}
+		return nil
+	})
+	return dirs
+}
+
+func (g *NodeCgroups) procs() []int {
+	var pids []int
+	for _, h := range g.all {
+		for _, d := range g.tree(h) {
+			b, _ := os.ReadFile(filepath.Join(d, "cgroup.procs"))
+			for _, f := range strings.Fields(string(b)) {
+				if pid, err := strconv.Atoi(f); err == nil {
+					pids = append(pids, pid)
+				}
+			}
+		}
+	}
+	return pids
+}
+
+// PodCgroup returns the kubelet's cgroup of a pod in the cpu hierarchy,
+// and the QoS class directory it is under.
+func (g *NodeCgroups) PodCgroup(uid string) (string, error) {
+	for _, h := range g.dirs {
+		if filepath.Base(h) != "cpu,cpuacct" && filepath.Base(h) != "cpu" {
+			continue
+		}
+		for _, qos := range []string{"", "burstable", "besteffort"} {
+			p := filepath.Join(h, g.Root, "kubepods", qos, "pod"+uid)
+			if _, err := os.Stat(p); err == nil {
+				return p, nil
+			}
+		}
+		return "", fmt.Errorf("no cgroup for pod %s under %s", uid, filepath.Join(h, g.Root, "kubepods"))
+	}
+	return "", errors.New("no cpu hierarchy")
+}
