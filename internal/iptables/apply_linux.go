@@ -35,6 +35,10 @@ type Applier struct {
 	Force string
 	// LookPath finds binaries; exec.LookPath with sbin fallbacks if nil.
 	LookPath func(string) (string, error)
+
+	// expandSets makes the applier behave as on a kernel without ipset
+	// (long lists as a rule per entry), so tests cover that path here.
+	expandSets bool
 }
 
 // FamilyReport says what happened to one family.
@@ -44,6 +48,8 @@ type FamilyReport struct {
 	// Action is "applied", "replaced", "unchanged", "removed" or "none".
 	Action   string
 	Duration time.Duration
+	// Note says what else is worth knowing of the call, if anything.
+	Note string
 }
 
 // Report describes one Apply or Remove.
@@ -54,7 +60,11 @@ type Report struct {
 func (r Report) String() string {
 	var parts []string
 	for _, f := range r.Families {
-		parts = append(parts, fmt.Sprintf("%s:%s(%s,%s)", f.Family, f.Action, f.Variant, f.Duration.Round(10*time.Microsecond)))
+		note := ""
+		if f.Note != "" {
+			note = "," + f.Note
+		}
+		parts = append(parts, fmt.Sprintf("%s:%s(%s,%s%s)", f.Family, f.Action, f.Variant, f.Duration.Round(10*time.Microsecond), note))
 	}
 	return strings.Join(parts, " ")
 }
@@ -66,13 +76,40 @@ func (r Report) String() string {
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 	var rep Report
 	err := a.inPod(netnsPath, func(t *podTarget) error {
-		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			set := planSet(plan, fam)
-			fr, err := a.sync(t, fam, set)
-			if err != nil {
+		start := time.Now()
+		fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
+		variants := make([]*variant, len(fams))
+		states := make([]*State, len(fams))
+		for i, fam := range fams {
+			var err error
+			if variants[i], states[i], err = a.read(t, fam); err != nil {
 				return err
 			}
+		}
+		plan, sets, err := a.prepareSets(plan, states)
+		if err != nil {
+			return err
+		}
+		defer sets.close()
+		if sets.client != nil {
+			if err := sets.ensure(plan); err != nil {
+				return err
+			}
+		}
+		for i, fam := range fams {
+			fr, err := a.sync(t, fam, variants[i], states[i], planSet(plan, fam), sets.changed)
+			if err != nil {
+				sets.undo()
+				return err
+			}
+			if i == 0 {
+				// The first family's time includes reading both and the sets.
+				fr.Duration = time.Since(start)
+			}
 			rep.Families = append(rep.Families, fr)
+		}
+		if err := sets.dropStale(); err != nil {
+			return err
 		}
 		return SyncRouting(plan)
 	})
@@ -119,13 +156,22 @@ func (a *Applier) Remove(netnsPath string) (Report, error) {
 // namespace and the plan.
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	return a.inPod(netnsPath, func(t *podTarget) error {
-		var diffs []string
-		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-			_, st, err := a.read(t, fam)
-			if err != nil {
+		fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
+		states := make([]*State, len(fams))
+		for i, fam := range fams {
+			var err error
+			if _, states[i], err = a.read(t, fam); err != nil {
 				return err
 			}
-			for _, d := range Diff(st, planSet(plan, fam)) {
+		}
+		plan, sets, err := a.prepareSets(plan, states)
+		if err != nil {
+			return err
+		}
+		sets.close()
+		var diffs []string
+		for i, fam := range fams {
+			for _, d := range Diff(states[i], planSet(plan, fam)) {
 				diffs = append(diffs, fam.String()+" "+d)
 			}
 		}
@@ -143,21 +189,24 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 	return &ruleset.Set{Family: fam}
 }
 
-func (a *Applier) sync(t *podTarget, fam ruleset.Family, set *ruleset.Set) (FamilyReport, error) {
+// sync brings one family's rules to the set, from the state read before;
+// changed names the sets this call filled, which makes rules that use
+// them count as replaced even when their text is the same.
+func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, set *ruleset.Set, changed map[string]bool) (FamilyReport, error) {
 	start := time.Now()
-	fr := FamilyReport{Family: fam, Action: "none"}
-	v, st, err := a.read(t, fam)
-	if err != nil {
-		return fr, err
-	}
-	fr.Variant = v.name
+	fr := FamilyReport{Family: fam, Action: "none", Variant: v.name}
 	var text string
 	switch {
 	case st.Empty() && set.Empty():
 	case st.Empty():
 		text, fr.Action = set.Restore(), "applied"
-	case Diff(st, set) == nil:
+	case diffRules(st, set) == nil:
 		fr.Action = "unchanged"
+		for _, s := range set.IPSets {
+			if changed[s.Name] {
+				fr.Action = "replaced"
+			}
+		}
 	case set.Empty():
 		text, fr.Action = ReplaceText(st, set), "removed"
 	default:
@@ -165,6 +214,14 @@ func (a *Applier) sync(t *podTarget, fam ruleset.Family, set *ruleset.Set) (Fami
 	}
 	if text != "" {
 		if _, err := t.run(true, v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
+			var origin string
+			var re *restoreError
+			if errors.As(err, &re) {
+				origin = originOfFailure(re.stderr, text, set)
+			}
+			if origin != "" {
+				return fr, fmt.Errorf("programming %s rules with %s%s, at a rule for %s: %w", fam, v.restore(fam), t.how(), origin, err)
+			}
 			return fr, fmt.Errorf("programming %s rules with %s%s: %w", fam, v.restore(fam), t.how(), err)
 		}
 	}
@@ -454,33 +511,82 @@ type Inspection struct {
 	Rules []string
 }
 
-// Inspect reports the iptables variant in use and our rules, per family.
+// Inspect reports the iptables variant in use and our rules, per family,
+// each family followed by the ipsets its rules match against.
 func (a *Applier) Inspect(netnsPath string) ([]Inspection, error) {
 	var out []Inspection
 	err := a.inPod(netnsPath, func(t *podTarget) error {
+		var sets map[string]*ruleset.IPSet
 		for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 			v, st, err := a.read(t, fam)
 			if err != nil {
 				return err
 			}
 			in := Inspection{Family: fam, Variant: v.name}
+			var used []string
+			add := func(table, chain string, r []string) {
+				in.Rules = append(in.Rules, fmt.Sprintf("%s: -A %s %s", table, chain, strings.Join(r, " ")))
+				for i := 0; i+1 < len(r); i++ {
+					if r[i] == "--match-set" {
+						used = append(used, r[i+1])
+					}
+				}
+			}
 			for _, table := range sortedKeys(st.Builtin) {
 				for _, chain := range sortedKeys(st.Builtin[table]) {
 					for _, r := range st.Builtin[table][chain] {
-						in.Rules = append(in.Rules, fmt.Sprintf("%s: -A %s %s", table, chain, strings.Join(r, " ")))
+						add(table, chain, r)
 					}
 				}
 			}
 			for _, table := range sortedKeys(st.Chains) {
 				for _, chain := range sortedKeys(st.Chains[table]) {
 					for _, r := range st.Chains[table][chain] {
-						in.Rules = append(in.Rules, fmt.Sprintf("%s: -A %s %s", table, chain, strings.Join(r, " ")))
+						add(table, chain, r)
 					}
 				}
+			}
+			if len(used) > 0 && sets == nil {
+				c, err := dialIPSet()
+				if err != nil {
+					return err
+				}
+				sets, err = c.list()
+				c.close()
+				if err != nil {
+					return err
+				}
+			}
+			seen := map[string]bool{}
+			for _, name := range used {
+				if seen[name] {
+					continue
+				}
+				seen[name] = true
+				in.Rules = append(in.Rules, describeSet(name, sets[name]))
 			}
 			out = append(out, in)
 		}
 		return nil
 	})
 	return out, err
+}
+
+// describeSet is one line about an ipset: its kind, size and ends.
+func describeSet(name string, s *ruleset.IPSet) string {
+	if s == nil {
+		return "ipset " + name + ": missing"
+	}
+	kind := "bitmap:port"
+	if s.Kind == ruleset.SetNets {
+		kind = "hash:net " + s.Family.String()
+	}
+	e := s.Entries()
+	switch len(e) {
+	case 0:
+		return fmt.Sprintf("ipset %s: %s, empty", name, kind)
+	case 1, 2:
+		return fmt.Sprintf("ipset %s: %s, %d entries: %s", name, kind, s.Len(), strings.Join(e, ","))
+	}
+	return fmt.Sprintf("ipset %s: %s, %d entries: %s ... %s", name, kind, s.Len(), e[0], e[len(e)-1])
 }

@@ -3,23 +3,30 @@ package iptables
 import (
 	"fmt"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // Diff compares what is in the kernel with a set. It returns nil when they
-// hold the same rules, else a list of differences for people to read.
+// hold the same rules and the sets those rules match hold the same
+// entries, else a list of differences for people to read.
 func Diff(st *State, set *ruleset.Set) []string {
+	return append(diffRules(st, set), diffSets(st, set)...)
+}
+
+// diffRules compares the rules only.
+func diffRules(st *State, set *ruleset.Set) []string {
 	var diffs []string
 	want := set.Final()
 	for _, table := range unionTables(st, want) {
 		for _, chain := range sortedKeys(want[table]) {
-			wantRules := normalizeAll(want[table][chain])
+			wantRules := normalizeAll(argsOf(want[table][chain]))
 			if ruleset.IsBuiltin(chain) {
 				got := normalizeAll(st.Builtin[table][chain])
 				if !equal(got, wantRules) {
-					diffs = append(diffs, fmt.Sprintf("%s/%s: want our rules %q, have %q", table, chain, wantRules, got))
+					diffs = append(diffs, fmt.Sprintf("%s/%s: our rules differ: %s", table, chain, firstMismatch(wantRules, got)))
 				}
 				continue
 			}
@@ -29,7 +36,7 @@ func Diff(st *State, set *ruleset.Set) []string {
 				continue
 			}
 			if g := normalizeAll(got); !equal(g, wantRules) {
-				diffs = append(diffs, fmt.Sprintf("%s/%s: want %q, have %q", table, chain, wantRules, g))
+				diffs = append(diffs, fmt.Sprintf("%s/%s: %s", table, chain, firstMismatch(wantRules, g)))
 			}
 		}
 		for _, chain := range sortedKeys(st.Chains[table]) {
@@ -115,12 +122,39 @@ func quoteArgs(args []string) string {
 	return strings.Join(out, " ")
 }
 
+func argsOf(rules []ruleset.Rule) [][]string {
+	out := make([][]string, len(rules))
+	for i, r := range rules {
+		out[i] = r.Args
+	}
+	return out
+}
+
 func normalizeAll(rules [][]string) []string {
 	out := make([]string, len(rules))
 	for i, r := range rules {
 		out[i] = normalize(r)
 	}
 	return out
+}
+
+// firstMismatch says where two rule lists part: short lists whole, long
+// ones (a chain can hold thousands of rules) by their first difference.
+func firstMismatch(want, have []string) string {
+	if len(want)+len(have) <= 16 {
+		return fmt.Sprintf("want %q, have %q", want, have)
+	}
+	i := 0
+	for i < len(want) && i < len(have) && want[i] == have[i] {
+		i++
+	}
+	at := func(l []string) string {
+		if i < len(l) {
+			return strconv.Quote(l[i])
+		}
+		return "nothing"
+	}
+	return fmt.Sprintf("%d rules, want %d; rule %d is %s, want %s", len(have), len(want), i+1, at(have), at(want))
 }
 
 func equal(a, b []string) bool {
@@ -135,7 +169,7 @@ func equal(a, b []string) bool {
 	return true
 }
 
-func unionTables(st *State, want map[string]map[string][][]string) []string {
+func unionTables(st *State, want map[string]map[string][]ruleset.Rule) []string {
 	seen := map[string]bool{}
 	for t := range st.Chains {
 		seen[t] = true

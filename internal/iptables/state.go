@@ -21,6 +21,9 @@ type State struct {
 	// Builtin holds, per table and built-in chain, the rules that belong to
 	// us (jumps into ISTIO_* chains and the shapes we generate there).
 	Builtin map[string]map[string][][]string
+	// IPSets holds the namespace's sets of ours by name, when they were
+	// read (ipsets belong to the namespace, not to one family).
+	IPSets map[string]*ruleset.IPSet
 }
 
 // Empty reports whether none of our rules or chains are present.
@@ -172,7 +175,16 @@ func normalize(args []string) string {
 			break
 		}
 	}
-	matches := segments(toks[:jump])
+	var matches []string
+	for _, m := range segments(toks[:jump]) {
+		// An address match of a whole family matches everything, and
+		// iptables-save leaves it out.
+		switch m {
+		case "-d 0.0.0.0/0", "-s 0.0.0.0/0", "-d ::/0", "-s ::/0":
+			continue
+		}
+		matches = append(matches, m)
+	}
 	target := segments(toks[jump:])
 	sort.Strings(matches)
 	var kept []string

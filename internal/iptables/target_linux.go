@@ -140,9 +140,31 @@ func (t *podTarget) run(write bool, bin, stdin string, args ...string) (string, 
 	if err := cmd.Run(); err != nil {
 		msg := strings.TrimSpace(stderr.String())
 		if stdin != "" {
-			msg += "\ninput was:\n" + stdin
+			msg += "\ninput was:\n" + abridge(stdin)
 		}
-		return "", fmt.Errorf("%w: %s", err, msg)
+		return "", &restoreError{err: err, stderr: stderr.String(), msg: msg}
 	}
 	return stdout.String(), nil
+}
+
+// restoreError is a failed iptables command with what it printed.
+type restoreError struct {
+	err    error
+	stderr string
+	msg    string
+}
+
+func (e *restoreError) Error() string { return e.err.Error() + ": " + e.msg }
+func (e *restoreError) Unwrap() error { return e.err }
+
+// abridge keeps an error's copy of the input readable: a long list's
+// rules run to thousands of lines, and the line iptables names is in
+// its own message.
+func abridge(text string) string {
+	const keep = 40
+	lines := strings.Split(text, "\n")
+	if len(lines) <= 2*keep {
+		return text
+	}
+	return strings.Join(lines[:keep], "\n") + fmt.Sprintf("\n... (%d lines) ...\n", len(lines)-2*keep) + strings.Join(lines[len(lines)-keep:], "\n")
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -27,6 +28,8 @@ type Rule struct {
 	Table, Chain string
 	Text         string
 	Exprs        []expr.Any
+	// Origin is the list-valued setting the rule matches, if any.
+	Origin string
 }
 
 // Chain is a chain of one of our tables; Base is set for hooked chains.
@@ -47,9 +50,36 @@ type BaseChain struct {
 type Ruleset struct {
 	Tables       []string
 	Chains       []Chain
+	Sets         []*Set
 	Rules        []Rule
 	TProxyRoutes bool
 	IPv6         bool
+}
+
+// Set is a named interval set in one of our tables, holding the entries
+// of a long list: what one rule looks up instead of a rule per entry.
+type Set struct {
+	Table, Name string
+	// ID names the set within the transaction that creates it, so rules
+	// of the same batch can refer to it.
+	ID      uint32
+	KeyType nftables.SetDatatype
+	// Interval sets hold ranges. The others hold prefixes of one length
+	// (Bits) as addresses, which rules look up masked, in a hash sized
+	// for them: the kernel fills that several times faster than the tree
+	// an interval set is.
+	Interval bool
+	Bits     int
+	Size     uint32
+	Elements []nftables.SetElement
+	// Origin is the annotation of the list; Listed how many entries it
+	// gave.
+	Origin string
+	Listed int
+
+	// The contents as written: the list's set, or interface names.
+	list  *ruleset.IPSet
+	names []string
 }
 
 // TableName maps an iptables table to ours.
@@ -112,12 +142,19 @@ func Build(plan *ruleset.Plan) (*Ruleset, error) {
 					}
 					rs.Chains = append(rs.Chains, Chain{Table: TableName(table), Name: ChainName(chain), Base: base})
 				}
-				for _, args := range final[table][chain] {
-					r, err := translate(set.Family, args)
+				sets := func(name string) (*Set, error) { return rs.tableSet(TableName(table), name, set) }
+				for _, item := range splitNetMatches(mergeInterfaceRuns(final[table][chain]), set) {
+					args := item.Args
+					if item.names != nil {
+						s := rs.addSet(ifnameSet(TableName(table), item.Origin, item.names))
+						args = slices.Clone(args)
+						args[item.at] = "@" + s.Name
+					}
+					r, err := translate(set.Family, args, sets)
 					if err != nil {
 						return nil, fmt.Errorf("%s %s/%s %q: %w", set.Family, table, chain, strings.Join(args, " "), err)
 					}
-					r.Table, r.Chain = TableName(table), ChainName(chain)
+					r.Table, r.Chain, r.Origin = TableName(table), ChainName(chain), item.Origin
 					rs.Rules = append(rs.Rules, r)
 				}
 			}
@@ -128,7 +165,7 @@ func Build(plan *ruleset.Plan) (*Ruleset, error) {
 
 // orderedChains lists a table's chains in first-use order: base chains
 // and Istio chains as the set declares them.
-func orderedChains(set *ruleset.Set, table string, final map[string][][]string) []string {
+func orderedChains(set *ruleset.Set, table string, final map[string][]ruleset.Rule) []string {
 	var out []string
 	seen := map[string]bool{}
 	for _, r := range set.Rules {
@@ -160,6 +197,16 @@ func (rs *Ruleset) Text() string {
 			fmt.Fprintf(&b, "add chain inet %s %s\n", c.Table, c.Name)
 		}
 	}
+	for _, st := range rs.Sets {
+		flags := ""
+		if st.Interval {
+			flags = " flags interval ;"
+		} else if st.Size > 0 {
+			flags = fmt.Sprintf(" size %d ;", st.Size)
+		}
+		fmt.Fprintf(&b, "add set inet %s %s { type %s ;%s }\n", st.Table, st.Name, st.KeyType.Name, flags)
+		fmt.Fprintf(&b, "add element inet %s %s { %s }\n", st.Table, st.Name, strings.Join(st.Entries(), ", "))
+	}
 	for _, r := range rs.Rules {
 		fmt.Fprintf(&b, "add rule inet %s %s %s\n", r.Table, r.Chain, r.Text)
 	}
@@ -171,6 +218,9 @@ type builder struct {
 	text  []string
 	exprs []expr.Any
 	proto string
+	// sets finds (and makes in the rule's table) the set a rule looks
+	// up: by ipset name for "--match-set", by nft name for "@name".
+	sets func(name string) (*Set, error)
 }
 
 func (b *builder) add(text string, e ...expr.Any) {
@@ -213,8 +263,8 @@ func ifname(name string) []byte {
 
 // translate turns one rule's iptables arguments (the vocabulary package
 // ruleset generates) into nftables expressions.
-func translate(fam ruleset.Family, args []string) (Rule, error) {
-	b := &builder{fam: fam}
+func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error)) (Rule, error) {
+	b := &builder{fam: fam, sets: sets}
 	nfproto, name := byte(unix.NFPROTO_IPV4), "ipv4"
 	if fam == ruleset.IPv6 {
 		nfproto, name = unix.NFPROTO_IPV6, "ipv6"
@@ -266,6 +316,14 @@ func translate(fam ruleset.Family, args []string) (Rule, error) {
 			if a == "-o" {
 				key, word = expr.MetaKeyOIFNAME, "oifname"
 			}
+			if name, ok := strings.CutPrefix(v, "@"); ok {
+				s, err := b.sets(name)
+				if err != nil {
+					return Rule{}, err
+				}
+				b.lookup(word, neg, s, &expr.Meta{Key: key, Register: 1})
+				break
+			}
 			op, t := cmpOp(neg)
 			txt := strings.TrimSuffix(v, "+")
 			if strings.HasSuffix(v, "+") {
@@ -292,6 +350,18 @@ func translate(fam ruleset.Family, args []string) (Rule, error) {
 				if err := b.port(false, true, p); err != nil {
 					return Rule{}, err
 				}
+			}
+		case "--match-set":
+			name, err := next()
+			if err != nil {
+				return Rule{}, err
+			}
+			dir, err := next()
+			if err != nil {
+				return Rule{}, err
+			}
+			if err := b.matchSet(neg, name, dir); err != nil {
+				return Rule{}, err
 			}
 		case "-m":
 			// Module names carry no match of their own here.

@@ -71,11 +71,14 @@ type Params struct {
 	ExcludeOutboundPorts []string
 	ExcludeInterfaces    []string
 	RerouteInterfaces    []string
-	ProxyUID             []string
-	ProxyGID             []string
-	DNSCapture           bool
-	DualStack            bool
-	DropInvalid          bool
+	// RerouteSource is the annotation RerouteInterfaces came from (the
+	// current or the deprecated one), when it lists any.
+	RerouteSource string
+	ProxyUID      []string
+	ProxyGID      []string
+	DNSCapture    bool
+	DualStack     bool
+	DropInvalid   bool
 }
 
 // InvalidAnnotationError names the annotation and value that were rejected.
@@ -83,8 +86,18 @@ type InvalidAnnotationError struct {
 	Key, Value, Reason string
 }
 
+// maxQuotedValue bounds how much of a rejected value an error repeats:
+// a list may run to the API server's 256 KiB, and the error ends up in
+// the runtime's and the agent's logs; the reason names the bad entry.
+const maxQuotedValue = 256
+
 func (e *InvalidAnnotationError) Error() string {
-	return fmt.Sprintf("invalid annotation %s=%q: %s", e.Key, e.Value, e.Reason)
+	v := e.Value
+	if len(v) > maxQuotedValue {
+		v = v[:maxQuotedValue/2] + " ... " + v[len(v)-maxQuotedValue/2:]
+		return fmt.Sprintf("invalid annotation %s (%d bytes, abridged: %q): %s", e.Key, len(e.Value), v, e.Reason)
+	}
+	return fmt.Sprintf("invalid annotation %s=%q: %s", e.Key, v, e.Reason)
 }
 
 // FromPod derives the parameters. Warnings are returned for values that are
@@ -157,6 +170,9 @@ func FromPod(pod *podinfo.Pod) (Params, []string, error) {
 	if p.RerouteInterfaces, err = parseInterfaces(key, v); err != nil {
 		return p, nil, err
 	}
+	if len(p.RerouteInterfaces) > 0 {
+		p.RerouteSource = key
+	}
 
 	p.ProxyUID = []string{strconv.Itoa(DefaultProxyID)}
 	p.ProxyGID = []string{strconv.Itoa(DefaultProxyID)}
@@ -213,7 +229,7 @@ func splitList(key, value string) ([]string, error) {
 	for i, s := range parts {
 		parts[i] = strings.TrimSpace(s)
 		if parts[i] == "" {
-			return nil, &InvalidAnnotationError{key, value, "empty item in list"}
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("empty item in list (item %d of %d)", i+1, len(parts))}
 		}
 	}
 	return parts, nil
@@ -227,7 +243,7 @@ func parsePorts(key, value string) ([]string, error) {
 	for i, s := range items {
 		n, err := strconv.ParseUint(s, 10, 16)
 		if err != nil {
-			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a port number (0-65535)", s)}
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s is not a port number (0-65535)", s, position(i, len(items)))}
 		}
 		items[i] = strconv.FormatUint(n, 10)
 	}
@@ -240,10 +256,10 @@ func parseCIDRs(key, value string) ([]netip.Prefix, error) {
 		return nil, err
 	}
 	out := make([]netip.Prefix, 0, len(items))
-	for _, s := range items {
+	for i, s := range items {
 		pfx, err := netip.ParsePrefix(s)
 		if err != nil {
-			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a CIDR", s)}
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s is not a CIDR", s, position(i, len(items)))}
 		}
 		out = append(out, pfx)
 	}
@@ -258,12 +274,25 @@ func parseInterfaces(key, value string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, s := range items {
+	for i, s := range items {
+		if s == "+" {
+			// iptables reads it as every interface: listed here it would
+			// switch capture off for the whole pod, as "*" would.
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s would match every interface", s, position(i, len(items)))}
+		}
 		if !validInterfaceName(s) {
-			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q is not a valid interface name", s)}
+			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s is not a valid interface name", s, position(i, len(items)))}
 		}
 	}
 	return items, nil
+}
+
+// position says where an entry is in a list long enough to need saying.
+func position(i, n int) string {
+	if n <= 1 {
+		return ""
+	}
+	return fmt.Sprintf(" (item %d of %d)", i+1, n)
 }
 
 func validInterfaceName(s string) bool {

@@ -95,6 +95,7 @@ func TestInvalidAnnotations(t *testing.T) {
 		{AnnotationExcludeInterfaces, "eth0 -j ACCEPT"},
 		{AnnotationExcludeInterfaces, "averyveryverylongname"},
 		{AnnotationRerouteVirtualIfaces, "-i"},
+		{AnnotationExcludeInterfaces, "eth1,+"},
 		{AnnotationKubevirtInterfaces, "eth\n0"},
 	}
 	for _, c := range cases {

@@ -49,9 +49,19 @@ func (b *builder) sets(only Family) []*Set {
 	return out
 }
 
+// setMatch is an argument that matches a set's entries: the rule gets
+// "-m set --match-set NAME dst" and the set is recorded for its family.
+type setMatch struct{ set *IPSet }
+
 // add appends (pos 0) or inserts a rule for the given family (0 = both).
 // Arguments of type versioned are substituted per family.
 func (b *builder) add(only Family, table, chain string, pos int, args ...any) {
+	b.addFrom("", only, table, chain, pos, args...)
+}
+
+// addFrom is add for a rule that matches entries of the list-valued
+// setting origin.
+func (b *builder) addFrom(origin string, only Family, table, chain string, pos int, args ...any) {
 	for _, s := range b.sets(only) {
 		out := make([]string, 0, len(args))
 		for _, a := range args {
@@ -64,15 +74,120 @@ func (b *builder) add(only Family, table, chain string, pos int, args ...any) {
 				} else {
 					out = append(out, v.v4)
 				}
+			case setMatch:
+				out = append(out, "-m", "set", "--match-set", v.set.Name, "dst")
+				if s.IPSet(v.set.Name) == nil {
+					s.IPSets = append(s.IPSets, v.set)
+				}
 			default:
 				panic("ruleset: unsupported argument type")
 			}
 		}
-		s.Rules = append(s.Rules, Rule{Table: table, Chain: chain, Pos: pos, Args: out})
+		s.Rules = append(s.Rules, Rule{Table: table, Chain: chain, Pos: pos, Args: out, Origin: origin})
 	}
 }
 
 func (b *builder) appendRule(table, chain string, args ...any) { b.add(0, table, chain, 0, args...) }
+
+// appendFrom appends a rule matching entries of the setting origin.
+func (b *builder) appendFrom(origin, table, chain string, args ...any) {
+	b.addFrom(origin, 0, table, chain, 0, args...)
+}
+
+// IPSets returns the sets the plan's rules use, each once, IPv4's first.
+func (p *Plan) IPSets() []*IPSet {
+	var out []*IPSet
+	seen := map[string]bool{}
+	for _, s := range p.Sets() {
+		for _, x := range s.IPSets {
+			if !seen[x.Name] {
+				seen[x.Name] = true
+				out = append(out, x)
+			}
+		}
+	}
+	return out
+}
+
+// Expanded returns the plan with every set match written out per entry.
+func (p *Plan) Expanded() *Plan {
+	out := &Plan{V4: p.V4.Expanded(), TProxyRoutes: p.TProxyRoutes}
+	if p.V6 != nil {
+		out.V6 = p.V6.Expanded()
+	}
+	return out
+}
+
+// portList is a list-valued port setting: one rule per port up to
+// SetThreshold entries, as Istio writes it, else one rule against a set.
+type portList struct {
+	origin string
+	ports  []string
+	set    *IPSet
+}
+
+func newPortList(origin, role string, ports []string) *portList {
+	l := &portList{origin: origin, ports: ports}
+	if len(ports) > SetThreshold {
+		l.set = NewPortSet(role, origin, ports)
+	}
+	return l
+}
+
+// each adds the rules that match the list: per port, the rules rule(p)
+// gives with p the "--dport N" arguments; or once, with the set match.
+func (l *portList) each(b *builder, table, chain string, rule func(match []any) [][]any) {
+	if l.set != nil {
+		for _, args := range rule([]any{setMatch{l.set}}) {
+			b.appendFrom(l.origin, table, chain, args...)
+		}
+		return
+	}
+	for _, port := range l.ports {
+		for _, args := range rule([]any{"--dport", port}) {
+			b.appendFrom(l.origin, table, chain, args...)
+		}
+	}
+}
+
+// cidrsOf returns the prefixes of one family, in the order given.
+func cidrsOf(all []netip.Prefix, fam Family) []netip.Prefix {
+	var out []netip.Prefix
+	for _, c := range all {
+		if familyOf(c) == fam {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// cidrMatches returns, for one family, the argument lists that match a
+// CIDR list: one per prefix up to SetThreshold, as Istio writes them,
+// else a single set match. A list Istio writes once more for each of
+// repeat interfaces is a set as soon as all those rules together pass
+// the threshold.
+func cidrMatches(origin, role string, fam Family, cidrs []netip.Prefix, repeat int) [][]any {
+	if len(cidrs) > SetThreshold || (len(cidrs) > 1 && len(cidrs)*(1+repeat) > SetThreshold) {
+		suffix := "4"
+		if fam == IPv6 {
+			suffix = "6"
+		}
+		return [][]any{{setMatch{NewNetSet(role+suffix, origin, fam, cidrs)}}}
+	}
+	out := make([][]any, 0, len(cidrs))
+	for _, c := range cidrs {
+		out = append(out, []any{"-d", c.String()})
+	}
+	return out
+}
+
+func cat(parts ...[]any) []any {
+	var out []any
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}
 
 // Build computes the rules for a pod. ipv6 says whether the pod gets IPv6
 // rules as well (see NeedsIPv6). A pod in ModeNone gets an empty plan.
@@ -87,18 +202,22 @@ func Build(p redirect.Params, ipv6 bool) *Plan {
 	}
 	tproxy := p.Mode == redirect.ModeTProxy
 
+	// Interface lists keep a rule per name at any length: iptables has no
+	// set of interface names (the nftables backend merges long runs).
+	exclIf := redirect.AnnotationExcludeInterfaces
 	for _, iface := range p.ExcludeInterfaces {
-		b.appendRule("nat", "PREROUTING", "-i", iface, "-j", "RETURN")
-		b.appendRule("nat", "OUTPUT", "-o", iface, "-j", "RETURN")
+		b.appendFrom(exclIf, "nat", "PREROUTING", "-i", iface, "-j", "RETURN")
+		b.appendFrom(exclIf, "nat", "OUTPUT", "-o", iface, "-j", "RETURN")
 	}
 	if tproxy {
 		for _, iface := range p.ExcludeInterfaces {
-			b.appendRule("mangle", "PREROUTING", "-i", iface, "-j", "RETURN")
-			b.appendRule("mangle", "OUTPUT", "-o", iface, "-j", "RETURN")
+			b.appendFrom(exclIf, "mangle", "PREROUTING", "-i", iface, "-j", "RETURN")
+			b.appendFrom(exclIf, "mangle", "OUTPUT", "-o", iface, "-j", "RETURN")
 		}
 	}
+	reroute := p.RerouteSource
 	for _, iface := range p.RerouteInterfaces {
-		b.add(0, "nat", "PREROUTING", 1, "-i", iface, "-j", "RETURN")
+		b.addFrom(reroute, 0, "nat", "PREROUTING", 1, "-i", iface, "-j", "RETURN")
 	}
 	if p.DropInvalid {
 		b.appendRule("mangle", "PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", ChainDrop)
@@ -112,10 +231,10 @@ func Build(p redirect.Params, ipv6 bool) *Plan {
 	buildInbound(b, p, tproxy)
 
 	b.appendRule("nat", "OUTPUT", "-j", ChainOutput)
-	for _, port := range p.ExcludeOutboundPorts {
-		b.appendRule("nat", ChainOutput, "-p", "tcp", "--dport", port, "-j", "RETURN")
-		b.appendRule("nat", ChainOutput, "-p", "udp", "--dport", port, "-j", "RETURN")
-	}
+	newPortList(redirect.AnnotationExcludeOutboundPorts, "OUT_EXCL_PORT", p.ExcludeOutboundPorts).each(b, "nat", ChainOutput,
+		func(m []any) [][]any {
+			return [][]any{cat([]any{"-p", "tcp"}, m, []any{"-j", "RETURN"}), cat([]any{"-p", "udp"}, m, []any{"-j", "RETURN"})}
+		})
 	b.appendRule("nat", ChainOutput, "-o", "lo", "-s", passthroughAddr, "-j", "RETURN")
 
 	includesLoopback := false
@@ -157,28 +276,28 @@ func Build(p redirect.Params, ipv6 bool) *Plan {
 	}
 
 	b.appendRule("nat", ChainOutput, "-d", hostLoopback, "-j", "RETURN")
-	for _, c := range p.ExcludeOutboundCIDRs {
-		b.add(familyOf(c), "nat", ChainOutput, 0, "-d", c.String(), "-j", "RETURN")
+	exclNet := redirect.AnnotationExcludeOutboundCIDRs
+	for _, fam := range []Family{IPv4, IPv6} {
+		for _, m := range cidrMatches(exclNet, "OUT_EXCL_NET", fam, cidrsOf(p.ExcludeOutboundCIDRs, fam), 0) {
+			b.addFrom(exclNet, fam, "nat", ChainOutput, 0, cat(m, []any{"-j", "RETURN"})...)
+		}
 	}
-	for _, port := range p.IncludeOutboundPorts {
-		b.appendRule("nat", ChainOutput, "-p", "tcp", "--dport", port, "-j", ChainRedirect)
-	}
+	newPortList(redirect.AnnotationIncludeOutboundPorts, "OUT_INCL_PORT", p.IncludeOutboundPorts).each(b, "nat", ChainOutput,
+		func(m []any) [][]any { return [][]any{cat([]any{"-p", "tcp"}, m, []any{"-j", ChainRedirect})} })
+	inclNet := redirect.AnnotationIncludeOutboundCIDRs
 	for _, fam := range []Family{IPv4, IPv6} {
 		if p.IncludeOutboundAll {
 			b.add(fam, "nat", ChainOutput, 0, "-j", ChainRedirect)
 			for _, iface := range p.RerouteInterfaces {
-				b.add(fam, "nat", "PREROUTING", 1, "-i", iface, "-j", ChainRedirect)
+				b.addFrom(reroute, fam, "nat", "PREROUTING", 1, "-i", iface, "-j", ChainRedirect)
 			}
 			continue
 		}
-		for _, c := range p.IncludeOutboundCIDRs {
-			if familyOf(c) != fam {
-				continue
-			}
+		for _, m := range cidrMatches(inclNet, "OUT_INCL_NET", fam, cidrsOf(p.IncludeOutboundCIDRs, fam), len(p.RerouteInterfaces)) {
 			for _, iface := range p.RerouteInterfaces {
-				b.add(fam, "nat", "PREROUTING", 1, "-i", iface, "-d", c.String(), "-j", ChainRedirect)
+				b.addFrom(reroute, fam, "nat", "PREROUTING", 1, cat([]any{"-i", iface}, m, []any{"-j", ChainRedirect})...)
 			}
-			b.add(fam, "nat", ChainOutput, 0, "-d", c.String(), "-j", ChainRedirect)
+			b.addFrom(inclNet, fam, "nat", ChainOutput, 0, cat(m, []any{"-j", ChainRedirect})...)
 		}
 	}
 
@@ -216,9 +335,8 @@ func buildInbound(b *builder, p redirect.Params, tproxy bool) {
 	}
 	b.appendRule(table, "PREROUTING", "-p", "tcp", "-j", ChainInbound)
 	if p.IncludeInboundAll {
-		for _, port := range p.ExcludeInboundPorts {
-			b.appendRule(table, ChainInbound, "-p", "tcp", "--dport", port, "-j", "RETURN")
-		}
+		newPortList(redirect.AnnotationExcludeInboundPorts, "IN_EXCL_PORT", p.ExcludeInboundPorts).each(b, table, ChainInbound,
+			func(m []any) [][]any { return [][]any{cat([]any{"-p", "tcp"}, m, []any{"-j", "RETURN"})} })
 		if tproxy {
 			b.appendRule("mangle", ChainInbound, "-p", "tcp", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", ChainDivert)
 			b.appendRule("mangle", ChainInbound, "-p", "tcp", "-j", ChainTProxy)
@@ -227,14 +345,19 @@ func buildInbound(b *builder, p redirect.Params, tproxy bool) {
 		}
 		return
 	}
-	for _, port := range p.IncludeInboundPorts {
-		if tproxy {
-			b.appendRule("mangle", ChainInbound, "-p", "tcp", "--dport", port, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", ChainDivert)
-			b.appendRule("mangle", ChainInbound, "-p", "tcp", "--dport", port, "-j", ChainTProxy)
-		} else {
-			b.appendRule("nat", ChainInbound, "-p", "tcp", "--dport", port, "-j", ChainInRedirect)
-		}
-	}
+	// Per port in TPROXY mode: established flows divert, new ones go to
+	// TPROXY; a packet matches only its own port's pair, so one pair
+	// against the set of all ports decides the same.
+	newPortList(redirect.AnnotationIncludeInboundPorts, "IN_INCL_PORT", p.IncludeInboundPorts).each(b, table, ChainInbound,
+		func(m []any) [][]any {
+			if tproxy {
+				return [][]any{
+					cat([]any{"-p", "tcp"}, m, []any{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", ChainDivert}),
+					cat([]any{"-p", "tcp"}, m, []any{"-j", ChainTProxy}),
+				}
+			}
+			return [][]any{cat([]any{"-p", "tcp"}, m, []any{"-j", ChainInRedirect})}
+		})
 }
 
 // buildDNS captures all DNS: a plugin cannot read the pod's resolv.conf at

@@ -116,8 +116,8 @@ func TestFinalResolvesInserts(t *testing.T) {
 	}
 	final := Build(params, false).V4.Final()
 	in := final["mangle"][ChainInbound]
-	if len(in) < 3 || strings.Join(in[0], " ") != "-p tcp -m mark --mark 1337 -j RETURN" ||
-		strings.Join(in[2], " ") != "-p tcp -i lo -m mark ! --mark 1338 -j RETURN" {
+	if len(in) < 3 || strings.Join(in[0].Args, " ") != "-p tcp -m mark --mark 1337 -j RETURN" ||
+		strings.Join(in[2].Args, " ") != "-p tcp -i lo -m mark ! --mark 1338 -j RETURN" {
 		t.Fatalf("inserts not at the head of ISTIO_INBOUND: %q", in)
 	}
 }

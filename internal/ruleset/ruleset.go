@@ -5,7 +5,9 @@ package ruleset
 
 import (
 	"fmt"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 )
 
@@ -56,6 +58,10 @@ type Rule struct {
 	Chain string
 	Pos   int
 	Args  []string
+	// Origin is the annotation whose list the rule matches one entry of,
+	// or all entries of through a set; empty for the fixed rules. It is
+	// not part of the rule, only of what messages can say about it.
+	Origin string
 }
 
 // Command renders the rule as an iptables-restore line.
@@ -80,6 +86,28 @@ func (r Rule) Target() string {
 type Set struct {
 	Family Family
 	Rules  []Rule
+	// IPSets are the sets the rules match against, in first-use order.
+	IPSets []*IPSet
+}
+
+// MatchSet returns the name of the set a rule matches against, or "".
+func (r Rule) MatchSet() string {
+	for i := 0; i+1 < len(r.Args); i++ {
+		if r.Args[i] == "--match-set" {
+			return r.Args[i+1]
+		}
+	}
+	return ""
+}
+
+// IPSet returns the set of that name the rules use, or nil.
+func (s *Set) IPSet(name string) *IPSet {
+	for _, x := range s.IPSets {
+		if x.Name == name {
+			return x
+		}
+	}
+	return nil
 }
 
 var builtinChains = map[string]bool{
@@ -154,32 +182,114 @@ func (s *Set) Restore() string {
 func (s *Set) Empty() bool { return len(s.Rules) == 0 }
 
 // Final returns, per table and chain, the rules in the order the kernel
-// holds them after the set is applied to empty chains (inserts resolved).
-func (s *Set) Final() map[string]map[string][][]string {
-	out := map[string]map[string][][]string{}
-	for _, r := range s.Rules {
-		t := out[r.Table]
-		if t == nil {
-			t = map[string][][]string{}
-			out[r.Table] = t
+// holds them after the set is applied to empty chains (inserts resolved,
+// so every rule's Pos is 0).
+func (s *Set) Final() map[string]map[string][]Rule {
+	// Rules inserted at the head (a long interface list makes thousands)
+	// collect in front, newest last; the rest in back. Only an insert
+	// further in, which the plans make a few of, joins the two.
+	type chain struct{ front, back []Rule }
+	joined := func(c *chain) []Rule {
+		out := make([]Rule, 0, len(c.front)+len(c.back))
+		for i := len(c.front) - 1; i >= 0; i-- {
+			out = append(out, c.front[i])
 		}
-		rules := t[r.Chain]
-		if r.Pos > 0 && r.Pos-1 <= len(rules) {
-			rules = append(rules[:r.Pos-1], append([][]string{r.Args}, rules[r.Pos-1:]...)...)
-		} else {
-			rules = append(rules, r.Args)
-		}
-		t[r.Chain] = rules
+		return append(out, c.back...)
 	}
-	for table, chains := range s.Chains() {
-		for _, c := range chains {
+	chains := map[string]map[string]*chain{}
+	for _, r := range s.Rules {
+		t := chains[r.Table]
+		if t == nil {
+			t = map[string]*chain{}
+			chains[r.Table] = t
+		}
+		c := t[r.Chain]
+		if c == nil {
+			c = &chain{}
+			t[r.Chain] = c
+		}
+		pos := r.Pos
+		r.Pos = 0
+		n := len(c.front) + len(c.back)
+		switch {
+		case pos == 1:
+			c.front = append(c.front, r)
+		case pos > 1 && pos-1 <= n:
+			all := joined(c)
+			c.front, c.back = nil, append(all[:pos-1], append([]Rule{r}, all[pos-1:]...)...)
+		default:
+			c.back = append(c.back, r)
+		}
+	}
+	out := map[string]map[string][]Rule{}
+	for table, t := range chains {
+		out[table] = map[string][]Rule{}
+		for name, c := range t {
+			out[table][name] = joined(c)
+		}
+	}
+	for table, names := range s.Chains() {
+		for _, c := range names {
 			if out[table] == nil {
-				out[table] = map[string][][]string{}
+				out[table] = map[string][]Rule{}
 			}
 			if _, ok := out[table][c]; !ok {
 				out[table][c] = nil
 			}
 		}
+	}
+	return out
+}
+
+// Expanded returns the same rules with every set match written out as
+// one rule per entry of the set (prefixes of its exact cover, port
+// ranges), Istio's shape: what a kernel without ipset gets. Each set-
+// matching rule is followed by nothing of another target in its run, so
+// the entries' rules can take its place in any order.
+func (s *Set) Expanded() *Set {
+	out := &Set{Family: s.Family}
+	for _, r := range s.Rules {
+		name := r.MatchSet()
+		if name == "" {
+			out.Rules = append(out.Rules, r)
+			continue
+		}
+		ipset := s.IPSet(name)
+		var entries [][]string
+		for _, p := range ipset.Nets {
+			entries = append(entries, []string{"-d", p.String()})
+		}
+		for _, pr := range ipset.Ports {
+			v := strconv.Itoa(int(pr.First))
+			if pr.Last != pr.First {
+				v += ":" + strconv.Itoa(int(pr.Last))
+			}
+			entries = append(entries, []string{"--dport", v})
+		}
+		if r.Pos > 0 {
+			// Inserting each at the same position reverses them; keep
+			// the set's order in the final chain.
+			slices.Reverse(entries)
+		}
+		for _, e := range entries {
+			x := r
+			x.Args = replaceSetMatch(r.Args, e)
+			out.Rules = append(out.Rules, x)
+		}
+	}
+	return out
+}
+
+// replaceSetMatch replaces "-m set --match-set NAME dst" in args.
+func replaceSetMatch(args, with []string) []string {
+	out := make([]string, 0, len(args)+len(with))
+	for i := 0; i < len(args); i++ {
+		if args[i] == "-m" && i+4 < len(args) && args[i+1] == "set" && args[i+2] == "--match-set" {
+			out = append(out, with...)
+			i += 4
+			continue
+		}
+		out = append(out, args[i])
 	}
 	return out
 }

@@ -4,10 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -152,4 +154,83 @@ func (g *NodeCgroups) PodCgroup(uid string) (string, error) {
 		return "", fmt.Errorf("no cgroup for pod %s under %s", uid, filepath.Join(h, g.Root, "kubepods"))
 	}
 	return "", errors.New("no cpu hierarchy")
+}
+
+var (
+	simCgroupsMu sync.Mutex
+	simCgroups   *NodeCgroups
+)
+
+// StartSandboxProcess starts a long-lived process in the pod's network
+// namespace and puts it in the pod's cgroup as the kubelet lays it out
+// (kubepods/besteffort/pod<uid>, under a root of this test process's), so
+// the pod can be found on the node by its identity, as a runtime's sandbox
+// can. stop kills it.
+func (p *Pod) StartSandboxProcess() (stop func(), err error) {
+	simCgroupsMu.Lock()
+	if simCgroups == nil {
+		simCgroups, err = NewNodeCgroups("/istio-cni-sim-" + strconv.Itoa(os.Getpid()))
+	}
+	g := simCgroups
+	simCgroupsMu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	var cmd *exec.Cmd
+	if err := p.InPod(func() error {
+		// By absolute path: some tests run with a PATH that holds no tools.
+		cmd = exec.Command("/bin/sleep", "infinity")
+		return cmd.Start()
+	}); err != nil {
+		return nil, err
+	}
+	stop = func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }
+	if err := g.JoinPod(p.UID, cmd.Process.Pid); err != nil {
+		stop()
+		return nil, err
+	}
+	return stop, nil
+}
+
+// JoinPod puts pid into the cgroup of the pod with uid, in every hierarchy.
+func (g *NodeCgroups) JoinPod(uid string, pid int) error {
+	rel := filepath.Join(g.Root, "kubepods", "besteffort", "pod"+uid)
+	for _, h := range g.dirs {
+		parts := strings.Split(strings.TrimPrefix(rel, "/"), "/")
+		for i := range parts {
+			d := filepath.Join(h, filepath.Join(parts[:i+1]...))
+			if err := os.Mkdir(d, 0o755); err != nil {
+				if os.IsExist(err) {
+					continue
+				}
+				return err
+			}
+			if strings.HasSuffix(h, "cpuset") {
+				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+					b, err := os.ReadFile(filepath.Join(filepath.Dir(d), f))
+					if err == nil {
+						err = os.WriteFile(filepath.Join(d, f), b, 0o644)
+					}
+					if err != nil {
+						return err
+					}
+				}
+			}
+		}
+		if err := os.WriteFile(filepath.Join(h, rel, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
+			return fmt.Errorf("moving %d into %s: %w", pid, filepath.Join(h, rel), err)
+		}
+	}
+	return nil
+}
+
+// RemoveSandboxCgroups removes what StartSandboxProcess made; test mains
+// call it on their way out.
+func RemoveSandboxCgroups() {
+	simCgroupsMu.Lock()
+	defer simCgroupsMu.Unlock()
+	if simCgroups != nil {
+		simCgroups.Remove()
+		simCgroups = nil
+	}
 }

@@ -54,7 +54,9 @@ func main() {
 	if *clusterN > 0 {
 		run = func() error { return runCluster(*clusterN) }
 	}
-	if err := run(); err != nil {
+	err := run()
+	testenv.RemoveSandboxCgroups()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -145,10 +147,16 @@ func run() error {
 		}
 		return nil
 	}
+	if *listsOnly {
+		return bn.listsOnly(ctx, cluster, dir, chainedNFT)
+	}
 	// No agent: the relay runs the fallback plugin, which reads the pod
 	// from the API server and programs the rules itself.
 	if err := sequential(series{"seq/primary", node.Primary}, series{"seq/chain (no agent)", node.Chained},
 		series{"seq/chain (no agent)/nftables", chainedNFT}); err != nil {
+		return err
+	}
+	if err := bn.lists(ctx, cluster, "no agent", node.Chained, chainedNFT); err != nil {
 		return err
 	}
 	// The same with the node agent running: the relay hands each command
@@ -161,6 +169,9 @@ func run() error {
 	bn.agent = podinfo.NewAgentClient(filepath.Join(node.RunDir, podinfo.AgentSocketName), time.Second)
 	if err := sequential(series{"seq/primary (agent up)", node.Primary}, series{"seq/chain+agent", node.Chained},
 		series{"seq/chain+agent/nftables", chainedNFT}); err != nil {
+		return err
+	}
+	if err := bn.lists(ctx, cluster, "agent", node.Chained, chainedNFT); err != nil {
 		return err
 	}
 	for r := 0; r < *rounds; r++ {
@@ -324,12 +335,18 @@ func (b *bench) pod(ctx context.Context, c *testenv.Cluster, series string, list
 
 // prepare creates the pod object and its sandbox namespace, untimed.
 func (b *bench) prepare(ctx context.Context, c *testenv.Cluster) (*testenv.Pod, error) {
+	return b.preparePod(ctx, c, nil, false)
+}
+
+// preparePod is prepare for a pod with annotations, whose namespace
+// holds a legacy iptables table when legacy is set.
+func (b *bench) preparePod(ctx context.Context, c *testenv.Cluster, ann map[string]string, legacy bool) (*testenv.Pod, error) {
 	b.mu.Lock()
 	b.seq++
 	n := b.seq
 	b.mu.Unlock()
 	name := fmt.Sprintf("p%d", n)
-	p, err := testenv.CreatePod(ctx, c.Client, testenv.PodSpec{Namespace: "bench", Name: name, Sidecar: true})
+	p, err := testenv.CreatePod(ctx, c.Client, testenv.PodSpec{Namespace: "bench", Name: name, Sidecar: true, Annotations: ann})
 	if err != nil {
 		return nil, err
 	}
@@ -340,7 +357,15 @@ func (b *bench) prepare(ctx context.Context, c *testenv.Cluster) (*testenv.Pod, 
 			return nil, err
 		}
 	}
-	return testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
+	pod, err := testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
+	if err != nil || !legacy {
+		return pod, err
+	}
+	if err := seedLegacy(pod); err != nil {
+		pod.Close()
+		return nil, err
+	}
+	return pod, nil
 }
 
 // run times ADD, then DEL, and istio-cni's own process inside each.
@@ -493,6 +518,25 @@ func (b *bench) report(bin string) error {
 		}
 	}
 	b.reportCPUFloor()
+	b.reportLists()
+	return nil
+}
+
+// listsOnly runs the list series alone: without and with the agent.
+func (b *bench) listsOnly(ctx context.Context, c *testenv.Cluster, dir string, chainedNFT *libcni.NetworkConfigList) error {
+	if err := b.lists(ctx, c, "no agent", b.node.Chained, chainedNFT); err != nil {
+		return err
+	}
+	stop, err := b.startAgent(ctx, c, dir)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	b.agent = podinfo.NewAgentClient(filepath.Join(b.node.RunDir, podinfo.AgentSocketName), time.Second)
+	if err := b.lists(ctx, c, "agent", b.node.Chained, chainedNFT); err != nil {
+		return err
+	}
+	b.reportLists()
 	return nil
 }
 
@@ -567,17 +611,13 @@ func (b *bench) repairs(ctx context.Context, c *testenv.Cluster, n int) error {
 			pod.Close()
 			return err
 		}
-		var sleeper *exec.Cmd
-		if err := pod.InPod(func() error {
-			sleeper = exec.Command("sleep", "600")
-			return sleeper.Start()
-		}); err != nil {
+		stop, err := pod.StartSandboxProcess()
+		if err != nil {
 			pod.Close()
 			return err
 		}
 		cleanup := func() {
-			_ = sleeper.Process.Kill()
-			_ = sleeper.Wait()
+			stop()
 			_ = b.node.Del(ctx, b.node.Primary, pod)
 			pod.Close()
 		}

@@ -73,7 +73,7 @@ func run() error {
 	if d.dir, err = os.MkdirTemp("", "istio-cni-demo-"); err != nil {
 		return err
 	}
-	d.cleanups = append(d.cleanups, func() { _ = os.RemoveAll(d.dir) })
+	d.cleanups = append(d.cleanups, func() { _ = os.RemoveAll(d.dir) }, testenv.RemoveSandboxCgroups)
 	_ = os.Chmod(d.dir, 0o755)
 
 	say("== istio-cni on one machine ==")
@@ -295,14 +295,11 @@ func (d *demo) sandbox(name string) (*testenv.Pod, netip.Addr, error) {
 		return nil, netip.Addr{}, fmt.Errorf("no IP for %s: %v", name, err)
 	}
 	ip, _ := netip.AddrFromSlice(r.IPs[0].Address.IP.To4())
-	var pause *exec.Cmd
-	if err := pod.InPod(func() error {
-		pause = exec.Command("sleep", "600")
-		return pause.Start()
-	}); err != nil {
+	stop, err := pod.StartSandboxProcess()
+	if err != nil {
 		return nil, netip.Addr{}, err
 	}
-	d.cleanups = append(d.cleanups, func() { _ = pause.Process.Kill(); _ = pause.Wait() })
+	d.cleanups = append(d.cleanups, stop)
 	return pod, ip, nil
 }
 

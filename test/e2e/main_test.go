@@ -39,6 +39,7 @@ func run(m *testing.M) int {
 		return 2
 	}
 	defer os.RemoveAll(workDir)
+	defer testenv.RemoveSandboxCgroups()
 	// Built binaries must be executable by the uid-1337 helper too.
 	_ = os.Chmod(workDir, 0o755)
 	if pluginBin, err = testenv.BuildPlugin(workDir); err != nil {

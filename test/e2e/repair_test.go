@@ -4,7 +4,6 @@ import (
 	"context"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -63,23 +62,26 @@ func waitEvent(t *testing.T, podName, reason string) *corev1.Event {
 }
 
 // racedPod is a pod whose sandbox was set up without istio-cni (it was not
-// installed yet), with a process living in its namespace.
+// installed yet), with a process living in its namespace and its cgroup.
 func racedPod(t *testing.T, e *env, spec testenv.PodSpec) (*testenv.Pod, string) {
 	t.Helper()
-	pod := e.newPod(&spec)
+	return racedPodIn(t, e, testenv.NewPod, spec)
+}
+
+// racedPodIn is racedPod with the sandbox made by mk.
+func racedPodIn(t *testing.T, e *env, mk func(namespace, name, uid, containerID string) (*testenv.Pod, error), spec testenv.PodSpec) (*testenv.Pod, string) {
+	t.Helper()
+	pod := e.newPodIn(mk, &spec)
 	res, err := e.node.Add(context.Background(), e.node.Primary, pod)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Primary, pod) })
-	var sleeper *exec.Cmd
-	if err := pod.InPod(func() error {
-		sleeper = exec.Command("sleep", "600")
-		return sleeper.Start()
-	}); err != nil {
+	stop, err := pod.StartSandboxProcess()
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = sleeper.Process.Kill(); _ = sleeper.Wait() })
+	t.Cleanup(stop)
 	ip := ""
 	for _, r := range resultIPs(t, res) {
 		if r.Is4() {
