@@ -35,7 +35,7 @@ func TestLargeLists(t *testing.T) {
 	for _, path := range []string{"fallback", "agent"} {
 		for _, variant := range []string{"nft", "legacy", "nftables"} {
 			t.Run(path+"/"+variant, func(t *testing.T) {
-				e := listEnv(t, path, variant)
+				e := backendEnv(t, path, variant)
 				for _, n := range listSizes {
 					t.Run(strconv.Itoa(n), func(t *testing.T) {
 						l := testenv.Lists{N: n}
@@ -48,9 +48,9 @@ func TestLargeLists(t *testing.T) {
 	}
 }
 
-// listEnv is a node whose plugin uses the backend, served by the agent's
+// backendEnv is a node whose plugin uses the backend, served by the agent's
 // CNI server or, with no agent, by the fallback plugin.
-func listEnv(t *testing.T, path, variant string) *env {
+func backendEnv(t *testing.T, path, variant string) *env {
 	t.Helper()
 	var conf map[string]any
 	if variant == "nftables" {

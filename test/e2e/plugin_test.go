@@ -245,22 +245,7 @@ func TestTraffic(t *testing.T) {
 func trafficCases(t *testing.T, path, variant string) {
 	{
 		{
-			var conf map[string]any
-			if variant == "nftables" {
-				conf = map[string]any{"native_nftables": true}
-				// No firewall binary reachable: only ip, for the test itself.
-				bin := t.TempDir()
-				if err := os.Symlink("/usr/sbin/ip", filepath.Join(bin, "ip")); err != nil {
-					t.Fatal(err)
-				}
-				t.Setenv("PATH", bin)
-			} else {
-				t.Setenv("FORCE_IPTABLES_BINARY", variant)
-			}
-			e := newEnv(t, conf)
-			if path == "agent" {
-				e.serveCNI(variant)
-			}
+			e := backendEnv(t, path, variant)
 			remote := testenv.RemoteV4
 
 			t.Run("outbound-to-15001", func(t *testing.T) {
