@@ -2,7 +2,7 @@
 GO ?= go
 PKGS := ./...
 
-.PHONY: all build image demo test lint unit e2e bench golden setup clean
+.PHONY: all build image demo test lint fuzz bench golden setup clean
 
 all: build
 
@@ -28,6 +28,16 @@ demo: setup
 # real iptables (legacy and nft), real kube-apiserver and etcd.
 test: setup lint
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+# Every Go fuzz test, FUZZTIME each (`make test` runs their seed corpora
+# only). Found by name, so new ones need no change here.
+FUZZTIME ?= 1m
+fuzz:
+	@set -e; for d in $$(grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u); do \
+		for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$d/*_test.go | cut -c6-); do \
+			echo "== $$d $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$d; \
+		done; \
+	done
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -12,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -25,6 +27,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
@@ -43,6 +46,9 @@ type Metrics struct {
 	PluginCommands *prometheus.CounterVec
 	PluginLatency  *prometheus.HistogramVec
 	PluginLookups  *prometheus.CounterVec
+	Panics         *prometheus.CounterVec
+	Resyncs        *prometheus.CounterVec
+	Sockets        *SocketMetrics
 }
 
 // NewMetrics registers the metrics on a fresh registry.
@@ -66,11 +72,16 @@ func NewMetrics() *Metrics {
 		Help:    "Time from a pod first seen broken to the repair controller's successful action.",
 		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
 	m.PluginCommands, m.PluginLatency, m.PluginLookups = NewCNIMetrics()
+	m.Panics = NewPanicMetric()
+	m.Resyncs = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_config_resyncs_total",
+		Help: "Full install passes not caused by a file event, by reason: periodic, overflow (the kernel dropped file events), watch (the file watcher failed and was made again)."},
+		[]string{"reason"})
+	m.Sockets = NewSocketMetrics()
 	// The Go runtime and process collectors, as Istio's agent exposes
 	// (go_*, process_*): memory, goroutines, open descriptors.
 	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Registry.MustRegister(m.InstallReady, m.Installs, m.Reinsertions, m.Conflicts, m.ReinsertDelay, m.Repaired, m.RepairLatency,
-		m.PluginCommands, m.PluginLatency, m.PluginLookups)
+		m.PluginCommands, m.PluginLatency, m.PluginLookups, m.Panics, m.Resyncs, m.Sockets.Rejected, m.Sockets.AcceptErrors)
 	return m
 }
 
@@ -94,6 +105,14 @@ type Agent struct {
 	notReady string
 	rewrites []time.Time
 	backoff  time.Duration
+	// health reports the sockets' state (nil while they accept).
+	health []func() (time.Time, error)
+	// beat is when the install loop last went round (unix nanoseconds).
+	beat  atomic.Int64
+	watch *watchSet
+	// locker serialises rule writes per network namespace between the
+	// CNI server and repair.
+	locker *nslock.Locker
 }
 
 // New builds an agent from options.
@@ -139,7 +158,7 @@ func New(opts *Options, log *slog.Logger, getenv func(string) string) *Agent {
 		},
 	}
 	return &Agent{opts: opts, log: log, in: install.New(cfg, log), metrics: NewMetrics(), getenv: getenv,
-		notReady: "starting"}
+		notReady: "starting", locker: nslock.New()}
 }
 
 // Metrics returns the agent's metrics.
@@ -163,17 +182,71 @@ func (a *Agent) setReady(reason string) {
 	}
 }
 
-// ReadyReason is "" when ready, else why not.
+// ReadyReason is "" when ready, else why not: the plugin's files, and
+// the sockets.
 func (a *Agent) ReadyReason() string {
 	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.notReady
+	reasons := []string{}
+	if a.notReady != "" {
+		reasons = append(reasons, a.notReady)
+	}
+	health := a.health
+	a.mu.Unlock()
+	for _, h := range health {
+		if _, err := h(); err != nil {
+			reasons = append(reasons, err.Error())
+		}
+	}
+	return strings.Join(reasons, "; ")
 }
 
-// Handler serves /healthz and /readyz.
+// livenessGrace is how long a stuck loop, a socket that cannot accept or
+// a vanished config dir is borne before /livez fails and the kubelet
+// restarts the agent (which gets fresh descriptors and fresh mounts).
+func (a *Agent) livenessGrace() time.Duration {
+	return max(2*a.opts.ResyncInterval, time.Second)
+}
+
+// LiveReason is "" while the agent is alive, else why a restart would help.
+func (a *Agent) LiveReason() string {
+	grace := a.livenessGrace()
+	var reasons []string
+	if b := a.beat.Load(); b != 0 {
+		if d := time.Since(time.Unix(0, b)); d > grace {
+			reasons = append(reasons, fmt.Sprintf("the install loop has not gone round for %s", d.Round(time.Second)))
+		}
+	}
+	a.mu.Lock()
+	health := a.health
+	ws := a.watch
+	a.mu.Unlock()
+	for _, h := range health {
+		if since, err := h(); err != nil && time.Since(since) > grace {
+			reasons = append(reasons, err.Error())
+		}
+	}
+	if ws != nil {
+		if since := ws.missingSince(a.opts.CNINetDir); !since.IsZero() && time.Since(since) > grace {
+			reasons = append(reasons, fmt.Sprintf("the CNI config dir %s has been gone since %s (a restart mounts it again)",
+				a.opts.CNINetDir, since.UTC().Format(time.RFC3339)))
+		}
+	}
+	return strings.Join(reasons, "; ")
+}
+
+// Handler serves /healthz (the process answers, as Istio's), /livez (the
+// liveness the chart probes) and /readyz.
 func (a *Agent) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) {
+		if r := a.LiveReason(); r != "" {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = fmt.Fprintf(w, "not live: %s\n", r)
+			return
+		}
+		_, _ = w.Write([]byte("live\n"))
+	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if r := a.ReadyReason(); r != "" {
 			w.WriteHeader(http.StatusServiceUnavailable)
@@ -190,7 +263,7 @@ func serve(ctx context.Context, port int, h http.Handler) (net.Listener, error) 
 	if err != nil {
 		return nil, err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: 2 * time.Minute}
 	go func() { _ = srv.Serve(l) }()
 	go func() {
 		<-ctx.Done()
@@ -200,10 +273,12 @@ func serve(ctx context.Context, port int, h http.Handler) (net.Listener, error) 
 }
 
 // Run installs, keeps the installation in place until ctx ends, then
-// removes it (unless this is an upgrade). It returns nil on a clean stop.
+// removes it (unless this is an upgrade). It returns nil on a clean stop;
+// its sockets are gone when it returns.
 func (a *Agent) Run(ctx context.Context) error {
 	srvCtx, stopServers := context.WithCancel(context.Background())
 	defer stopServers()
+	a.beat.Store(time.Now().UnixNano())
 	if a.opts.ReadinessPort > 0 {
 		if _, err := serve(srvCtx, a.opts.ReadinessPort, a.Handler()); err != nil {
 			return fmt.Errorf("readiness server: %w", err)
@@ -217,11 +292,14 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 	a.setReady("starting")
-	watcher, err := fsnotify.NewWatcher()
+	ws, err := newWatchSet(append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...), a.log)
 	if err != nil {
 		return fmt.Errorf("creating file watcher: %w", err)
 	}
-	defer watcher.Close()
+	defer ws.close()
+	a.mu.Lock()
+	a.watch = ws
+	a.mu.Unlock()
 	if err := os.MkdirAll(a.opts.RunDir, 0o755); err != nil {
 		return fmt.Errorf("creating run dir: %w", err)
 	}
@@ -229,49 +307,71 @@ func (a *Agent) Run(ctx context.Context) error {
 	if pluginLog == nil {
 		pluginLog = a.log.With("scope", logging.ScopePlugin)
 	}
-	if err := serveLogSocket(srvCtx, a.opts.RunDir, pluginLog); err != nil {
+	// Each socket is removed before Run returns, whatever the path out.
+	var sockets []io.Closer
+	defer func() {
+		for _, c := range sockets {
+			_ = c.Close()
+		}
+	}()
+	logSock, err := serveLogSocket(a.opts.RunDir, pluginLog, a.metrics.Sockets)
+	if err != nil {
 		return fmt.Errorf("plugin log socket: %w", err)
 	}
+	sockets = append(sockets, logSock)
 	var pods *PodCache
 	if a.Clientset != nil {
 		pods = StartPodCache(srvCtx, a.Clientset, a.opts.NodeName)
 	}
-	if err := pods.Serve(srvCtx, a.opts.RunDir, a.ReadyReason, a.log); err != nil {
+	agentSock, err := pods.Serve(a.opts.RunDir, a.ReadyReason, a.log, a.metrics.Sockets)
+	if err != nil {
 		return fmt.Errorf("agent socket: %w", err)
 	}
+	sockets = append(sockets, agentSock)
 	cni := &CNIServer{
-		Log:   pluginLog,
+		Log: pluginLog, SocketLog: a.log,
 		Rules: a.iptablesRules(), NFTables: &nftables.Applier{},
-		Pods: pods, Clientset: a.Clientset, ReadyReason: a.ReadyReason,
+		Pods: pods, Clientset: a.Clientset, Locker: a.locker,
 		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
+		Panics: a.metrics.Panics, Sockets: a.metrics.Sockets,
 	}
 	cniDone, err := cni.Serve(srvCtx, filepath.Join(a.opts.RunDir, cnirelay.SocketName), 5*time.Second)
 	if err != nil {
 		return fmt.Errorf("CNI socket: %w", err)
 	}
+	a.mu.Lock()
+	a.health = append(a.health, cni.Health)
+	a.mu.Unlock()
+	// The CNI socket goes first at the end (relays then run the fallback),
+	// and the commands under way finish, before the other sockets go.
 	defer func() {
 		stopServers()
 		<-cniDone
 	}()
 	if a.opts.RepairEnabled && a.Clientset != nil {
-		a.startRepair(srvCtx)
+		a.startRepair(srvCtx, pods)
 	}
-	for _, dir := range append([]string{a.opts.CNINetDir, a.opts.ServiceAccountDir}, a.opts.BinTargetDirs...) {
-		if err := watcher.Add(dir); err != nil {
-			return fmt.Errorf("watching %s: %w", dir, err)
-		}
-	}
-	loopErr := a.loop(ctx, watcher)
+	loopErr := a.loop(ctx, ws)
 	a.setReady("shutting down")
 	return errors.Join(loopErr, a.shutdown())
 }
 
-func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
+func (a *Agent) loop(ctx context.Context, ws *watchSet) error {
 	first := true
 	var changedAt time.Time
+	resync := time.NewTicker(a.opts.ResyncInterval)
+	defer resync.Stop()
 	for {
+		a.beat.Store(time.Now().UnixNano())
+		ws.sync()
 		wrote, err := a.installOnce()
+		// A primary config that is a link into another directory is
+		// watched there too.
+		if f := a.in.ConfFile(); f != "" {
+			ws.follow(filepath.Dir(f))
+		}
 		firstPass := first
+		var hold <-chan time.Time
 		if wrote && !first {
 			a.metrics.Reinsertions.Inc()
 			if !changedAt.IsZero() {
@@ -285,11 +385,7 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 				}
 				a.log.Warn("another component keeps rewriting the CNI config; backing off"+hint,
 					"file", a.in.ConfPath(), "backoff", d.String())
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-time.After(d):
-				}
+				hold = time.After(d)
 			}
 		}
 		if err == nil {
@@ -307,7 +403,7 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 		default:
 			// As Istio counts: every pass that put the plugin in place,
 			// the first, each re-insertion and each recovery.
-			if firstPass || wrote || a.ReadyReason() != "" {
+			if firstPass || wrote || a.installNotReady() {
 				a.metrics.Installs.WithLabelValues(install.ResultSuccess).Inc()
 			}
 			if r := a.in.Ready(); r != nil {
@@ -316,43 +412,71 @@ func (a *Agent) loop(ctx context.Context, watcher *fsnotify.Watcher) error {
 				a.setReady("")
 			}
 		}
-		// Wait for a change that matters; anything else is ignored so our
-		// own writes do not wake us in a loop.
+		// Wait for a change that matters, a failed pass's retry or the
+		// periodic resync; anything else is ignored so our own writes do
+		// not wake us in a loop. While backing off from a component that
+		// keeps reverting us, changes wait for the back-off to end.
 		changedAt = time.Time{}
-		retry := time.Duration(0)
+		var retry <-chan time.Time
 		if err != nil && !errors.Is(err, install.ErrNoPrimary) {
-			retry = 5 * time.Second
+			retry = time.After(5 * time.Second)
 		}
-		var timer <-chan time.Time
-		if retry > 0 {
-			timer = time.After(retry)
-		}
-	wait:
-		for {
+		pending := false
+		for !pending || hold != nil {
 			select {
 			case <-ctx.Done():
 				return nil
-			case <-timer:
-				break wait
-			case ev, ok := <-watcher.Events:
-				if !ok {
-					return errors.New("file watcher closed")
+			case <-hold:
+				hold = nil
+			case <-retry:
+				pending = true
+			case <-resync.C:
+				a.beat.Store(time.Now().UnixNano())
+				a.metrics.Resyncs.WithLabelValues("periodic").Inc()
+				pending = true
+			case ev, ok := <-ws.events():
+				switch {
+				case !ok:
+					a.log.Warn("the file watcher stopped; making a new one and resyncing")
+					a.metrics.Resyncs.WithLabelValues("watch").Inc()
+					ws.reset()
+					pending = true
+				case ws.concerns(ev) || a.relevant(ev) || (ws.isExtra(filepath.Dir(ev.Name)) && isConfName(filepath.Base(ev.Name))):
+					if changedAt.IsZero() {
+						changedAt = time.Now()
+					}
+					pending = true
 				}
-				if a.relevant(ev) {
-					changedAt = time.Now()
-					break wait
+			case err, ok := <-ws.errors():
+				switch {
+				case ok && errors.Is(err, fsnotify.ErrEventOverflow):
+					// The kernel dropped events: whatever they said, a full
+					// pass finds it.
+					a.log.Warn("the inotify queue overflowed and file events were lost; resyncing everything")
+					a.metrics.Resyncs.WithLabelValues("overflow").Inc()
+				default:
+					msg := "the file watcher stopped"
+					if ok {
+						msg = err.Error()
+					}
+					a.log.Warn("file watcher failed; making a new one and resyncing", "error", msg)
+					a.metrics.Resyncs.WithLabelValues("watch").Inc()
+					ws.reset()
 				}
-			case err, ok := <-watcher.Errors:
-				if !ok {
-					return errors.New("file watcher closed")
-				}
-				return fmt.Errorf("file watcher: %w", err)
+				pending = true
 			}
 		}
 	}
 }
 
-func (a *Agent) startRepair(ctx context.Context) {
+// installNotReady: the last pass left the plugin's files incomplete.
+func (a *Agent) installNotReady() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.notReady != ""
+}
+
+func (a *Agent) startRepair(ctx context.Context, pods *PodCache) {
 	cfg := repair.Config{
 		RepairPods: a.opts.RepairPods, DeletePods: a.opts.RepairDeletePods, LabelPods: a.opts.RepairLabelPods,
 		LabelKey: a.opts.RepairLabelKey, LabelValue: a.opts.RepairLabelValue,
@@ -364,12 +488,21 @@ func (a *Agent) startRepair(ctx context.Context) {
 		a.log.Warn("repair is enabled but no mode is: set repair-repair-pods, repair-delete-pods or repair-label-pods")
 		return
 	}
-	rules := a.iptablesRules()
+	var rules plugin.Rules = a.iptablesRules()
 	if a.opts.NativeNftables {
 		rules = &nftables.Applier{}
 	}
+	// Repair writes rules under the same per-namespace lock as the CNI
+	// commands, so the start-up scan and an ADD never race.
+	rules = &lockedRules{Rules: rules, locker: a.locker}
 	c := repair.New(cfg, a.Clientset, rules, a.opts.HostProcDir, a.metrics.Repaired, a.log)
 	c.Latency = a.metrics.RepairLatency
+	c.Panics = a.metrics.Panics.WithLabelValues("repair")
+	// One watch on the node's pods: the repair controller shares the pod
+	// cache's unless it narrows the watch with selectors of its own.
+	if pods != nil && cfg.LabelSelectors == "" && cfg.FieldSelectors == "" {
+		c.Informer = pods.Informer()
+	}
 	go func() {
 		if err := c.Run(ctx, a.opts.NodeName); err != nil {
 			a.log.Error("repair controller stopped", "error", err.Error())
@@ -394,12 +527,17 @@ func (a *Agent) relevant(ev fsnotify.Event) bool {
 	dir := filepath.Dir(ev.Name)
 	switch {
 	case dir == filepath.Clean(a.opts.CNINetDir):
-		return strings.HasSuffix(base, ".conf") || strings.HasSuffix(base, ".conflist") || strings.HasSuffix(base, ".json")
+		return isConfName(base)
 	case dir == filepath.Clean(a.opts.ServiceAccountDir):
 		return true
 	default:
 		return base == install.PluginType || base == install.FallbackBinary
 	}
+}
+
+func isConfName(base string) bool {
+	return !strings.Contains(base, ".istio-cni-tmp-") &&
+		(strings.HasSuffix(base, ".conf") || strings.HasSuffix(base, ".conflist") || strings.HasSuffix(base, ".json"))
 }
 
 // installOnce runs every install step and reports whether the CNI config
@@ -456,7 +594,13 @@ func (a *Agent) shutdown() error {
 		}
 	}
 	if err := a.in.Cleanup(); err != nil {
-		a.log.Error("clean-up incomplete", "error", err.Error())
+		var ce *install.CleanupError
+		if errors.As(err, &ce) {
+			a.log.Error("clean-up stopped at the first failed step; what the node needs to start pods is left in place",
+				"error", ce.Err.Error(), "left", strings.Join(ce.Left, ", "))
+		} else {
+			a.log.Error("clean-up failed", "error", err.Error())
+		}
 		return fmt.Errorf("clean-up: %w", err)
 	}
 	a.log.Info("removed the plugin: CNI config entry, kubeconfig and binary")

@@ -11,6 +11,8 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"runtime/debug"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -18,7 +20,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -26,6 +27,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
@@ -35,25 +37,37 @@ import (
 // rules are programmed in-process, so a pod start costs one small process
 // instead of a complete plugin, an API request and a firewall binary.
 type CNIServer struct {
-	// Log receives the plugin's lines (scope cni-plugin).
-	Log      *slog.Logger
-	Rules    plugin.Rules
-	NFTables plugin.Rules
+	// Log receives the plugin's lines (scope cni-plugin); SocketLog, when
+	// set, the socket's own (refused peers, accept errors).
+	Log       *slog.Logger
+	SocketLog *slog.Logger
+	Rules     plugin.Rules
+	NFTables  plugin.Rules
 	// Pods may be nil (no API access): every pod is then read from the
 	// API with the plugin's kubeconfig, as the fallback plugin does.
 	Pods      *PodCache
 	Clientset kubernetes.Interface
-	// ReadyReason answers STATUS: "" when the node is ready.
+	// ReadyReason, when set, answers STATUS: not "" means the agent cannot
+	// serve ADD. Unset, STATUS succeeds whenever the agent answers.
 	ReadyReason func() string
+	// Locker serialises ADD and CHECK per network namespace, with the
+	// repair controller's rule writes; nil means a locker of its own.
+	Locker *nslock.Locker
 
 	Commands *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
 	// Lookups counts where pods were read from: "cache" or "api".
 	Lookups *prometheus.CounterVec
+	// Panics counts commands that panicked, by component ("cni").
+	Panics  *prometheus.CounterVec
+	Sockets *SocketMetrics
 
 	wg       sync.WaitGroup
 	mu       sync.Mutex
 	draining bool
+	srv      *sockServer
+	api      apiClients
+	lockOnce sync.Once
 }
 
 // NewCNIMetrics returns the command counter, latency histogram and
@@ -70,89 +84,134 @@ func NewCNIMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometh
 			[]string{"source"})
 }
 
+// NewPanicMetric is istio_cni_agent_panics_total{component}.
+func NewPanicMetric() *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_agent_panics_total",
+		Help: "Panics recovered while handling one CNI command (component cni) or one pod (component repair); each failed only that command or pod."},
+		[]string{"component"})
+}
+
+// Limits of the CNI socket: a burst of pod starts on a node is tens of
+// relays at once, and each sends its request as soon as it connects.
+var cniSocketLimits = sockLimits{maxConns: 128, readTimeout: 5 * time.Second}
+
 // Serve listens on path until ctx ends; then it stops taking commands,
 // removes the socket (so relays run the fallback) and waits up to grace
 // for the commands under way.
 func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration) (done <-chan struct{}, err error) {
+	log := s.SocketLog
+	if log == nil {
+		log = s.Log
+	}
 	// Whoever can connect can have rules programmed in a namespace it
-	// holds open: root only.
-	l, err := listenSocket(path, 0o600)
+	// holds open: root only, as on every agent socket.
+	srv, err := newSockServer(path, cniSocketLimits, log, s.Sockets)
 	if err != nil {
 		return nil, err
 	}
-	// The socket goes before the listener closes, so no relay connects to
-	// a closing agent.
-	l.SetUnlinkOnClose(false)
+	s.mu.Lock()
+	s.srv = srv
+	s.mu.Unlock()
 	finished := make(chan struct{})
+	accepting := make(chan struct{})
 	go func() {
-		<-ctx.Done()
-		s.mu.Lock()
-		s.draining = true
-		s.mu.Unlock()
-		_ = os.Remove(path)
-		_ = l.Close()
-		waited := make(chan struct{})
-		go func() { s.wg.Wait(); close(waited) }()
-		select {
-		case <-waited:
-		case <-time.After(grace):
-			s.Log.Warn("CNI commands still running at shutdown; their relays will retry with the fallback plugin")
-		}
-		close(finished)
-	}()
-	go func() {
+		defer close(accepting)
 		for {
-			conn, err := l.AcceptUnix()
+			c, err := srv.Accept()
 			if err != nil {
 				return
 			}
 			s.mu.Lock()
 			if s.draining {
 				s.mu.Unlock()
-				_ = conn.Close()
+				_ = c.Close()
 				continue
 			}
 			s.wg.Add(1)
 			s.mu.Unlock()
 			go func() {
 				defer s.wg.Done()
-				s.serveConn(conn)
+				s.serveConn(c.(*sockConn))
 			}()
 		}
+	}()
+	go func() {
+		<-ctx.Done()
+		s.mu.Lock()
+		s.draining = true
+		s.mu.Unlock()
+		_ = srv.Close()
+		<-accepting
+		waited := make(chan struct{})
+		go func() { s.wg.Wait(); close(waited) }()
+		select {
+		case <-waited:
+		case <-time.After(grace):
+			s.Log.Warn("CNI commands still running at shutdown; their relays will retry with the fallback plugin")
+			srv.closeConns()
+		}
+		close(finished)
 	}()
 	return finished, nil
 }
 
-func (s *CNIServer) serveConn(conn *net.UnixConn) {
+// Health is nil while the CNI socket accepts connections, else why not
+// and since when.
+func (s *CNIServer) Health() (time.Time, error) {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	if srv == nil {
+		return time.Time{}, nil
+	}
+	return srv.health()
+}
+
+func (s *CNIServer) serveConn(conn *sockConn) {
 	defer conn.Close()
-	_ = conn.SetDeadline(time.Now().Add(cnirelay.Timeout))
-	req, netns, err := readRequest(conn)
+	_ = conn.SetReadDeadline(time.Now().Add(cniSocketLimits.readTimeout))
+	req, netns, err := readRequest(conn.UnixConn)
 	if netns != nil {
 		defer netns.Close()
 	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		conn.s.timedOut()
+		return
+	}
+	conn.busy.Store(true)
+	_ = conn.SetReadDeadline(time.Time{})
 	var resp *cnirelay.Response
-	if err != nil {
+	switch {
+	case errors.Is(err, errNoDescriptor):
+		// The kernel could not give us the namespace: we are out of
+		// descriptors, and the fallback is not.
+		resp = &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}
+	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
-	} else {
+	default:
 		resp = s.Handle(req, netns)
 	}
 	out, err := json.Marshal(resp)
 	if err != nil {
 		return
 	}
+	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	_, _ = conn.Write(out)
 }
 
+// errNoDescriptor: a descriptor sent with the request was dropped by the
+// kernel because this process had none to spare.
+var errNoDescriptor = errors.New("the namespace descriptor was dropped: no file descriptor to spare")
+
 // readRequest reads one request and the namespace descriptor that came
-// with it, after checking that the peer is root (or the agent's own user).
+// with it: a 4-byte big-endian length, then that much JSON, the
+// descriptor riding on the first bytes.
 func readRequest(conn *net.UnixConn) (*cnirelay.Request, *os.File, error) {
-	if err := checkPeer(conn); err != nil {
-		return nil, nil, err
-	}
 	var hdr [4]byte
 	oob := make([]byte, syscall.CmsgSpace(4*4))
-	n, oobn, _, _, err := conn.ReadMsgUnix(hdr[:], oob)
+	n, oobn, flags, _, err := conn.ReadMsgUnix(hdr[:], oob)
 	if err != nil {
 		return nil, nil, fmt.Errorf("reading request: %w", err)
 	}
@@ -169,6 +228,9 @@ func readRequest(conn *net.UnixConn) (*cnirelay.Request, *os.File, error) {
 				_ = syscall.Close(fd)
 			}
 		}
+	}
+	if flags&syscall.MSG_CTRUNC != 0 && netns == nil {
+		return nil, nil, errNoDescriptor
 	}
 	if n < len(hdr) {
 		if _, err := io.ReadFull(conn, hdr[n:]); err != nil {
@@ -209,30 +271,34 @@ func parseRights(oob []byte) ([]int, error) {
 	return fds, nil
 }
 
-func checkPeer(conn *net.UnixConn) error {
-	raw, err := conn.SyscallConn()
-	if err != nil {
-		return err
+// podOf names the pod of a CNI_ARGS string, for log lines.
+func podOf(args string) string {
+	var ns, name string
+	for _, kv := range strings.Split(args, ";") {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "K8S_POD_NAMESPACE":
+			ns = v
+		case "K8S_POD_NAME":
+			name = v
+		}
 	}
-	var cred *unix.Ucred
-	var credErr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return err
-	}
-	if credErr != nil {
-		return fmt.Errorf("reading peer credentials: %w", credErr)
-	}
-	if cred.Uid != 0 && int(cred.Uid) != os.Getuid() {
-		return fmt.Errorf("peer uid %d (pid %d) may not run CNI commands", cred.Uid, cred.Pid)
-	}
-	return nil
+	return ns + "/" + name
+}
+
+func (s *CNIServer) locker() *nslock.Locker {
+	s.lockOnce.Do(func() {
+		if s.Locker == nil {
+			s.Locker = nslock.New()
+		}
+	})
+	return s.Locker
 }
 
 // Handle runs one command with the plugin's own code, as the plugin
-// process would, and returns what it would have printed.
-func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Response {
+// process would, and returns what it would have printed. ADD and CHECK
+// hold their namespace's lock; a panic fails this command only.
+func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.Response) {
 	s.mu.Lock()
 	draining := s.draining
 	s.mu.Unlock()
@@ -240,6 +306,23 @@ func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Resp
 		return &cnirelay.Response{Unavailable: "shutting down"}
 	}
 	start := time.Now()
+	result := "ok"
+	defer func() {
+		if r := recover(); r != nil {
+			s.Log.Error("panic while handling a CNI command; the command fails", "cmd", req.Command, "pod", podOf(req.Args),
+				"containerID", req.ContainerID, "panic", fmt.Sprint(r), "stack", string(debug.Stack()))
+			if s.Panics != nil {
+				s.Panics.WithLabelValues("cni").Inc()
+			}
+			resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal,
+				fmt.Sprintf("istio-cni node agent: internal error handling %s: %v", req.Command, r), "")}
+			result = fmt.Sprint(types.ErrInternal)
+		}
+		if s.Commands != nil {
+			s.Commands.WithLabelValues(req.Command, result).Inc()
+			s.Latency.WithLabelValues(req.Command).Observe(time.Since(start).Seconds())
+		}
+	}()
 	args := &skel.CmdArgs{ContainerID: req.ContainerID, IfName: req.IfName, Args: req.Args, Path: req.Path, StdinData: req.Stdin}
 	if netns != nil {
 		// A path that names our descriptor: it opens the same namespace
@@ -247,6 +330,11 @@ func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Resp
 		// processes we start, so the lock is the pod's namespace as with
 		// the fallback plugin.
 		args.Netns = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), netns.Fd())
+		if req.Command == "ADD" || req.Command == "CHECK" {
+			if key, err := nslock.KeyOfFile(netns); err == nil {
+				defer s.locker().Lock(key)()
+			}
+		}
 	}
 	var out bytes.Buffer
 	p := &plugin.Plugin{
@@ -255,9 +343,13 @@ func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Resp
 		Rules:     s.Rules,
 		NFTables:  s.NFTables,
 		NewSource: s.source,
+		// The agent answers, so it can serve an ADD: STATUS succeeds
+		// unless told otherwise.
 		Ready: func() error {
-			if r := s.ReadyReason(); r != "" {
-				return errors.New(r)
+			if s.ReadyReason != nil {
+				if r := s.ReadyReason(); r != "" {
+					return errors.New(r)
+				}
 			}
 			return nil
 		},
@@ -277,9 +369,12 @@ func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Resp
 	default:
 		err = types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", req.Command), "")
 	}
-	result := "ok"
-	resp := &cnirelay.Response{}
+	resp = &cnirelay.Response{}
 	if err != nil {
+		if outOfDescriptors(err) {
+			result = "unavailable"
+			return &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}
+		}
 		var te *types.Error
 		if !errors.As(err, &te) {
 			te = types.NewError(types.ErrInternal, err.Error(), "")
@@ -289,11 +384,51 @@ func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) *cnirelay.Resp
 	} else {
 		resp.Stdout = out.Bytes()
 	}
-	if s.Commands != nil {
-		s.Commands.WithLabelValues(req.Command, result).Inc()
-		s.Latency.WithLabelValues(req.Command).Observe(time.Since(start).Seconds())
-	}
 	return resp
+}
+
+// outOfDescriptors: the command failed for want of a descriptor here,
+// which the fallback, a process of its own, would not lack. The plugin's
+// errors carry their cause as text only.
+func outOfDescriptors(err error) bool {
+	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+		return true
+	}
+	msg := err.Error()
+	return strings.Contains(msg, syscall.EMFILE.Error()) || strings.Contains(msg, syscall.ENFILE.Error())
+}
+
+// apiClients keeps one API client for the plugin's kubeconfig, made again
+// only when the file changes (a rotated token), so lookups share one
+// transport and its connections instead of leaving one behind each.
+type apiClients struct {
+	mu   sync.Mutex
+	path string
+	id   [4]int64
+	c    *podinfo.APIClient
+}
+
+func (a *apiClients) get(path, runDir string) (*podinfo.APIClient, error) {
+	var id [4]int64
+	if fi, err := os.Stat(path); err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			id = [4]int64{int64(st.Dev), int64(st.Ino), st.Size, st.Mtim.Nano()}
+		}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.c != nil && a.path == path && a.id == id {
+		return a.c, nil
+	}
+	c, err := podinfo.NewAPIClient(path, runDir)
+	if err != nil {
+		return nil, err
+	}
+	if a.c != nil {
+		a.c.CloseIdleConnections()
+	}
+	a.c, a.path, a.id = c, path, id
+	return c, nil
 }
 
 // source reads the pod from the node's cache (checking the UID, so a
@@ -308,7 +443,7 @@ func (s *CNIServer) source(conf *plugin.Config, uid string) (podinfo.Source, err
 		if s.Clientset != nil {
 			src = apiSource{s.Clientset}
 		} else {
-			c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
+			c, err := s.api.get(conf.KubeconfigPath(), conf.CNIAgentRunDir)
 			if err != nil {
 				return nil, err
 			}

@@ -1,33 +1,63 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
+	"fmt"
 	"io"
+	stdlog "log"
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"sort"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // LogSocketName is the socket plugin processes send their log lines to.
 const LogSocketName = "log.sock"
 
+// Limits of the log socket: the fallback plugin posts its lines once, at
+// exit, in one request of a few kilobytes.
+var logSocketLimits = sockLimits{maxConns: 32, readTimeout: 5 * time.Second}
+
+// Bounds on what one request may make the agent log.
+const (
+	maxLogBody     = 1 << 20
+	maxPluginLines = 1000
+	maxLineBytes   = 16 << 10
+	maxLineLabels  = 32
+	maxLabelKey    = 64
+)
+
+// serveHTTPSocket serves h on srv with timeouts that a silent or slow
+// client cannot stretch; the returned server's Close stops the socket
+// (removing its path) and closes every connection.
+func serveHTTPSocket(srv *sockServer, h http.Handler) *http.Server {
+	hs := &http.Server{Handler: h,
+		ReadHeaderTimeout: srv.limits.readTimeout, ReadTimeout: srv.limits.readTimeout,
+		WriteTimeout: 10 * time.Second, IdleTimeout: srv.limits.readTimeout, MaxHeaderBytes: 16 << 10,
+		// What a bad client makes net/http say is of no use in the logs.
+		ErrorLog: stdlog.New(io.Discard, "", 0),
+		ConnState: func(c net.Conn, st http.ConnState) {
+			if sc, ok := c.(*sockConn); ok {
+				sc.busy.Store(st == http.StateActive)
+			}
+		}}
+	go func() { _ = hs.Serve(srv) }()
+	return hs
+}
+
 // serveLogSocket receives plugin log lines (POST /log, a JSON array of
 // JSON lines) and re-emits each through log (the agent's cni-plugin
 // scope), so plugin activity shows in `kubectl logs` of the agent.
-func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error {
-	path := filepath.Join(runDir, LogSocketName)
-	// Plugins run as root too, but keep the socket usable whatever the
-	// runtime's umask was.
-	l, err := listenSocket(path, 0o666)
+func serveLogSocket(runDir string, log *slog.Logger, m *SocketMetrics) (io.Closer, error) {
+	srv, err := newSockServer(filepath.Join(runDir, LogSocketName), logSocketLimits, log, m)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/log", func(w http.ResponseWriter, r *http.Request) {
@@ -35,7 +65,7 @@ func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error 
 			w.WriteHeader(http.StatusMethodNotAllowed)
 			return
 		}
-		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+		body, err := io.ReadAll(io.LimitReader(r.Body, maxLogBody))
 		if err != nil {
 			w.WriteHeader(http.StatusBadRequest)
 			return
@@ -45,24 +75,31 @@ func serveLogSocket(ctx context.Context, runDir string, log *slog.Logger) error 
 			w.WriteHeader(http.StatusBadRequest)
 			return
 		}
+		if len(lines) > maxPluginLines {
+			log.Warn("plugin log lines dropped", "dropped", len(lines)-maxPluginLines)
+			lines = lines[:maxPluginLines]
+		}
 		for _, line := range lines {
 			emitPluginLine(log, line)
 		}
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(l) }()
-	go func() {
-		<-ctx.Done()
-		_ = srv.Close()
-		_ = os.Remove(path)
-	}()
-	return nil
+	return serveHTTPSocket(srv, mux), nil
 }
 
+// emitPluginLine re-emits one plugin line. It comes from another process,
+// so it is never trusted to shape the agent's output: a message becomes
+// one line whatever characters it holds, labels cannot take the agent's
+// own keys (scope, time, level, msg, caller, stack), and size and label
+// count are bounded.
 func emitPluginLine(log *slog.Logger, line string) {
+	if len(line) > maxLineBytes {
+		line = line[:maxLineBytes]
+	}
 	var entry map[string]any
-	if err := json.Unmarshal([]byte(line), &entry); err != nil {
-		log.Info(strings.TrimSpace(line))
+	dec := json.NewDecoder(strings.NewReader(line))
+	dec.UseNumber()
+	if err := dec.Decode(&entry); err != nil || entry == nil || dec.More() {
+		log.Info(oneLine(strings.TrimSpace(line)))
 		return
 	}
 	msg, _ := entry["msg"].(string)
@@ -79,7 +116,9 @@ func emitPluginLine(log *slog.Logger, line string) {
 	// none, so sorted, with the pod first.
 	keys := make([]string, 0, len(entry))
 	for k := range entry {
-		keys = append(keys, k)
+		if k != "msg" && k != "level" {
+			keys = append(keys, k)
+		}
 	}
 	sort.Slice(keys, func(i, j int) bool {
 		if (keys[i] == "pod") != (keys[j] == "pod") {
@@ -87,34 +126,83 @@ func emitPluginLine(log *slog.Logger, line string) {
 		}
 		return keys[i] < keys[j]
 	})
-	attrs := make([]any, 0, 2*len(entry))
-	for _, k := range keys {
-		v := entry[k]
-		switch k {
-		case "msg", "level":
-			continue
-		case "time":
-			k = "pluginTime"
+	attrs := make([]any, 0, 2*min(len(keys), maxLineLabels)+2)
+	for i, k := range keys {
+		if i == maxLineLabels {
+			attrs = append(attrs, "droppedLabels", len(keys)-maxLineLabels)
+			break
 		}
-		attrs = append(attrs, k, v)
+		attrs = append(attrs, labelKey(k), labelValue(entry[k]))
 	}
-	log.Log(context.Background(), level, strings.TrimSpace(msg), attrs...)
+	log.Log(context.Background(), level, oneLine(strings.TrimSpace(msg)), attrs...)
 }
 
-// listenSocket listens on path, replacing a socket a previous agent left
-// there, with mode set explicitly so the umask does not decide who may
-// connect.
-func listenSocket(path string, mode os.FileMode) (*net.UnixListener, error) {
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, err
+// labelKey makes a plugin's key safe as the agent's label: only letters,
+// digits and _.- (so `key=value` output cannot be forged), bounded, and
+// never one of the agent's own keys.
+func labelKey(k string) string {
+	switch k {
+	case "time", "scope", "caller", "stack":
+		return "plugin" + strings.ToUpper(k[:1]) + k[1:]
 	}
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		return nil, err
+	var b strings.Builder
+	for _, r := range k {
+		if b.Len() >= maxLabelKey {
+			break
+		}
+		if r == '_' || r == '.' || r == '-' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9') {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('_')
+		}
 	}
-	if err := os.Chmod(path, mode); err != nil {
-		_ = l.Close()
-		return nil, err
+	switch b.String() {
+	case "", "msg", "level", "time", "scope", "caller", "stack":
+		return "plugin_" + b.String()
 	}
-	return l, nil
+	return b.String()
+}
+
+// labelValue keeps strings on one line; numbers stay as written, and
+// other values are re-encoded as JSON, which escapes what needs escaping.
+func labelValue(v any) any {
+	switch x := v.(type) {
+	case string:
+		return oneLine(x)
+	}
+	return v
+}
+
+// oneLine escapes what would end or break a log line: control
+// characters, Unicode line separators, invalid UTF-8.
+func oneLine(s string) string {
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "\uFFFD")
+	}
+	clean := true
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f || r == 0x2028 || r == 0x2029 || (r >= 0x80 && r < 0xa0) {
+			clean = false
+			break
+		}
+	}
+	if clean {
+		return s
+	}
+	var b bytes.Buffer
+	for _, r := range s {
+		switch {
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\r':
+			b.WriteString(`\r`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case r < 0x20 || r == 0x7f || r == 0x2028 || r == 0x2029 || (r >= 0x80 && r < 0xa0):
+			fmt.Fprintf(&b, `\u%04x`, r)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
 }

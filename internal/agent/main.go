@@ -8,8 +8,6 @@ import (
 	"os/signal"
 	"syscall"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -64,25 +62,14 @@ func Main(args []string) int {
 		"pluginLogLevel", opts.PluginLogLevel, "options", fmt.Sprintf("%+v", *opts))
 	a := New(opts, log, os.Getenv)
 	a.PluginLog = logs.Logger(logging.ScopePlugin)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
 	if cs, err := clientset(opts); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {
 		a.Clientset = cs
-		a.DaemonSetPresent = func(ctx context.Context) (bool, error) {
-			ds, err := cs.AppsV1().DaemonSets(opts.PodNamespace).Get(ctx, opts.DaemonSetName, metav1.GetOptions{})
-			// An uninstall removes the agent's RBAC and service account with
-			// the DaemonSet: a refused read means the release is going away.
-			if apierrors.IsNotFound(err) || apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
-				return false, nil
-			}
-			if err != nil {
-				return false, err
-			}
-			return ds.DeletionTimestamp == nil, nil
-		}
+		a.DaemonSetPresent = watchDaemonSet(ctx, cs, opts.PodNamespace, opts.DaemonSetName, log).present
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
 	if err := a.Run(ctx); err != nil {
 		log.Error("install-cni failed", "error", err.Error())
 		return ExitFailure

@@ -53,6 +53,9 @@ type Options struct {
 	// the window means another component keeps reverting us.
 	ConflictWindow time.Duration
 	ConflictLimit  int
+	// ResyncInterval is how often the whole installation is checked
+	// besides the file watch (what the watch missed, the run dir).
+	ResyncInterval time.Duration
 
 	RepairEnabled       bool
 	RepairPods          bool
@@ -206,6 +209,14 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 			return err
 		}},
 		{name: "conflict-limit", help: "rewrites within the window before backing off", def: "5", set: integer(&o.ConflictLimit)},
+		{name: "resync-interval", help: "how often binaries, kubeconfig and config entry are checked besides the file watch; twice this is the liveness grace", def: "60s", set: func(v string) error {
+			d, err := time.ParseDuration(v)
+			if err == nil && d <= 0 {
+				err = fmt.Errorf("must be positive")
+			}
+			o.ResyncInterval = d
+			return err
+		}},
 		{name: "repair-enabled", help: "run the repair controller", def: "true", set: boolean(&o.RepairEnabled), istio: true},
 		// Istio's binary defaults to false here; its chart sets true.
 		{name: "repair-repair-pods", help: "repair broken pods in place", def: "false", set: boolean(&o.RepairPods), istio: true},

@@ -3,11 +3,10 @@ package agent
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
-	"os"
 	"path/filepath"
 	"time"
 
@@ -24,10 +23,14 @@ import (
 // PodCache is an informer on the pods of this node, served to the plugin
 // over a Unix socket so that a pod start costs no API request.
 type PodCache struct {
-	lister listersv1.PodLister
-	synced cache.InformerSynced
-	ready  func() string
+	lister   listersv1.PodLister
+	synced   cache.InformerSynced
+	informer cache.SharedIndexInformer
 }
+
+// Informer is the cache's pod informer, for the repair controller to
+// share (one watch on the node's pods, not two).
+func (pc *PodCache) Informer() cache.SharedIndexInformer { return pc.informer }
 
 // StartPodCache starts the informer. It does not wait for the sync: until
 // then the socket answers "unknown" and the plugin asks the API server.
@@ -43,19 +46,23 @@ func StartPodCache(ctx context.Context, cs kubernetes.Interface, node string) *P
 		}
 		return obj, nil
 	})
-	pc := &PodCache{lister: inf.Lister(), synced: inf.Informer().HasSynced}
+	pc := &PodCache{lister: inf.Lister(), synced: inf.Informer().HasSynced, informer: inf.Informer()}
 	factory.Start(ctx.Done())
 	return pc
 }
 
+// Limits of the agent socket: the fallback plugin asks it once per
+// command, when the agent does not run the command itself.
+var agentSocketLimits = sockLimits{maxConns: 32, readTimeout: 5 * time.Second}
+
 // Serve answers GET /pod?namespace=&name=&uid= with the pod's JSON (404
 // when the cache does not hold it, or holds another pod of that name) and
-// GET /readyz with the agent's readiness, for the plugin's STATUS.
-func (pc *PodCache) Serve(ctx context.Context, runDir string, readyReason func() string, log *slog.Logger) error {
-	path := filepath.Join(runDir, podinfo.AgentSocketName)
-	l, err := listenSocket(path, 0o600)
+// GET /readyz with the agent's readiness, for the plugin's STATUS. Closing
+// the returned server removes the socket.
+func (pc *PodCache) Serve(runDir string, readyReason func() string, log *slog.Logger, m *SocketMetrics) (io.Closer, error) {
+	srv, err := newSockServer(filepath.Join(runDir, podinfo.AgentSocketName), agentSocketLimits, log, m)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/pod", func(w http.ResponseWriter, r *http.Request) {
@@ -63,6 +70,10 @@ func (pc *PodCache) Serve(ctx context.Context, runDir string, readyReason func()
 		ns, name, uid := q.Get("namespace"), q.Get("name"), q.Get("uid")
 		if pc == nil || !pc.synced() {
 			http.Error(w, "pod cache not synced", http.StatusServiceUnavailable)
+			return
+		}
+		if podinfo.ValidateName(ns, name) != nil {
+			http.Error(w, "invalid pod name", http.StatusBadRequest)
 			return
 		}
 		pod, err := pc.lister.Pods(ns).Get(name)
@@ -80,18 +91,7 @@ func (pc *PodCache) Serve(ctx context.Context, runDir string, readyReason func()
 		}
 		_, _ = w.Write([]byte("ready\n"))
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("agent socket stopped", "error", err.Error())
-		}
-	}()
-	go func() {
-		<-ctx.Done()
-		_ = srv.Close()
-		_ = os.Remove(path)
-	}()
-	return nil
+	return serveHTTPSocket(srv, mux), nil
 }
 
 // WaitSynced waits for the first list of the node's pods.

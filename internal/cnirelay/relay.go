@@ -78,10 +78,14 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 	sock := filepath.Join(conf.RunDir, SocketName)
 	resp, err := r.ask(sock, command, args)
 	switch {
+	case errors.Is(err, errNoAgent) && command == "STATUS":
+		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
 		return r.fallback(err.Error(), args)
 	case err != nil:
 		return err
+	case resp.Unavailable != "" && command == "STATUS":
+		return r.status("node agent unavailable: " + resp.Unavailable)
 	case resp.Unavailable != "":
 		return r.fallback("node agent unavailable: "+resp.Unavailable, args)
 	case resp.Error != nil:
@@ -145,6 +149,28 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 		return nil, types.NewError(types.ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
 	}
 	return resp, nil
+}
+
+// errPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot
+// service ADD requests.
+const errPluginNotAvailable uint = 50
+
+// status answers STATUS when no agent serves: an ADD would be served by
+// the fallback, so STATUS fails only when the fallback cannot run. A
+// missing kubeconfig does not fail it: after a reboot the run dir is empty
+// until the agent starts, and the agent's own pod (not on the host
+// network, as in Istio) needs no lookup and must be able to start; other
+// pods then fail their ADD (closed) until the agent is back.
+func (r *Relay) status(reason string) error {
+	fi, err := os.Stat(r.Fallback)
+	if err == nil && (!fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0) {
+		err = errors.New("not an executable file")
+	}
+	if err != nil {
+		return types.NewError(errPluginNotAvailable, fmt.Sprintf("istio-cni cannot serve pods on this node: %s, and %s cannot run: %v",
+			reason, r.Fallback, err), "")
+	}
+	return nil
 }
 
 // fallback runs the complete plugin with the runtime's environment and

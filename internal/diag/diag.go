@@ -34,7 +34,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("istio-cni-diag", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	podRef := fs.String("pod", "", "namespace/name of the pod to explain")
-	netnsPath := fs.String("netns", "", "network namespace path (default: found through --proc from the pod's IP)")
+	netnsPath := fs.String("netns", "", "network namespace path (default: the pod's sandbox, found through --proc by the pod's UID and checked to hold its IP)")
 	runDir := fs.String("run-dir", plugin.DefaultRunDir, "the agent's run dir (kubeconfig and agent socket)")
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig to read the pod (default: the plugin's, in --run-dir)")
 	procDir := fs.String("proc", "/proc", "the host's /proc, to find the pod's namespace")
@@ -82,11 +82,16 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 			if len(pod.PodIPs) == 0 {
 				return 0, errors.New("the pod has no IP yet; give --netns")
 			}
-			ip, err := netip.ParseAddr(pod.PodIPs[0])
-			if err != nil {
-				return 0, err
+			id := repair.PodNetNS{UID: pod.UID}
+			for _, s := range pod.PodIPs {
+				ip, err := netip.ParseAddr(s)
+				if err != nil {
+					return 0, err
+				}
+				id.IPs = append(id.IPs, ip)
 			}
-			if netnsPath, err = repair.FindNetNS(procDir, ip); err != nil {
+			var err error
+			if netnsPath, err = repair.FindPodNetNS(procDir, id); err != nil {
 				return 0, err
 			}
 		}

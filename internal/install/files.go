@@ -7,10 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // tempMarker is in the name of every temp file we create, so that stale
@@ -38,10 +41,24 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode, keep bool) erro
 			}
 		}
 	}
+	tmp, err := writeTemp(path, data, mode, uid, gid)
+	if err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	return syncDir(filepath.Dir(path))
+}
+
+// writeTemp writes data into a new temp file beside path, synced, with
+// the given mode and (uid >= 0) owner, and returns its name.
+func writeTemp(path string, data []byte, mode os.FileMode, uid, gid int) (string, error) {
 	tmp := tempName(path)
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {
-		return fmt.Errorf("creating temp file for %s: %w", path, err)
+		return "", fmt.Errorf("creating temp file for %s: %w", path, err)
 	}
 	err = writeSyncClose(f, bytes.NewReader(data))
 	if err == nil {
@@ -50,14 +67,173 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode, keep bool) erro
 	if err == nil && uid >= 0 {
 		err = os.Chown(tmp, uid, gid)
 	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
 	if err != nil {
 		_ = os.Remove(tmp)
+		return "", fmt.Errorf("writing %s: %w", path, err)
+	}
+	return tmp, nil
+}
+
+// ErrChanged means another writer changed the file between our read and
+// our write; nothing of theirs was lost, and the caller reads it again.
+var ErrChanged = errors.New("changed by another writer while being rewritten")
+
+// exchangeUnsupported: the file system cannot swap two names atomically.
+func exchangeUnsupported(err error) bool {
+	return errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP)
+}
+
+// ReplaceIfUnchanged replaces path, whose content was base when the
+// caller read it, with data (mode, and owner when uid >= 0), as a
+// compare-and-swap: when another writer replaced or rewrote the file since
+// (a CNI agent putting its own config back), ErrChanged is returned and
+// that writer's file is what path holds.
+//
+// The new file is swapped in with RENAME_EXCHANGE, so the file it
+// displaced is in our hands afterwards and can be compared with base: a
+// write that landed between our read and the swap is put back, never
+// lost. Where the file system cannot exchange, the file is compared just
+// before a plain rename instead. Either way a reader of path always finds
+// a complete file, old or new.
+func ReplaceIfUnchanged(path string, base, data []byte, mode os.FileMode, uid, gid int) error {
+	tmp, err := writeTemp(path, data, mode, uid, gid)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp)
+	err = unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, path, unix.RENAME_EXCHANGE)
+	switch {
+	case errors.Is(err, unix.ENOENT):
+		return ErrChanged
+	case err != nil && exchangeUnsupported(err):
+		if cur, err := os.ReadFile(path); err != nil || !bytes.Equal(cur, base) {
+			return ErrChanged
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			return fmt.Errorf("writing %s: %w", path, err)
+		}
+		return syncDir(filepath.Dir(path))
+	case err != nil:
 		return fmt.Errorf("writing %s: %w", path, err)
 	}
+	if displaced, err := os.ReadFile(tmp); err == nil && bytes.Equal(displaced, base) {
+		if err := os.Remove(tmp); err != nil {
+			return fmt.Errorf("removing the old %s: %w", path, err)
+		}
+		return syncDir(filepath.Dir(path))
+	}
+	// Another writer got in between: its file is newer than the one ours
+	// was made from. Swap it back.
+	if err := unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, path, unix.RENAME_EXCHANGE); err != nil {
+		// The file was deleted meanwhile: that is the newest word.
+		return ErrChanged
+	}
+	// A write newer still may have landed between the two swaps; it
+	// supersedes the one just put back, so it goes back in its place.
+	if back, err := os.ReadFile(tmp); err == nil && !bytes.Equal(back, data) {
+		_ = unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, path, unix.RENAME_EXCHANGE)
+	}
+	_ = syncDir(filepath.Dir(path))
+	return ErrChanged
+}
+
+// CreateExclusive writes a new file at path, complete before it appears;
+// ErrChanged when path exists (someone else created it first).
+func CreateExclusive(path string, data []byte, mode os.FileMode, uid, gid int) error {
+	tmp, err := writeTemp(path, data, mode, uid, gid)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp)
+	err = unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, path, unix.RENAME_NOREPLACE)
+	if err != nil && exchangeUnsupported(err) {
+		err = os.Link(tmp, path)
+	}
+	switch {
+	case errors.Is(err, fs.ErrExist):
+		return ErrChanged
+	case err != nil:
+		return fmt.Errorf("creating %s: %w", path, err)
+	}
 	return syncDir(filepath.Dir(path))
+}
+
+// RemoveIfUnchanged deletes path if it still holds base: it is moved
+// aside first (atomically), compared, and put back when another writer
+// changed it since the caller read it (ErrChanged).
+func RemoveIfUnchanged(path string, base []byte) error {
+	aside := tempName(path)
+	if err := os.Rename(path, aside); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return ErrChanged
+		}
+		return fmt.Errorf("removing %s: %w", path, err)
+	}
+	if cur, err := os.ReadFile(aside); err == nil && bytes.Equal(cur, base) {
+		if err := os.Remove(aside); err != nil {
+			return fmt.Errorf("removing %s: %w", path, err)
+		}
+		return syncDir(filepath.Dir(path))
+	}
+	// Put the newer content back, unless an even newer file took the name.
+	err := unix.Renameat2(unix.AT_FDCWD, aside, unix.AT_FDCWD, path, unix.RENAME_NOREPLACE)
+	if err != nil && exchangeUnsupported(err) {
+		if err = os.Link(aside, path); err == nil {
+			err = os.Remove(aside)
+		}
+	}
+	if err != nil {
+		_ = os.Remove(aside)
+	}
+	return ErrChanged
+}
+
+// LinkError says why a config file that is a symbolic link is not
+// written through.
+type LinkError struct {
+	Path, Target, Why string
+}
+
+func (e *LinkError) Error() string {
+	return fmt.Sprintf("%s is a symbolic link to %s, which %s: the agent writes only through a relative link to a file in the same "+
+		"config dir (an absolute link is resolved in the agent's container, where the host's paths differ); "+
+		"make the link relative and inside the dir, or replace it with the file", e.Path, e.Target, e.Why)
+}
+
+// ResolveInDir returns the file that path stands for: path itself, or the
+// regular file inside dir that the relative symbolic link path leads to.
+// Other links are refused with a LinkError; a link that leads nowhere is
+// reported as fs.ErrNotExist, as a runtime skips it.
+func ResolveInDir(dir, path string) (string, error) {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return "", err
+	}
+	if fi.Mode()&os.ModeSymlink == 0 {
+		return path, nil
+	}
+	target, err := os.Readlink(path)
+	if err != nil {
+		return "", err
+	}
+	if filepath.IsAbs(target) {
+		return "", &LinkError{Path: path, Target: target, Why: "is absolute"}
+	}
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", path, fs.ErrNotExist)
+	}
+	realDir, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return "", err
+	}
+	if rel, err := filepath.Rel(realDir, real); err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return "", &LinkError{Path: path, Target: target, Why: "leads outside " + dir}
+	}
+	if fi, err := os.Stat(real); err != nil || !fi.Mode().IsRegular() {
+		return "", &LinkError{Path: path, Target: target, Why: "is not a regular file"}
+	}
+	return real, nil
 }
 
 func writeSyncClose(f *os.File, r io.Reader) error {

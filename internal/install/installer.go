@@ -1,13 +1,16 @@
 package install
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 )
@@ -69,6 +72,19 @@ func New(cfg Config, log *slog.Logger) *Installer {
 
 // ConfPath is the config file that holds our entry ("" before install).
 func (in *Installer) ConfPath() string { return in.confPath }
+
+// ConfFile is the file ConfPath stands for: itself, or the file inside
+// the config dir its symbolic link leads to ("" before install).
+func (in *Installer) ConfFile() string {
+	if in.confPath == "" {
+		return ""
+	}
+	real, err := ResolveInDir(in.cfg.MountedCNINetDir, in.confPath)
+	if err != nil {
+		return ""
+	}
+	return real
+}
 
 // Step names, used in errors and as the installs_total result label.
 const (
@@ -164,44 +180,126 @@ func (in *Installer) createdMode() os.FileMode {
 	return 0o600
 }
 
+// casAttempts bounds how often a config write is redone because another
+// writer changed the file meanwhile; past it the pass fails and is
+// retried later, like any failed pass.
+const casAttempts = 20
+
+// owner is a file's mode and owner, kept when it is rewritten.
+func owner(path string) (os.FileMode, int, int, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0, -1, -1, err
+	}
+	uid, gid := -1, -1
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		uid, gid = int(st.Uid), int(st.Gid)
+	}
+	return fi.Mode().Perm(), uid, gid, nil
+}
+
 // EnsureConf puts our entry into the node's CNI config if it is missing
 // or stale, and reports whether it wrote. ErrNoPrimary means there is no
-// primary config yet (chained mode) and the caller should wait.
+// primary config yet (chained mode) and the caller should wait. Every
+// write is a compare-and-swap: when the file changes between our read and
+// our write (its owner rewrote it), the pass starts over from the new
+// content instead of writing over it.
 func (in *Installer) EnsureConf() (bool, error) {
 	dir := in.cfg.MountedCNINetDir
 	if removed, err := RemoveStaleTemps(dir); err == nil && len(removed) > 0 {
 		in.log.Info("removed stale temp files", "files", removed)
 	}
-	if !in.cfg.Chained {
-		name := in.cfg.CNIConfName
-		if name == "" {
-			name = StandaloneConfName
+	for attempt := 0; attempt < casAttempts; attempt++ {
+		var wrote bool
+		var err error
+		if in.cfg.Chained {
+			wrote, err = in.ensureChained(dir)
+		} else {
+			wrote, err = in.ensureStandalone(dir)
 		}
-		path := filepath.Join(dir, name)
-		want := StandaloneConf(in.cfg.Entry)
-		in.confPath = path
-		if cur, err := os.ReadFile(path); err == nil && SameJSON(cur, want) {
-			return false, nil
+		if !errors.Is(err, ErrChanged) {
+			return wrote, err
 		}
-		if err := WriteFileAtomic(path, want, in.createdMode(), false); err != nil {
-			return false, &StepError{ResultCreateCNIConfig, err}
+		in.log.Debug("the CNI config changed while being rewritten; reading it again", "attempt", attempt+1)
+	}
+	return false, &StepError{ResultCreateCNIConfig, fmt.Errorf("the CNI config in %s kept changing while being rewritten (%d attempts)", dir, casAttempts)}
+}
+
+func (in *Installer) standalonePath(dir string) string {
+	name := in.cfg.CNIConfName
+	if name == "" {
+		name = StandaloneConfName
+	}
+	return filepath.Join(dir, name)
+}
+
+func (in *Installer) ensureStandalone(dir string) (bool, error) {
+	path := in.standalonePath(dir)
+	want := StandaloneConf(in.cfg.Entry)
+	in.confPath = path
+	real, err := ResolveInDir(dir, path)
+	if errors.Is(err, fs.ErrNotExist) {
+		if err := CreateExclusive(path, want, in.createdMode(), -1, -1); err != nil {
+			return false, stepErr(err)
 		}
 		return true, nil
 	}
+	if err != nil {
+		return false, stepErr(err)
+	}
+	cur, err := os.ReadFile(real)
+	if err != nil {
+		return false, stepErr(err)
+	}
+	if SameJSON(cur, want) {
+		return false, nil
+	}
+	if t := pluginType(cur); t != PluginType {
+		return false, stepErr(fmt.Errorf("%s holds another network's config (type %q): not overwriting it; set CNI_CONF_NAME to a name of its own", path, t))
+	}
+	if err := ReplaceIfUnchanged(real, cur, want, in.createdMode(), -1, -1); err != nil {
+		return false, stepErr(err)
+	}
+	return true, nil
+}
+
+// stepErr marks a config step's failure for the installs metric; a
+// compare-and-swap conflict passes through for the caller to retry.
+func stepErr(err error) error {
+	if err == nil || errors.Is(err, ErrChanged) {
+		return err
+	}
+	return &StepError{ResultCreateCNIConfig, err}
+}
+
+func (in *Installer) ensureChained(dir string) (bool, error) {
 	primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName)
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
 	}
-	if err != nil {
+	if errors.Is(err, ErrNoPrimary) {
 		return false, err
 	}
-	data, err := os.ReadFile(primary)
 	if err != nil {
-		return false, &StepError{ResultCreateCNIConfig, err}
+		return false, stepErr(err)
+	}
+	real, err := ResolveInDir(dir, primary)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, ErrChanged
+	}
+	if err != nil {
+		return false, stepErr(err)
+	}
+	data, err := os.ReadFile(real)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, ErrChanged
+	}
+	if err != nil {
+		return false, stepErr(err)
 	}
 	state, err := Inspect(data, in.entry)
 	if err != nil {
-		return false, &StepError{ResultCreateCNIConfig, fmt.Errorf("%s: %w", primary, err)}
+		return false, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
 	if state == EntryOK {
 		in.confPath = primary
@@ -209,32 +307,84 @@ func (in *Installer) EnsureConf() (bool, error) {
 	}
 	merged, err := Insert(data, in.entry)
 	if err != nil {
-		return false, &StepError{ResultCreateCNIConfig, fmt.Errorf("%s: %w", primary, err)}
+		return false, stepErr(fmt.Errorf("%s: %w", primary, err))
+	}
+	mode, uid, gid, err := owner(real)
+	if err != nil {
+		return false, ErrChanged
 	}
 	target := primary
 	if strings.HasSuffix(primary, ".conf") {
+		if real != primary {
+			return false, stepErr(fmt.Errorf("%s is a symbolic link: a .conf is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist", primary))
+		}
 		target = primary + "list"
-	}
-	// A wrapped .conf keeps its mode; the list is written in full before
-	// the .conf goes, so the runtime always has a valid config.
-	if target != primary {
-		if fi, err := os.Stat(primary); err == nil {
-			if err := WriteFileAtomic(target, merged, fi.Mode().Perm(), false); err != nil {
-				return false, &StepError{ResultCreateCNIConfig, err}
-			}
+		if err := in.wrap(primary, target, data, merged, mode, uid, gid); err != nil {
+			return false, stepErr(err)
 		}
-		if err := os.Remove(primary); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return false, &StepError{ResultCreateCNIConfig, err}
-		}
-		if err := syncDir(dir); err != nil {
-			return false, &StepError{ResultCreateCNIConfig, err}
-		}
-	} else if err := WriteFileAtomic(target, merged, 0o644, true); err != nil {
-		return false, &StepError{ResultCreateCNIConfig, err}
+	} else if err := ReplaceIfUnchanged(real, data, merged, mode, uid, gid); err != nil {
+		return false, stepErr(err)
 	}
 	in.confPath = target
 	in.log.Info("inserted istio-cni into the CNI config", "file", target, "was", map[EntryState]string{EntryMissing: "missing", EntryStale: "stale"}[state])
 	return true, nil
+}
+
+// wrap writes the list made of conf (the .conf's bytes) at list, and only
+// then removes the .conf, so the runtime always has a valid config. An
+// existing list is overwritten only when it holds the same network (an
+// earlier wrap of this .conf): another network's file is never replaced.
+func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMode, uid, gid int) error {
+	cur, err := os.ReadFile(list)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		err = CreateExclusive(list, merged, mode, uid, gid)
+	case err != nil:
+		return err
+	default:
+		if why := otherNetwork(cur, data); why != "" {
+			return fmt.Errorf("cannot wrap %s into %s: %s already exists and holds another network (%s); remove one of the two",
+				filepath.Base(conf), filepath.Base(list), filepath.Base(list), why)
+		}
+		real, rerr := ResolveInDir(filepath.Dir(list), list)
+		if rerr != nil {
+			return rerr
+		}
+		err = ReplaceIfUnchanged(real, cur, merged, mode, uid, gid)
+	}
+	if err != nil {
+		return err
+	}
+	return RemoveIfUnchanged(conf, data)
+}
+
+// otherNetwork says why list is not an earlier wrap of conf ("" when it
+// is): the same network name, and one plugin of the same type besides ours.
+func otherNetwork(list, conf []byte) string {
+	var l struct {
+		Name    string            `json:"name"`
+		Plugins []json.RawMessage `json:"plugins"`
+	}
+	var c struct {
+		Name string `json:"name"`
+		Type string `json:"type"`
+	}
+	if json.Unmarshal(list, &l) != nil || json.Unmarshal(conf, &c) != nil {
+		return "it does not parse as a plugin list"
+	}
+	if l.Name != c.Name {
+		return fmt.Sprintf("network %q, not %q", l.Name, c.Name)
+	}
+	var types []string
+	for _, p := range l.Plugins {
+		if t := pluginType(p); t != PluginType {
+			types = append(types, t)
+		}
+	}
+	if len(types) != 1 || types[0] != c.Type {
+		return fmt.Sprintf("plugins %q, not %q", types, c.Type)
+	}
+	return ""
 }
 
 // Ready says whether the binary, the kubeconfig and our entry are all in
@@ -269,65 +419,120 @@ func (in *Installer) Ready() error {
 	return nil
 }
 
-// Cleanup removes, in this order, our entry (so no runtime runs a config
-// that names a missing binary), the kubeconfig and the binaries. It goes
-// on after a failure and reports every one.
-func (in *Installer) Cleanup() error {
-	var errs []error
-	if err := in.removeEntry(); err != nil {
-		errs = append(errs, err)
-	}
-	if err := os.Remove(in.KubeconfigPath()); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("removing %s: %w", in.KubeconfigPath(), err))
-	}
-	for _, dir := range in.cfg.BinTargetDirs {
-		for _, name := range pluginBinaries {
-			p := filepath.Join(dir, name)
-			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, fmt.Errorf("removing %s: %w", p, err))
-			}
-		}
-	}
-	return errors.Join(errs...)
+// CleanupError says which removal step failed and what is left on the
+// node because of it.
+type CleanupError struct {
+	Err  error
+	Left []string
 }
 
-func (in *Installer) removeEntry() error {
+func (e *CleanupError) Error() string {
+	return fmt.Sprintf("%v; left in place so pods can still start: %s", e.Err, strings.Join(e.Left, ", "))
+}
+
+func (e *CleanupError) Unwrap() error { return e.Err }
+
+// Cleanup removes, in this order, our entry (so no runtime runs a config
+// that names a missing binary), the kubeconfig and the binaries, the relay
+// before its fallback. It stops at the first step that fails, so the node
+// never holds an entry without the binaries and kubeconfig it needs; the
+// error lists what is left.
+func (in *Installer) Cleanup() error {
+	var bins []string
+	for _, dir := range in.cfg.BinTargetDirs {
+		for _, name := range pluginBinaries {
+			bins = append(bins, filepath.Join(dir, name))
+		}
+	}
+	// left lists the entry's file (if any) and what still exists of the
+	// kubeconfig and binaries.
+	left := func(entry string) []string {
+		var l []string
+		if entry != "" {
+			l = append(l, "the istio-cni entry in "+entry)
+		}
+		for _, p := range append([]string{in.KubeconfigPath()}, bins...) {
+			if _, err := os.Lstat(p); err == nil {
+				l = append(l, p)
+			}
+		}
+		return l
+	}
+	if file, err := in.removeEntry(); err != nil {
+		return &CleanupError{Err: err, Left: left(file)}
+	}
+	if err := os.Remove(in.KubeconfigPath()); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return &CleanupError{Err: fmt.Errorf("removing %s: %w", in.KubeconfigPath(), err), Left: left("")}
+	}
+	for _, p := range bins {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return &CleanupError{Err: fmt.Errorf("removing %s: %w", p, err), Left: left("")}
+		}
+	}
+	return nil
+}
+
+// removeEntry removes our entry from every config file that holds it; on
+// failure it names the file whose entry is left.
+func (in *Installer) removeEntry() (string, error) {
 	dir := in.cfg.MountedCNINetDir
 	if !in.cfg.Chained {
-		name := in.cfg.CNIConfName
-		if name == "" {
-			name = StandaloneConfName
+		p := in.standalonePath(dir)
+		cur, err := os.ReadFile(p)
+		if errors.Is(err, os.ErrNotExist) {
+			return "", nil
 		}
-		p := filepath.Join(dir, name)
+		if err != nil {
+			return p, err
+		}
+		if pluginType(cur) != PluginType {
+			return "", nil
+		}
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("removing %s: %w", p, err)
+			return p, fmt.Errorf("removing %s: %w", p, err)
 		}
-		return nil
+		return "", nil
 	}
 	// Remove the entry from wherever it is now, not only from the file we
 	// wrote: the primary may have changed since.
 	files, err := filepath.Glob(filepath.Join(dir, "*.conf*"))
 	if err != nil {
-		return err
+		return dir, err
 	}
-	var errs []error
 	for _, f := range files {
 		if !strings.HasSuffix(f, ".conf") && !strings.HasSuffix(f, ".conflist") {
 			continue
 		}
-		data, err := os.ReadFile(f)
+		real, err := ResolveInDir(dir, f)
 		if err != nil {
+			// Not ours to write: the agent never writes through such a link.
 			continue
 		}
-		out, had, err := Remove(data)
-		if err != nil || !had {
-			continue
+		removed := false
+		for attempt := 0; ; attempt++ {
+			data, err := os.ReadFile(real)
+			if err != nil {
+				break
+			}
+			out, had, err := Remove(data)
+			if err != nil || !had {
+				break
+			}
+			mode, uid, gid, err := owner(real)
+			if err == nil {
+				err = ReplaceIfUnchanged(real, data, out, mode, uid, gid)
+			}
+			if err == nil {
+				removed = true
+				break
+			}
+			if !errors.Is(err, ErrChanged) || attempt == casAttempts {
+				return f, err
+			}
 		}
-		if err := WriteFileAtomic(f, out, 0o644, true); err != nil {
-			errs = append(errs, err)
-			continue
+		if removed {
+			in.log.Info("removed istio-cni from the CNI config", "file", f)
 		}
-		in.log.Info("removed istio-cni from the CNI config", "file", f)
 	}
-	return errors.Join(errs...)
+	return "", nil
 }

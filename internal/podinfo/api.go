@@ -10,7 +10,6 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -78,7 +77,7 @@ type kubeconfig struct {
 // sessionCacheDir is set, TLS sessions are resumed across processes
 // through a file there.
 func NewAPIClient(path, sessionCacheDir string) (*APIClient, error) {
-	data, err := os.ReadFile(path)
+	data, err := readSmallFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("reading kubeconfig: %w", err)
 	}
@@ -119,7 +118,7 @@ func NewAPIClient(path, sessionCacheDir string) (*APIClient, error) {
 				return nil, fmt.Errorf("kubeconfig %s: certificate-authority-data: %w", path, err)
 			}
 		case cl.Cluster.CertificateAuthority != "":
-			if caPEM, err = os.ReadFile(cl.Cluster.CertificateAuthority); err != nil {
+			if caPEM, err = readSmallFile(cl.Cluster.CertificateAuthority); err != nil {
 				return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
 			}
 		}
@@ -140,7 +139,7 @@ func NewAPIClient(path, sessionCacheDir string) (*APIClient, error) {
 		}
 		c.token = u.User.Token
 		if c.token == "" && u.User.TokenFile != "" {
-			tok, err := os.ReadFile(u.User.TokenFile)
+			tok, err := readSmallFile(u.User.TokenFile)
 			if err != nil {
 				return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
 			}
@@ -162,9 +161,16 @@ func NewAPIClient(path, sessionCacheDir string) (*APIClient, error) {
 	if sessionCacheDir != "" {
 		tlsConf.ClientSessionCache = &fileSessionCache{path: filepath.Join(sessionCacheDir, SessionCacheName)}
 	}
-	c.client = &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConf, ForceAttemptHTTP2: false, Proxy: nil}}
+	// Idle connections are closed after a while: a long-lived user (the
+	// agent without API access of its own) must not keep them forever.
+	c.client = &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConf, ForceAttemptHTTP2: false, Proxy: nil,
+		MaxIdleConnsPerHost: 2, IdleConnTimeout: 90 * time.Second}}
 	return c, nil
 }
+
+// CloseIdleConnections closes the client's kept-alive connections, for a
+// client being replaced.
+func (c *APIClient) CloseIdleConnections() { c.client.CloseIdleConnections() }
 
 // SessionCacheName is the file in the run directory that holds the TLS
 // session shared by plugin processes.

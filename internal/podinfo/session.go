@@ -22,7 +22,7 @@ type fileSessionCache struct {
 const sessionMagic = "icni-tls1"
 
 func (c *fileSessionCache) Get(key string) (*tls.ClientSessionState, bool) {
-	data, err := os.ReadFile(c.path)
+	data, err := readSmallFile(c.path)
 	if err != nil {
 		return nil, false
 	}
@@ -53,12 +53,18 @@ func (c *fileSessionCache) Put(key string, cs *tls.ClientSessionState) {
 	if err != nil {
 		return
 	}
+	_ = writeFileAtomic(c.path, joinFields([]byte(sessionMagic), []byte(key), ticket, stateBytes), 0o600)
+}
+
+// joinFields frames fields as splitFields reads them: each a 4-byte
+// big-endian length, then its bytes.
+func joinFields(fields ...[]byte) []byte {
 	var buf bytes.Buffer
-	for _, f := range [][]byte{[]byte(sessionMagic), []byte(key), ticket, stateBytes} {
+	for _, f := range fields {
 		_ = binary.Write(&buf, binary.BigEndian, uint32(len(f)))
 		buf.Write(f)
 	}
-	_ = writeFileAtomic(c.path, buf.Bytes(), 0o600)
+	return buf.Bytes()
 }
 
 func splitFields(data []byte, n int) ([][]byte, bool) {

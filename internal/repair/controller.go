@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -50,10 +52,21 @@ type Controller struct {
 
 	mu       sync.Mutex
 	repaired map[k8stypes.NamespacedName]k8stypes.UID
-	// BrokenSeen records when a pod was first seen broken, for latency.
-	brokenSeen map[k8stypes.UID]time.Time
+	// brokenSeen records when a pod was first seen broken, for latency;
+	// an entry goes when the pod is fixed, fine again, given up on or gone.
+	brokenSeen map[k8stypes.NamespacedName]seen
 	// Latency observes time from first seen broken to acted on.
 	Latency prometheus.Observer
+	// Panics counts pods whose handling panicked; nil means not counted.
+	Panics prometheus.Counter
+	// Informer, when set, is a started informer on the node's pods to
+	// share instead of watching them again.
+	Informer cache.SharedIndexInformer
+}
+
+type seen struct {
+	uid k8stypes.UID
+	at  time.Time
 }
 
 // NewMetric is istio_cni_repair_pods_repaired_total{type,result}.
@@ -72,41 +85,51 @@ func New(cfg Config, cs kubernetes.Interface, rules plugin.Rules, procDir string
 		counter:  counter,
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[k8stypes.NamespacedName](
 			100*time.Millisecond, 10*time.Second)),
-		repaired: map[k8stypes.NamespacedName]k8stypes.UID{}, brokenSeen: map[k8stypes.UID]time.Time{}}
+		repaired: map[k8stypes.NamespacedName]k8stypes.UID{}, brokenSeen: map[k8stypes.NamespacedName]seen{}}
 }
 
 // Run watches the pods of node until ctx ends.
 func (c *Controller) Run(ctx context.Context, node string) error {
-	factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = "spec.nodeName=" + node
-			if c.cfg.FieldSelectors != "" {
-				o.FieldSelector += "," + c.cfg.FieldSelectors
-			}
-			o.LabelSelector = c.cfg.LabelSelectors
-		}))
-	inf := factory.Core().V1().Pods()
+	informer := c.Informer
+	if informer == nil {
+		factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
+			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+				o.FieldSelector = "spec.nodeName=" + node
+				if c.cfg.FieldSelectors != "" {
+					o.FieldSelector += "," + c.cfg.FieldSelectors
+				}
+				o.LabelSelector = c.cfg.LabelSelectors
+			}))
+		informer = factory.Core().V1().Pods().Informer()
+		factory.Start(ctx.Done())
+	}
+	lister := listersv1.NewPodLister(informer.GetIndexer())
 	enqueue := func(obj any) {
 		if p, ok := obj.(*corev1.Pod); ok {
 			c.queue.Add(k8stypes.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
 	}
-	if _, err := inf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: enqueue, UpdateFunc: func(_, n any) { enqueue(n) }, DeleteFunc: enqueue,
+	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: enqueue, UpdateFunc: func(_, n any) { enqueue(n) },
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			enqueue(obj)
+		},
 	}); err != nil {
 		return err
 	}
-	c.lister = func(ns, name string) (*corev1.Pod, error) { return inf.Lister().Pods(ns).Get(name) }
-	factory.Start(ctx.Done())
+	c.lister = func(ns, name string) (*corev1.Pod, error) { return lister.Pods(ns).Get(name) }
 	go func() {
 		<-ctx.Done()
 		c.queue.ShutDown()
 	}()
-	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {
 		return nil
 	}
 	c.log.Info("repair controller watching the node's pods", "node", node, "mode", c.cfg.Mode())
-	if pods, err := inf.Lister().List(labels.Everything()); err == nil {
+	if pods, err := lister.List(labels.Everything()); err == nil {
 		c.scan(ctx, pods)
 	}
 	for c.next(ctx) {
@@ -119,49 +142,70 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 // was there, and their validation may not have failed (yet); they are
 // treated as broken now instead of waiting for it.
 func (c *Controller) scan(ctx context.Context, pods []*corev1.Pod) {
-	index, err := IndexNetNS(c.procDir)
+	index, err := IndexPodNetNS(c.procDir)
 	if err != nil {
 		c.log.Warn("start-up scan skipped", "error", err.Error())
 		return
 	}
 	for _, pod := range pods {
-		if _, ok := pod.Annotations[c.cfg.SidecarAnnotation]; !ok || pod.Spec.HostNetwork || pod.DeletionTimestamp != nil {
-			continue
+		_ = c.safely(pod.Namespace+"/"+pod.Name, func() error { c.scanPod(ctx, pod, index); return nil })
+	}
+}
+
+// safely runs f for one pod: a panic is logged with the pod, counted, and
+// fails that pod only, so one bad pod neither stops the controller nor
+// (met again by the start-up scan) the agent at every restart.
+func (c *Controller) safely(pod string, f func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			if c.Panics != nil {
+				c.Panics.Inc()
+			}
+			c.log.Error("panic while handling a pod; skipping it", "pod", pod, "panic", fmt.Sprint(r), "stack", string(debug.Stack()))
+			err = fmt.Errorf("panic: %v", r)
 		}
-		ip, err := netip.ParseAddr(pod.Status.PodIP)
-		if err != nil {
-			continue
-		}
-		netns, ok := index[ip]
-		if !ok {
-			continue
-		}
-		facts, err := toFacts(pod)
-		if err != nil {
-			continue
-		}
-		params, _, err := redirect.FromPod(facts)
-		if err != nil || params.Mode == redirect.ModeNone {
-			continue
-		}
-		plan, err := plugin.BuildPlan(c.rules, netns, params)
-		if err != nil || c.rules.Check(netns, plan) == nil {
-			continue
-		}
-		reason := "running without redirect rules (found at agent start-up)"
-		c.log.Warn("pod runs without redirect rules", "pod", pod.Namespace+"/"+pod.Name)
-		var actErr error
-		switch c.cfg.Mode() {
-		case "repair":
-			actErr = c.repair(pod, reason)
-		case "delete":
-			actErr = c.delete(ctx, pod, reason)
-		case "label":
-			actErr = c.label(ctx, pod, reason)
-		}
-		if actErr != nil {
-			c.log.Error("start-up scan could not act", "pod", pod.Namespace+"/"+pod.Name, "error", actErr.Error())
-		}
+	}()
+	return f()
+}
+
+func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[string]string) {
+	if _, ok := pod.Annotations[c.cfg.SidecarAnnotation]; !ok || pod.Spec.HostNetwork || pod.DeletionTimestamp != nil {
+		return
+	}
+	netns, ok := index[string(pod.UID)]
+	if !ok {
+		return
+	}
+	if err := VerifyPodNetNS(netns, podNetNS(pod)); err != nil {
+		c.log.Warn("start-up scan: not the pod's network namespace; leaving it alone", "pod", pod.Namespace+"/"+pod.Name, "error", err.Error())
+		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonRepairFailed, "start-up check refused the pod's network namespace: %v", err)
+		return
+	}
+	facts, err := toFacts(pod)
+	if err != nil {
+		return
+	}
+	params, _, err := redirect.FromPod(facts)
+	if err != nil || params.Mode == redirect.ModeNone {
+		return
+	}
+	plan, err := plugin.BuildPlan(c.rules, netns, params)
+	if err != nil || c.rules.Check(netns, plan) == nil {
+		return
+	}
+	reason := "running without redirect rules (found at agent start-up)"
+	c.log.Warn("pod runs without redirect rules", "pod", pod.Namespace+"/"+pod.Name)
+	var actErr error
+	switch c.cfg.Mode() {
+	case "repair":
+		actErr = c.repair(pod, reason)
+	case "delete":
+		actErr = c.delete(ctx, pod, reason)
+	case "label":
+		actErr = c.label(ctx, pod, reason)
+	}
+	if actErr != nil {
+		c.log.Error("start-up scan could not act", "pod", pod.Namespace+"/"+pod.Name, "error", actErr.Error())
 	}
 }
 
@@ -171,15 +215,22 @@ func (c *Controller) next(ctx context.Context) bool {
 		return false
 	}
 	defer c.queue.Done(key)
-	if err := c.reconcile(ctx, key); err != nil {
+	if err := c.safely(key.String(), func() error { return c.reconcile(ctx, key) }); err != nil {
 		if c.queue.NumRequeues(key) < 5 {
 			c.queue.AddRateLimited(key)
 			return true
 		}
 		c.log.Error("giving up on pod", "pod", key.String(), "error", err.Error())
+		c.forgetBroken(key)
 	}
 	c.queue.Forget(key)
 	return true
+}
+
+func (c *Controller) forgetBroken(key k8stypes.NamespacedName) {
+	c.mu.Lock()
+	delete(c.brokenSeen, key)
+	c.mu.Unlock()
 }
 
 func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName) error {
@@ -187,6 +238,7 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 	if apierrors.IsNotFound(err) {
 		c.mu.Lock()
 		delete(c.repaired, key)
+		delete(c.brokenSeen, key)
 		c.mu.Unlock()
 		c.log.Info("pod gone before it could be acted on; nothing to do", "pod", key.String())
 		return nil
@@ -196,11 +248,12 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 	}
 	reason, broken := c.cfg.Broken(pod)
 	if !broken {
+		c.forgetBroken(key)
 		return nil
 	}
 	c.mu.Lock()
-	if _, ok := c.brokenSeen[pod.UID]; !ok {
-		c.brokenSeen[pod.UID] = time.Now()
+	if s, ok := c.brokenSeen[key]; !ok || s.uid != pod.UID {
+		c.brokenSeen[key] = seen{uid: pod.UID, at: time.Now()}
 	}
 	c.mu.Unlock()
 	switch c.cfg.Mode() {
@@ -219,12 +272,15 @@ func (c *Controller) done(kind, result string, pod *corev1.Pod) {
 	if result != "success" {
 		return
 	}
+	key := k8stypes.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
 	c.mu.Lock()
-	seen, ok := c.brokenSeen[pod.UID]
-	delete(c.brokenSeen, pod.UID)
+	s, ok := c.brokenSeen[key]
+	if ok && s.uid == pod.UID {
+		delete(c.brokenSeen, key)
+	}
 	c.mu.Unlock()
-	if ok && c.Latency != nil {
-		c.Latency.Observe(time.Since(seen).Seconds())
+	if ok && s.uid == pod.UID && c.Latency != nil {
+		c.Latency.Observe(time.Since(s.at).Seconds())
 	}
 }
 
@@ -245,11 +301,11 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		c.log.Error("repair failed", "pod", key.String(), "error", err.Error())
 		return err
 	}
-	ip, err := netip.ParseAddr(pod.Status.PodIP)
-	if err != nil {
+	id := podNetNS(pod)
+	if len(id.IPs) == 0 {
 		return fail(fmt.Errorf("pod has no IP yet"))
 	}
-	netns, err := FindNetNS(c.procDir, ip)
+	netns, err := FindPodNetNS(c.procDir, id)
 	if err != nil {
 		return fail(err)
 	}
@@ -327,4 +383,22 @@ func toFacts(pod *corev1.Pod) (*podinfo.Pod, error) {
 		return nil, err
 	}
 	return podinfo.DecodeJSON(b)
+}
+
+// podNetNS is what identifies pod's network namespace on the node.
+func podNetNS(pod *corev1.Pod) PodNetNS {
+	id := PodNetNS{UID: string(pod.UID), HostUsers: pod.Spec.HostUsers}
+	if id.HostUsers == nil {
+		t := true
+		id.HostUsers = &t
+	}
+	for _, ip := range pod.Status.PodIPs {
+		if a, err := netip.ParseAddr(ip.IP); err == nil {
+			id.IPs = append(id.IPs, a)
+		}
+	}
+	if a, err := netip.ParseAddr(pod.Status.PodIP); err == nil && len(id.IPs) == 0 {
+		id.IPs = append(id.IPs, a)
+	}
+	return id
 }

@@ -590,8 +590,8 @@ func repairRule(resource, verb string) func(*testing.T, *rendered) {
 			eq(t, "repair rules beyond events", extra, []rbacv1.PolicyRule(nil))
 			return
 		}
-		if len(extra) != 1 || !reflect.DeepEqual(extra[0].Resources, []string{resource}) || extra[0].Verbs[0] != verb {
-			t.Errorf("repair rules beyond events = %+v, want %s %s", extra, verb, resource)
+		if len(extra) != 1 || !reflect.DeepEqual(extra[0].Resources, []string{resource}) || !reflect.DeepEqual(extra[0].Verbs, []string{verb}) {
+			t.Errorf("repair rules beyond events = %+v, want exactly %s %s", extra, verb, resource)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -134,8 +135,16 @@ func chartOnNode(t *testing.T, backend string) {
 	if err != nil || !strings.Contains(string(conf), `"istio-cni"`) {
 		t.Fatalf("the agent did not insert the plugin into containerd's config: %v\n%s", err, conf)
 	}
-	if want := fmt.Sprintf(`"native_nftables": %v`, backend == "nftables"); !strings.Contains(string(conf), want) {
-		t.Fatalf("the plugin entry lacks %s:\n%s", want, conf)
+	// The entry follows the file's own layout (compact here), so it is
+	// read as JSON.
+	var list struct {
+		Plugins []map[string]any `json:"plugins"`
+	}
+	if err := json.Unmarshal(conf, &list); err != nil || len(list.Plugins) == 0 {
+		t.Fatalf("the config does not parse: %v\n%s", err, conf)
+	}
+	if got := list.Plugins[len(list.Plugins)-1]["native_nftables"]; got != (backend == "nftables") {
+		t.Fatalf("the plugin entry has native_nftables %v, want %v:\n%s", got, backend == "nftables", conf)
 	}
 
 	name := "sidecar-" + backend

@@ -99,10 +99,21 @@ func TestBadInput(t *testing.T) {
 		if res != nil {
 			t.Fatalf("STATUS: %v", res)
 		}
-		// Nothing installed: not available (code 50).
-		res, _ = execPlugin(t, "STATUS", "", "", []byte(`{"cniVersion":"1.1.0","name":"n","type":"istio-cni","cni_agent_run_dir":"`+t.TempDir()+`"}`))
+		// An empty run dir (a reboot emptied it; no agent yet): the agent's
+		// own pod needs no lookup and must be able to start.
+		empty := []byte(`{"cniVersion":"1.1.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + t.TempDir() + `"}`)
+		if res, _ = execPlugin(t, "STATUS", "", "", empty); res != nil {
+			t.Fatalf("STATUS with an empty run dir: %v", res)
+		}
+		// The relay alone, no agent: nothing can serve an ADD (code 50).
+		relay := filepath.Join(t.TempDir(), "istio-cni")
+		copyFile(t, pluginBin, relay)
+		if err := os.Chmod(relay, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		res, _ = execPluginAt(t, relay, "STATUS", "", "", empty)
 		if res == nil || res["code"] != float64(50) {
-			t.Fatalf("STATUS with nothing installed: %v, want code 50", res)
+			t.Fatalf("STATUS with neither agent nor fallback: %v, want code 50", res)
 		}
 	})
 

@@ -1,0 +1,133 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+)
+
+// daemonSetWatch follows the agent's own DaemonSet while the agent runs.
+// At termination one read usually tells an upgrade (the DaemonSet is
+// there) from an uninstall (it is gone); but helm uninstall deletes the
+// DaemonSet first and its RBAC right after, so that read is often refused.
+// A refusal alone proves nothing (a rollout with a webhook or RBAC hiccup
+// gets one too): it counts as an uninstall only when the watch saw the
+// DaemonSet go first.
+type daemonSetWatch struct {
+	cs       kubernetes.Interface
+	ns, name string
+	log      *slog.Logger
+
+	mu   sync.Mutex
+	gone bool
+}
+
+func watchDaemonSet(ctx context.Context, cs kubernetes.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
+	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log}
+	go d.run(ctx)
+	return d
+}
+
+func (d *daemonSetWatch) run(ctx context.Context) {
+	backoff := time.Second
+	announced, complained := false, false
+	for ctx.Err() == nil {
+		// A watch reports what exists when it starts, not what is gone:
+		// a read first says whether it is gone.
+		_, err := d.cs.AppsV1().DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			d.set(true)
+		}
+		// From the API server's cache as it is ("0"): asking for its
+		// newest version can wait on a cache that lags a quiet resource.
+		w, err := d.cs.AppsV1().DaemonSets(d.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: "0",
+			FieldSelector: fields.OneTermEqualSelector("metadata.name", d.name).String()})
+		if err != nil {
+			if !complained && ctx.Err() == nil {
+				d.log.Info("cannot watch the agent's DaemonSet; at termination a refused read of it will leave the plugin in place",
+					"daemonset", d.ns+"/"+d.name, "error", err.Error())
+				complained = true
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff): // retrying a refused or failed watch
+			}
+			backoff = min(2*backoff, time.Minute)
+			continue
+		}
+		if !announced {
+			d.log.Info("watching its DaemonSet, to tell an upgrade from an uninstall at termination", "daemonset", d.ns+"/"+d.name)
+			announced = true
+		}
+		backoff = time.Second
+		d.follow(ctx, w)
+	}
+}
+
+// follow reads one watch until it ends or reports an error (then the
+// caller starts another, after a pause).
+func (d *daemonSetWatch) follow(ctx context.Context, w watch.Interface) {
+	defer w.Stop()
+	for ev := range w.ResultChan() {
+		switch ev.Type {
+		case watch.Added, watch.Modified:
+			if ds, ok := ev.Object.(*appsv1.DaemonSet); ok {
+				d.set(ds.DeletionTimestamp != nil)
+			}
+		case watch.Deleted:
+			d.set(true)
+		case watch.Error:
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second): // the API server asks for a pause before a new watch
+			}
+			return
+		}
+	}
+}
+
+func (d *daemonSetWatch) set(gone bool) {
+	d.mu.Lock()
+	was := d.gone
+	d.gone = gone
+	d.mu.Unlock()
+	switch {
+	case gone && !was:
+		d.log.Info("the agent's DaemonSet was deleted: the plugin will be removed at termination", "daemonset", d.ns+"/"+d.name)
+	case !gone && was:
+		d.log.Info("the agent's DaemonSet exists again", "daemonset", d.ns+"/"+d.name)
+	}
+}
+
+func (d *daemonSetWatch) seenGone() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.gone
+}
+
+// present says, at termination, whether the DaemonSet still exists (and
+// is not being deleted).
+func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
+	ds, err := d.cs.AppsV1().DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err == nil:
+		return ds.DeletionTimestamp == nil, nil
+	case d.seenGone():
+		return false, nil
+	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
+		return false, fmt.Errorf("the API server refused to read the DaemonSet and it was not seen deleted: %w", err)
+	}
+	return false, err
+}

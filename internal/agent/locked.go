@@ -1,0 +1,42 @@
+package agent
+
+import (
+	"net/netip"
+
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// lockedRules is a rule backend whose reads-then-writes of a namespace
+// hold that namespace's lock, shared with the CNI server's commands.
+type lockedRules struct {
+	plugin.Rules
+	locker *nslock.Locker
+}
+
+var _ plugin.Rules = (*lockedRules)(nil)
+
+func (r *lockedRules) lock(netnsPath string) func() {
+	key, err := nslock.KeyOfPath(netnsPath)
+	if err != nil {
+		// The backend reports the missing namespace itself.
+		return func() {}
+	}
+	return r.locker.Lock(key)
+}
+
+func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error) {
+	defer r.lock(netnsPath)()
+	return r.Rules.Apply(netnsPath, plan)
+}
+
+func (r *lockedRules) Check(netnsPath string, plan *ruleset.Plan) error {
+	defer r.lock(netnsPath)()
+	return r.Rules.Check(netnsPath, plan)
+}
+
+func (r *lockedRules) PodAddrs(netnsPath string) ([]netip.Addr, error) {
+	return r.Rules.PodAddrs(netnsPath)
+}

@@ -1,0 +1,208 @@
+package repair
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+)
+
+// Errors of FindPodNetNS; each refusal says why, for the pod's Event.
+var (
+	ErrNotPodIP      = errors.New("the pod's sandbox namespace does not hold the pod's IP")
+	ErrForeignUserNS = errors.New("the namespace belongs to a user namespace the pod does not run in")
+)
+
+// PodNetNS is what the agent knows of a pod to find its network namespace.
+type PodNetNS struct {
+	UID string
+	IPs []netip.Addr
+	// HostUsers is the pod's spec.hostUsers: false means its namespace
+	// belongs to a user namespace of its own; nil means not known.
+	HostUsers *bool
+}
+
+// IndexPodNetNS maps the UID of every pod with a process on the node to
+// /proc/<pid>/ns/net of its oldest process: the sandbox's. A pod's
+// processes are known by the kubelet's cgroup of the pod, whose path names
+// the pod's UID (kubepods/<qos>/pod<uid> with the cgroupfs driver,
+// kubepods-<qos>-pod<uid_with_underscores>.slice with systemd's). No other
+// user of the node can put a process there, unlike an IP, which anyone
+// with a user namespace can give to a namespace of their own.
+func IndexPodNetNS(procDir string) (map[string]string, error) {
+	entries, err := os.ReadDir(procDir)
+	if err != nil {
+		return nil, fmt.Errorf("reading %s: %w", procDir, err)
+	}
+	type proc struct {
+		pid   string
+		start uint64
+	}
+	oldest := map[string]proc{}
+	for _, e := range entries {
+		pid := e.Name()
+		if _, err := strconv.Atoi(pid); err != nil {
+			continue
+		}
+		uid := podUIDOfCgroup(filepath.Join(procDir, pid, "cgroup"))
+		if uid == "" {
+			continue
+		}
+		start := startTime(filepath.Join(procDir, pid, "stat"))
+		if cur, ok := oldest[uid]; !ok || start < cur.start {
+			oldest[uid] = proc{pid, start}
+		}
+	}
+	index := make(map[string]string, len(oldest))
+	for uid, p := range oldest {
+		index[uid] = filepath.Join(procDir, p.pid, "ns", "net")
+	}
+	return index, nil
+}
+
+// FindPodNetNS returns the network namespace of pod, found by its UID and
+// verified by VerifyPodNetNS.
+func FindPodNetNS(procDir string, pod PodNetNS) (string, error) {
+	index, err := IndexPodNetNS(procDir)
+	if err != nil {
+		return "", err
+	}
+	path, ok := index[pod.UID]
+	if !ok {
+		return "", fmt.Errorf("%w: no process on this node runs in the cgroup of pod %s", ErrNoNetNS, pod.UID)
+	}
+	return path, VerifyPodNetNS(path, pod)
+}
+
+// VerifyPodNetNS checks that the namespace at path is the pod's: it holds
+// one of the pod's IPs, and it belongs to the node's user namespace (or,
+// for a pod with hostUsers: false, to another one). A namespace that fails
+// either is refused, never programmed.
+func VerifyPodNetNS(path string, pod PodNetNS) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := checkUserNS(f, pod.HostUsers); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	var held []netip.Addr
+	err = ns.WithNetNSPath(path, func(ns.NetNS) error {
+		addrs, err := net.InterfaceAddrs()
+		if err != nil {
+			return err
+		}
+		for _, a := range addrs {
+			if pfx, err := netip.ParsePrefix(a.String()); err == nil {
+				held = append(held, pfx.Addr().Unmap())
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("entering %s: %w", path, err)
+	}
+	for _, want := range pod.IPs {
+		for _, h := range held {
+			if h == want.Unmap() {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("%w (%s holds %v, the pod has %v)", ErrNotPodIP, path, held, pod.IPs)
+}
+
+func checkUserNS(netns *os.File, hostUsers *bool) error {
+	fd, err := unix.IoctlRetInt(int(netns.Fd()), unix.NS_GET_USERNS)
+	if err != nil {
+		// Kernels without the ioctl (before 4.9) have no user-namespaced
+		// pods either: nothing to tell apart.
+		return nil
+	}
+	owner := os.NewFile(uintptr(fd), "userns")
+	defer owner.Close()
+	var ost, nodeSt syscall.Stat_t
+	if err := syscall.Fstat(int(owner.Fd()), &ost); err != nil {
+		return err
+	}
+	// The agent runs in the node's user namespace (pid 1's may not be
+	// readable, even with SYS_PTRACE, under some security modules).
+	if err := syscall.Stat("/proc/self/ns/user", &nodeSt); err != nil {
+		return fmt.Errorf("reading the node's user namespace: %w", err)
+	}
+	nodeOwned := ost.Ino == nodeSt.Ino && ost.Dev == nodeSt.Dev
+	switch {
+	case hostUsers == nil:
+		return nil
+	case *hostUsers && !nodeOwned:
+		return fmt.Errorf("%w: it is owned by a user namespace other than the node's, and the pod does not set hostUsers: false", ErrForeignUserNS)
+	case !*hostUsers && nodeOwned:
+		return fmt.Errorf("%w: the pod sets hostUsers: false, yet the namespace is owned by the node's user namespace", ErrForeignUserNS)
+	}
+	return nil
+}
+
+// podUIDOfCgroup returns the pod UID named in a process's cgroup file, or
+// "" for a process outside any pod's cgroup.
+func podUIDOfCgroup(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		if uid := PodUIDInCgroupPath(s.Text()); uid != "" {
+			return uid
+		}
+	}
+	return ""
+}
+
+// PodUIDInCgroupPath finds the kubelet's pod cgroup in one line of
+// /proc/<pid>/cgroup (or a cgroup path) and returns the pod's UID in its
+// canonical form, or "".
+func PodUIDInCgroupPath(line string) string {
+	for _, part := range strings.Split(line, "/") {
+		part = strings.TrimSuffix(part, ".slice")
+		i := strings.LastIndex(part, "pod")
+		if i < 0 || (i > 0 && part[i-1] != '-' && part[i-1] != ':') {
+			continue
+		}
+		uid := strings.ReplaceAll(part[i+3:], "_", "-")
+		if isUID(uid) {
+			return uid
+		}
+	}
+	return ""
+}
+
+// isUID matches the 8-4-4-4-12 hex form the API server gives pod UIDs.
+func isUID(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	for i, c := range s {
+		switch i {
+		case 8, 13, 18, 23:
+			if c != '-' {
+				return false
+			}
+		default:
+			if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+				return false
+			}
+		}
+	}
+	return true
+}
