@@ -49,9 +49,10 @@ bench: setup
 	$(GO) run ./test/bench
 	$(GO) run ./test/bench -cluster-pods 30
 
-# Rewrites the golden files from the current code.
+# Rewrites every golden file from the current code (the rule sets, the
+# nftables translation, merged CNI configs, the rendered chart).
 golden:
-	REFRESH_GOLDEN=true $(GO) test ./internal/ruleset/...
+	REFRESH_GOLDEN=true $(GO) test -count=1 ./internal/ruleset/... ./internal/nftables/... ./internal/install/... ./test/chart/...
 
 clean:
 	rm -rf bin
