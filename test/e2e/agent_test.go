@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/fsnotify/fsnotify"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -129,23 +128,8 @@ func (h *host) waitMetric(name, want string, timeout time.Duration) {
 // the directory.
 func waitDir(t *testing.T, dir string, timeout time.Duration, cond func() bool) {
 	t.Helper()
-	w, err := fsnotify.NewWatcher()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	if err := w.Add(dir); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.After(timeout)
-	for !cond() {
-		select {
-		case <-w.Events:
-		case err := <-w.Errors:
-			t.Fatal(err)
-		case <-deadline:
-			t.Fatalf("condition on %s not met within %s", dir, timeout)
-		}
+	if !waitDirFor(t, dir, timeout, cond) {
+		t.Fatalf("condition on %s not met within %s", dir, timeout)
 	}
 }
 
