@@ -28,6 +28,10 @@ func Main(args []string) int {
 	if len(args) > 0 && args[0] == "version" {
 		return version.Command(args[1:], os.Stdout, os.Stderr)
 	}
+	// Cobra's `help` subcommand, which Istio's install-cni has.
+	if len(args) > 0 && args[0] == "help" {
+		args = []string{"--help"}
+	}
 	opts, err := ParseOptions(args, os.LookupEnv)
 	if errors.Is(err, ErrHelp) {
 		return ExitOK

@@ -238,7 +238,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 			return nil
 		}},
 		// Istio's logging flags.
-		{name: "log_output_level", help: "per-scope levels: <scope>:<level>,... (scopes default, cni-agent, cni-plugin, all; levels debug, info, warn, error, none)", def: o.Log.OutputLevel, set: str(&o.Log.OutputLevel), env: "-"},
+		{name: "log_output_level", help: "per-scope levels: <scope>:<level>,... (scopes default, cni-agent, cni-plugin, cni for both, all; levels debug, info, warn, error, none)", def: o.Log.OutputLevel, set: str(&o.Log.OutputLevel), env: "-"},
 		{name: "log_stacktrace_level", help: "per-scope level at which stack traces are added", def: o.Log.StacktraceLevel, set: str(&o.Log.StacktraceLevel), env: "-"},
 		{name: "log_caller", help: "scopes whose lines name their source line", set: str(&o.Log.Caller), env: "-"},
 		{name: "log_as_json", help: "JSON lines instead of Istio's console format", def: "false", set: boolean(&o.Log.AsJSON), env: "-"},

@@ -135,9 +135,11 @@ func TestAgentVersionAndHelp(t *testing.T) {
 	if out, err := exec.Command(agentBin, "version", "--short").CombinedOutput(); err != nil || strings.TrimSpace(string(out)) == "" {
 		t.Fatalf("install-cni version --short: %v %q", err, out)
 	}
-	out, err = exec.Command(agentBin, "--help").CombinedOutput()
-	if err != nil || !strings.Contains(string(out), "-log_output_level") || !strings.Contains(string(out), "-repair-label-selectors") {
-		t.Fatalf("install-cni --help: %v %q", err, out)
+	for _, help := range []string{"--help", "help"} {
+		out, err = exec.Command(agentBin, help).CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "-log_output_level") || !strings.Contains(string(out), "-repair-label-selectors") {
+			t.Fatalf("install-cni %s: %v %q", help, err, out)
+		}
 	}
 	out, err = exec.Command(agentBin, "--no-such-flag").CombinedOutput()
 	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "no-such-flag") {
