@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
@@ -328,5 +329,43 @@ func TestCheckFindsMissingPolicyRoute(t *testing.T) {
 	err := a.Check(pod.Path(), plan)
 	if err == nil || !strings.Contains(err.Error(), "policy rule fwmark 1337 lookup 133 missing") {
 		t.Fatalf("CHECK without the policy rule: %v", err)
+	}
+}
+
+// TestPodCannotHoldTheLock: a process of the pod (here the test) holding
+// a lock on the pod's network namespace file, as the old lock path let any
+// pod do, no longer stalls writes to the pod (legacy iptables waits up to
+// 30 s for its lock); the lock dir is root's alone.
+func TestPodCannotHoldTheLock(t *testing.T) {
+	testutil.RequireRoot(t)
+	for _, variant := range []string{"legacy", "nft"} {
+		t.Run(variant, func(t *testing.T) {
+			pod := newNS(t)
+			f, err := os.Open(pod.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				_, err := (&Applier{Force: variant}).Apply(pod.Path(), planFor(t, testutil.RedirectCases[0], false))
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("the write waited on a lock the pod holds")
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(lockDir, &st); err != nil || st.Mode&0o077 != 0 || st.Uid != 0 {
+				t.Fatalf("lock dir %s: mode %o uid %d (%v); want root's alone", lockDir, st.Mode&0o777, st.Uid, err)
+			}
+		})
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 
@@ -16,13 +17,13 @@ import (
 // podTarget is the pod namespace the iptables commands of one call act
 // on, and how they must be run there.
 type podTarget struct {
-	// path names the pod's network namespace; it doubles as the xtables
-	// lock file, so the lock is scoped to the pod.
+	// path names the pod's network namespace.
 	path string
+	// lock is the xtables lock of this pod's commands (xtablesLock).
+	lock *os.File
 	// userns is set when the network namespace belongs to a user
 	// namespace other than ours: a pod with hostUsers: false.
 	userns *os.File
-	netns  *os.File
 	// nsenter runs a command in userns: its argv before the namespace
 	// option.
 	nsenter []string
@@ -51,6 +52,10 @@ func (a *Applier) inPod(netnsPath string, fn func(*podTarget) error) error {
 // nsenter, as Istio's plugin does.
 func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 	t := &podTarget{path: path}
+	var err error
+	if t.lock, err = xtablesLock(netNS); err != nil {
+		return nil, err
+	}
 	fd, err := unix.IoctlRetInt(int(netNS.Fd()), unix.NS_GET_USERNS)
 	if err != nil {
 		// Kernels without the ioctl (before 4.9) have no pods in user
@@ -64,10 +69,6 @@ func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 		return t, err
 	}
 	t.userns = owner
-	if t.netns, err = os.Open(path); err != nil {
-		t.close()
-		return nil, err
-	}
 	if p, err := a.lookPath("nsenter"); err == nil {
 		t.nsenter = []string{p}
 	} else if p, err := a.lookPath("busybox"); err == nil {
@@ -100,7 +101,7 @@ func isOwnUserNS(f *os.File) (bool, error) {
 }
 
 func (t *podTarget) close() {
-	for _, f := range []*os.File{t.userns, t.netns} {
+	for _, f := range []*os.File{t.userns, t.lock} {
 		if f != nil {
 			_ = f.Close()
 		}
@@ -116,20 +117,20 @@ func (t *podTarget) how() string {
 }
 
 // run executes an iptables binary in the pod's network namespace (the
-// calling thread is in it), with a lock scoped to the pod, so pods never
-// wait on each other or on the host's xtables lock. Writes to a
+// calling thread is in it), with a lock of our own (xtablesLock), so pods
+// never wait on the host's xtables lock, nor on a lock a pod could hold. Writes to a
 // user-namespaced pod run in its user namespace; reads need not (and
 // legacy iptables-save cannot list the tables from there).
 func (t *podTarget) run(write bool, bin, stdin string, args ...string) (string, error) {
 	cmd := exec.Command(bin, args...)
-	lock := t.path
+	// The lock goes as a descriptor: from inside the pod's user namespace
+	// the agent's files cannot be opened by path.
+	cmd.ExtraFiles = []*os.File{t.lock}
+	lock := "/proc/self/fd/3"
 	if write && t.userns != nil {
-		// Descriptors rather than paths: from inside the pod's user
-		// namespace the agent's /proc/<pid>/fd cannot be opened.
-		argv := append(append(append([]string{}, t.nsenter[1:]...), "--user=/proc/self/fd/3", bin), args...)
+		argv := append(append(append([]string{}, t.nsenter[1:]...), "--user=/proc/self/fd/4", bin), args...)
 		cmd = exec.Command(t.nsenter[0], argv...)
-		cmd.ExtraFiles = []*os.File{t.userns, t.netns}
-		lock = "/proc/self/fd/4"
+		cmd.ExtraFiles = []*os.File{t.lock, t.userns}
 	}
 	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=" + lock}
 	if stdin != "" {
@@ -167,4 +168,45 @@ func abridge(text string) string {
 		return text
 	}
 	return strings.Join(lines[:keep], "\n") + fmt.Sprintf("\n... (%d lines) ...\n", len(lines)-2*keep) + strings.Join(lines[len(lines)-keep:], "\n")
+}
+
+// lockDir holds the xtables locks of the pods' iptables commands: root's
+// alone, in the mount namespace of the agent (or of the node, for the
+// fallback plugin), where no pod can reach it. The lock was once the
+// pod's network namespace file itself, which a process in the pod can
+// open and hold, stalling every legacy write to its pod for 30 s.
+const lockDir = "/run/istio-cni-xtables"
+
+// lockBuckets bounds the lock files: pods share one by their namespace's
+// inode, so two pods rarely wait on each other, and only for a write.
+const lockBuckets = 64
+
+func xtablesLock(netNS ns.NetNS) (*os.File, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(netNS.Fd()), &st); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(lockDir, 0o700); err != nil {
+		return nil, fmt.Errorf("xtables lock dir: %w", err)
+	}
+	// A directory made by someone else is not ours to trust.
+	var dst unix.Stat_t
+	if err := unix.Lstat(lockDir, &dst); err != nil {
+		return nil, err
+	}
+	if dst.Mode&unix.S_IFMT != unix.S_IFDIR || dst.Uid != uint32(os.Geteuid()) || dst.Mode&0o077 != 0 {
+		return nil, fmt.Errorf("xtables lock dir %s is not a directory private to uid %d", lockDir, os.Geteuid())
+	}
+	f, err := os.OpenFile(filepath.Join(lockDir, fmt.Sprintf("%02d.lock", st.Ino%lockBuckets)), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	// Readable by all: iptables in a user-namespaced pod's user namespace
+	// reopens it through /proc/self/fd, as a uid that is not root's. No
+	// path reaches it but through the root-only directory.
+	if err := f.Chmod(0o644); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
