@@ -56,7 +56,7 @@ func ParseSave(out string) (*State, error) {
 			table = strings.TrimSpace(line[1:])
 		case line[0] == ':':
 			name := strings.Fields(line[1:])
-			if len(name) > 0 && strings.HasPrefix(name[0], ruleset.ChainPrefix) {
+			if len(name) > 0 && ownChain(name[0]) {
 				if st.Chains[table] == nil {
 					st.Chains[table] = map[string][][]string{}
 				}
@@ -73,7 +73,7 @@ func ParseSave(out string) (*State, error) {
 				return nil, fmt.Errorf("iptables-save line %d: no chain in %q", n+1, line)
 			}
 			chain, args := toks[1], toks[2:]
-			if strings.HasPrefix(chain, ruleset.ChainPrefix) {
+			if ownChain(chain) {
 				if st.Chains[table] == nil {
 					st.Chains[table] = map[string][][]string{}
 				}
@@ -89,6 +89,22 @@ func ParseSave(out string) (*State, error) {
 		}
 	}
 	return st, nil
+}
+
+// ownChain tells our chains: Istio's prefix and only the letters, digits,
+// '_' and '-' we name chains with. A chain someone else named ISTIO_ with
+// other characters (a quote would break the restore text we write to
+// replace it) is not ours, and is left alone.
+func ownChain(name string) bool {
+	if !strings.HasPrefix(name, ruleset.ChainPrefix) {
+		return false
+	}
+	for _, c := range name {
+		if !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 // tokenize splits a save line into words, honouring double quotes.
@@ -136,7 +152,7 @@ func IsOwnBuiltinRule(args []string) bool {
 		}
 	}
 	switch {
-	case strings.HasPrefix(target, ruleset.ChainPrefix):
+	case ownChain(target):
 		return true
 	case target == "RETURN" && (isSingle(n, "-i") || isSingle(n, "-o")):
 		return true
