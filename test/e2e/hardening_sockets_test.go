@@ -357,6 +357,13 @@ func TestHardeningStatus(t *testing.T) {
 	if err := status(); err != nil {
 		t.Fatalf("STATUS with a killed agent's sockets left, fallback present: %v", err)
 	}
+	// The fallback run on its own (not through the relay) agrees: it
+	// serves ADD itself, whatever sockets are left.
+	fallback := filepath.Join(filepath.Dir(pluginBin), testenv.FallbackBinary)
+	conf := []byte(`{"cniVersion":"1.1.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + n.RunDir + `"}`)
+	if res, _ := execPluginAt(t, fallback, "STATUS", "", "", conf); res != nil {
+		t.Fatalf("the fallback's own STATUS with a killed agent's sockets left: %v", res)
+	}
 	p := n.sandbox(testenv.PodSpec{Sidecar: true})
 	if err := n.add(p, 20*time.Second); err != nil {
 		t.Fatalf("ADD through the fallback: %v", err)
