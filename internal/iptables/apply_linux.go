@@ -35,6 +35,9 @@ type Applier struct {
 	Force string
 	// LookPath finds binaries; exec.LookPath with sbin fallbacks if nil.
 	LookPath func(string) (string, error)
+	// Hide are the paths covered for the commands run for a pod with
+	// hostUsers: false; nil means DefaultHidden.
+	Hide []string
 
 	// expandSets makes the applier behave as on a kernel without ipset
 	// (long lists as a rule per entry), so tests cover that path here.

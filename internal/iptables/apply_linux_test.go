@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -367,5 +368,44 @@ func TestPodCannotHoldTheLock(t *testing.T) {
 				t.Fatalf("lock dir %s: mode %o uid %d (%v); want root's alone", lockDir, st.Mode&0o777, st.Uid, err)
 			}
 		})
+	}
+}
+
+// TestUserNamespacedPodSeesNoCredentials: the commands run in a
+// user-namespaced pod's user namespace, where the pod's root could read
+// their /proc/<pid>/root, see none of the hidden paths (the agent's token
+// and kubeconfig); a pod in the node's user namespace needs no hiding.
+func TestUserNamespacedPodSeesNoCredentials(t *testing.T) {
+	testutil.RequireTools(t, "nsenter", "iptables-nft-restore", "sh")
+	real, err := (&Applier{}).lookPath("nsenter")
+	if err != nil {
+		t.Fatal(err)
+	}
+	secrets, probeDir, bin := t.TempDir(), t.TempDir(), t.TempDir()
+	if err := os.WriteFile(filepath.Join(secrets, "token"), []byte("s3cret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(probeDir, "seen")
+	// A stand-in nsenter that first looks for the secret, from the mount
+	// namespace it and the command it starts run in.
+	probe := filepath.Join(bin, "nsenter")
+	script := fmt.Sprintf("#!/bin/sh\nif cat %s/token >/dev/null 2>&1; then echo visible >%s; else echo hidden >%s; fi\nexec %s \"$@\"\n", secrets, out, out, real)
+	if err := os.WriteFile(probe, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	a := &Applier{Force: VariantNFT, Hide: []string{secrets}, LookPath: func(name string) (string, error) {
+		if name == "nsenter" {
+			return probe, nil
+		}
+		return (&Applier{}).lookPath(name)
+	}}
+	if _, err := a.Apply(userNSPod(t).Path(), planFor(t, testutil.RedirectCases[0], false)); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(out); err != nil || strings.TrimSpace(string(b)) != "hidden" {
+		t.Fatalf("the secret from a user-namespaced pod's commands: %q (%v); want hidden", b, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(secrets, "token")); err != nil || string(b) != "s3cret" {
+		t.Fatalf("hiding changed the node's view: %q %v", b, err)
 	}
 }

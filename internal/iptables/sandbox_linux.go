@@ -22,7 +22,23 @@ const nsswitchPath = "/etc/nsswitch.conf"
 // Where the file does not exist (the agent's image), glibc only reads local
 // files and nothing needs hiding.
 func inPodNetns(netnsPath string, fn func(ns.NetNS) error) error {
-	if _, err := os.Stat(nsswitchPath); err != nil {
+	return inPodNetnsHiding(netnsPath, nil, fn)
+}
+
+// DefaultHidden are the paths of the agent's (and the node's) credentials:
+// the service account token, the plugin's kubeconfig and the host mounts.
+// A pod with hostUsers: false gets our iptables commands in its user
+// namespace, where its root may read /proc/<pid>/root of those processes:
+// they must see none of these.
+var DefaultHidden = []string{"/var/run/secrets", "/run/secrets", "/var/run/istio-cni", "/run/istio-cni", "/host"}
+
+// inPodNetnsHiding is inPodNetns that, when hide is not empty, also
+// covers those paths with empty read-only file systems in the thread's
+// private mount namespace, or fails: for a pod's user namespace, running
+// with them visible is not an option.
+func inPodNetnsHiding(netnsPath string, hide []string, fn func(ns.NetNS) error) error {
+	_, statErr := os.Stat(nsswitchPath)
+	if statErr != nil && len(hide) == 0 {
 		return ns.WithNetNSPath(netnsPath, fn)
 	}
 	target, err := ns.GetNS(netnsPath)
@@ -36,11 +52,24 @@ func inPodNetns(netnsPath string, fn func(ns.NetNS) error) error {
 		// process's, so Go must end the thread with this goroutine rather
 		// than run other code on it.
 		runtime.LockOSThread()
-		if err := hideNSS(); err != nil {
+		if err := privateMounts(statErr == nil); err != nil {
+			if len(hide) > 0 {
+				errc <- fmt.Errorf("a private mount namespace for a user-namespaced pod's commands: %w", err)
+				return
+			}
 			// Some nodes forbid it (SELinux, seccomp); the rules matter
 			// more than the lookup, so run as Istio does then: without.
 			errc <- ns.WithNetNSPath(netnsPath, fn)
 			return
+		}
+		for _, p := range hide {
+			if fi, err := os.Stat(p); err != nil || !fi.IsDir() {
+				continue
+			}
+			if err := unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0,size=4k"); err != nil {
+				errc <- fmt.Errorf("hiding %s from a user-namespaced pod's commands: %w", p, err)
+				return
+			}
 		}
 		if err := target.Set(); err != nil {
 			errc <- fmt.Errorf("entering %s: %w", netnsPath, err)
@@ -51,9 +80,10 @@ func inPodNetns(netnsPath string, fn func(ns.NetNS) error) error {
 	return <-errc
 }
 
-// hideNSS gives the calling thread its own mount namespace, detached from
-// the host's mount propagation, with /dev/null over nsswitch.conf.
-func hideNSS() error {
+// privateMounts gives the calling thread its own mount namespace,
+// detached from the host's mount propagation, with /dev/null over
+// nsswitch.conf when nss says so.
+func privateMounts(nss bool) error {
 	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
 		return fmt.Errorf("unshare mount namespace: %w", err)
 	}
@@ -62,8 +92,10 @@ func hideNSS() error {
 			return fmt.Errorf("making / private: %w", err)
 		}
 	}
-	if err := unix.Mount("/dev/null", nsswitchPath, "", unix.MS_BIND, ""); err != nil {
-		return fmt.Errorf("hiding %s: %w", nsswitchPath, err)
+	if nss {
+		if err := unix.Mount("/dev/null", nsswitchPath, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("hiding %s: %w", nsswitchPath, err)
+		}
 	}
 	return nil
 }

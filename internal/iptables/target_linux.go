@@ -33,7 +33,16 @@ type podTarget struct {
 // inPod runs fn on a thread in the pod's network namespace, with what
 // one call needs to know of it.
 func (a *Applier) inPod(netnsPath string, fn func(*podTarget) error) error {
-	return inPodNetns(netnsPath, func(netNS ns.NetNS) error {
+	var hide []string
+	if foreign, err := foreignUserNS(netnsPath); err != nil {
+		return err
+	} else if foreign {
+		hide = a.Hide
+		if hide == nil {
+			hide = DefaultHidden
+		}
+	}
+	return inPodNetnsHiding(netnsPath, hide, func(netNS ns.NetNS) error {
 		t, err := a.target(netnsPath, netNS)
 		if err != nil {
 			return err
@@ -209,4 +218,22 @@ func xtablesLock(netNS ns.NetNS) (*os.File, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// foreignUserNS tells whether the namespace at path belongs to a user
+// namespace other than ours (a pod with hostUsers: false).
+func foreignUserNS(path string) (bool, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	fd, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_USERNS)
+	if err != nil {
+		return false, nil
+	}
+	owner := os.NewFile(uintptr(fd), "userns")
+	defer owner.Close()
+	same, err := isOwnUserNS(owner)
+	return !same, err
 }
