@@ -42,7 +42,9 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, 
 		if len(existing) > 0 {
 			diffs, err := diff(conn, existing, rs)
 			if err != nil {
-				return err
+				// A rule that cannot even be read back is not ours: the
+				// tables are replaced whole, as for any difference.
+				diffs = []string{"unreadable: " + err.Error()}
 			}
 			action = "replaced"
 			if len(diffs) == 0 {
@@ -333,7 +335,10 @@ func (a *Applier) Inspect(netnsPath string) ([]string, error) {
 			}
 			rules, err := conn.GetRules(c.Table, c)
 			if err != nil {
-				return err
+				// Another writer's rule that cannot be decoded is worth
+				// seeing, not a reason to show nothing.
+				out = append(out, fmt.Sprintf("inet %s %s: rules unreadable (another writer's?): %v", c.Table.Name, c.Name, err))
+				continue
 			}
 			out = append(out, fmt.Sprintf("inet %s %s: %d rules", c.Table.Name, c.Name, len(rules)))
 		}
