@@ -359,6 +359,7 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) loop(ctx context.Context, ws *watchSet) error {
 	first := true
 	var changedAt time.Time
+	again := false
 	resync := time.NewTicker(a.opts.ResyncInterval)
 	defer resync.Stop()
 	for {
@@ -408,6 +409,10 @@ func (a *Agent) loop(ctx context.Context, ws *watchSet) error {
 			}
 			if r := a.in.Ready(); r != nil {
 				a.setReady(r.Error())
+				// Rewritten right after our write: its event may have come
+				// in with our own, which are ignored. Go again at once (a
+				// component that keeps at it is met with back-off).
+				again = wrote
 			} else {
 				a.setReady("")
 			}
@@ -421,7 +426,8 @@ func (a *Agent) loop(ctx context.Context, ws *watchSet) error {
 		if err != nil && !errors.Is(err, install.ErrNoPrimary) {
 			retry = time.After(5 * time.Second)
 		}
-		pending := false
+		pending := again
+		again = false
 		for !pending || hold != nil {
 			select {
 			case <-ctx.Done():
