@@ -26,6 +26,9 @@ type watchSet struct {
 	// parents are watched while a directory of ours is missing.
 	parents map[string]bool
 
+	// started is set once the first sync has added the watches.
+	started bool
+
 	mu          sync.Mutex
 	missingFrom map[string]time.Time
 }
@@ -65,6 +68,20 @@ func (s *watchSet) sync() {
 	if s.extra != "" {
 		dirs = append(dirs[:len(dirs):len(dirs)], s.extra)
 	}
+	// A directory back under the same path (recreated or replaced) gets a
+	// whole new watcher: re-adding it to the old one races the kernel's
+	// notice that the old inode's watch is gone, which fsnotify applies by
+	// path and so can drop the new watch with it, losing every later event.
+	if s.started && s.w != nil {
+		for _, d := range dirs {
+			id, ok := dirID(d)
+			if cur, watched := s.ids[d]; ok && (!watched || cur != id) {
+				s.reset()
+				break
+			}
+		}
+	}
+	s.started = true
 	for _, d := range dirs {
 		id, ok := dirID(d)
 		if !ok {
