@@ -51,26 +51,9 @@ func NewNodeCgroups(root string) (*NodeCgroups, error) {
 			continue
 		}
 		g.dirs = append(g.dirs, h)
-		for _, d := range []string{root, filepath.Join(root, "runtime")} {
-			p := filepath.Join(h, d)
-			if err := os.MkdirAll(p, 0o755); err != nil {
-				g.Remove()
-				return nil, err
-			}
-			if strings.HasSuffix(e.Name(), "cpuset") {
-				// A new cpuset cgroup starts with no CPUs and no memory
-				// nodes; it takes its parent's.
-				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-					b, err := os.ReadFile(filepath.Join(filepath.Dir(p), f))
-					if err == nil {
-						err = os.WriteFile(filepath.Join(p, f), b, 0o644)
-					}
-					if err != nil {
-						g.Remove()
-						return nil, fmt.Errorf("%s: %w", filepath.Join(p, f), err)
-					}
-				}
-			}
+		if err := mkCgroup(h, filepath.Join(root, "runtime")); err != nil {
+			g.Remove()
+			return nil, err
 		}
 	}
 	if len(g.dirs) == 0 {
@@ -196,26 +179,8 @@ func (p *Pod) StartSandboxProcess() (stop func(), err error) {
 func (g *NodeCgroups) JoinPod(uid string, pid int) error {
 	rel := filepath.Join(g.Root, "kubepods", "besteffort", "pod"+uid)
 	for _, h := range g.dirs {
-		parts := strings.Split(strings.TrimPrefix(rel, "/"), "/")
-		for i := range parts {
-			d := filepath.Join(h, filepath.Join(parts[:i+1]...))
-			if err := os.Mkdir(d, 0o755); err != nil {
-				if os.IsExist(err) {
-					continue
-				}
-				return err
-			}
-			if strings.HasSuffix(h, "cpuset") {
-				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-					b, err := os.ReadFile(filepath.Join(filepath.Dir(d), f))
-					if err == nil {
-						err = os.WriteFile(filepath.Join(d, f), b, 0o644)
-					}
-					if err != nil {
-						return err
-					}
-				}
-			}
+		if err := mkCgroup(h, rel); err != nil {
+			return err
 		}
 		if err := os.WriteFile(filepath.Join(h, rel, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
 			return fmt.Errorf("moving %d into %s: %w", pid, filepath.Join(h, rel), err)
@@ -233,4 +198,33 @@ func RemoveSandboxCgroups() {
 		simCgroups.Remove()
 		simCgroups = nil
 	}
+}
+
+// mkCgroup makes each missing level of rel under the hierarchy h. A new
+// cpuset cgroup starts with no CPUs and no memory nodes; each level takes
+// its parent's.
+func mkCgroup(h, rel string) error {
+	d := h
+	for _, part := range strings.Split(strings.Trim(rel, "/"), "/") {
+		d = filepath.Join(d, part)
+		if err := os.Mkdir(d, 0o755); err != nil {
+			if os.IsExist(err) {
+				continue
+			}
+			return err
+		}
+		if !strings.HasSuffix(h, "cpuset") {
+			continue
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			b, err := os.ReadFile(filepath.Join(filepath.Dir(d), f))
+			if err == nil {
+				err = os.WriteFile(filepath.Join(d, f), b, 0o644)
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", filepath.Join(d, f), err)
+			}
+		}
+	}
+	return nil
 }
