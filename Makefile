@@ -2,7 +2,7 @@
 GO ?= go
 PKGS := ./...
 
-.PHONY: all build image demo test lint fuzz bench golden setup clean
+.PHONY: all build image demo test unit e2e lint fuzz bench golden setup clean
 
 all: build
 
@@ -25,9 +25,22 @@ demo: setup
 	$(GO) run ./test/demo
 
 # Every test, as CI runs them: lint, unit, golden, real namespaces,
-# real iptables (legacy and nft), real kube-apiserver and etcd.
+# real iptables (legacy and nft), real kube-apiserver and etcd. Needs root.
 test: setup lint
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+# The tests that need neither root nor the tools `make setup` installs:
+# decisions, goldens, parsers, recorded commands. Any user; tests that need
+# root are skipped here (and only here: `make test` runs them all).
+UNIT_PKGS = $$($(GO) list ./... | grep -v '/test/')
+unit:
+	ISTIO_CNI_UNIT_ONLY=1 $(GO) test -race -count=1 $(UNIT_PKGS)
+
+# The end-to-end suites: a simulated node in network namespaces, the real
+# agent and plugin chain, a kube-apiserver, the chart, the image, a
+# kubelet cluster. Needs root.
+e2e: setup
+	$(GO) test -race -count=1 -timeout 20m ./test/...
 
 # Every Go fuzz test, FUZZTIME each (`make test` runs their seed corpora
 # only). Found by name, so new ones need no change here.
@@ -39,9 +52,12 @@ fuzz:
 		done; \
 	done
 
+# gofmt, go vet and golangci-lint (.golangci.yml) at the version
+# hack/install-lint.sh pins (built once by `make setup`, then cached).
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	$$(hack/install-lint.sh) run $(PKGS)
 
 # Per-pod latency of ADD and DEL through libcni, primary plugin alone vs
 # the chain with istio-cni; prints p50/p99 and ratios.
@@ -49,10 +65,11 @@ bench: setup
 	$(GO) run ./test/bench
 	$(GO) run ./test/bench -cluster-pods 30
 
-# Rewrites every golden file from the current code (the rule sets, the
-# nftables translation, merged CNI configs, the rendered chart).
+# Rewrites every golden file from the current code: every package whose
+# tests compare with testdata goldens (found by name, so new ones need no
+# change here). Review the diff before committing it.
 golden:
-	REFRESH_GOLDEN=true $(GO) test -count=1 ./internal/ruleset/... ./internal/nftables/... ./internal/install/... ./test/chart/...
+	REFRESH_GOLDEN=true $(GO) test -count=1 $$(grep -rl --include='*_test.go' -e 'CompareGolden' -e 'REFRESH_GOLDEN' . | xargs -n1 dirname | sort -u)
 
 clean:
 	rm -rf bin

@@ -25,5 +25,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 go mod download
+hack/install-lint.sh >/dev/null
 hack/image-debs.sh >/dev/null
 hack/build-kube.sh kube-apiserver kubelet kube-controller-manager

@@ -1,0 +1,104 @@
+// Package execrun is the one place the product starts other processes
+// (iptables-restore, iptables-save, nsenter, the fallback plugin). Callers
+// describe a command as data and hand it to a Runner, so the decisions
+// around a command (what to run, what its answer means) can be tested with
+// a recorded Runner and no root, and the real one stays a few lines.
+package execrun
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+)
+
+// Cmd is one process to run, argument list only: nothing goes through a
+// shell.
+type Cmd struct {
+	Path string
+	Args []string // without argv[0]
+	// Env is the whole environment; nil means an empty one (never the
+	// caller's, which would leak the agent's into tools by accident).
+	Env   []string
+	Stdin []byte
+	// ExtraFiles become fds 3, 4, ... in the child.
+	ExtraFiles []*os.File
+	// Stdout and Stderr, when set, receive the output as it comes instead
+	// of it being returned in Result.
+	Stdout, Stderr io.Writer
+}
+
+// String is the command line as a person would type it, for errors and
+// golden files.
+func (c *Cmd) String() string {
+	return strings.Join(append([]string{c.Path}, c.Args...), " ")
+}
+
+// Result is what a finished command printed (the parts not sent to
+// Cmd.Stdout/Cmd.Stderr).
+type Result struct {
+	Stdout, Stderr []byte
+}
+
+// ExitError is a command that ran and exited non-zero.
+type ExitError struct {
+	Cmd    string
+	Code   int
+	Stderr string
+}
+
+func (e *ExitError) Error() string {
+	msg := strings.TrimSpace(e.Stderr)
+	if msg == "" {
+		return fmt.Sprintf("%s: exit status %d", e.Cmd, e.Code)
+	}
+	return fmt.Sprintf("%s: exit status %d: %s", e.Cmd, e.Code, msg)
+}
+
+// Runner runs a command to completion. An error is either *ExitError (it
+// ran and failed) or a failure to start it.
+type Runner interface {
+	Run(ctx context.Context, c *Cmd) (Result, error)
+}
+
+// OS runs commands for real.
+type OS struct{}
+
+// Run starts c and waits for it; ctx ending kills it.
+func (OS) Run(ctx context.Context, c *Cmd) (Result, error) {
+	cmd := exec.CommandContext(ctx, c.Path, c.Args...)
+	cmd.Env = c.Env
+	if cmd.Env == nil {
+		cmd.Env = []string{}
+	}
+	cmd.ExtraFiles = c.ExtraFiles
+	if c.Stdin != nil {
+		cmd.Stdin = bytes.NewReader(c.Stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if c.Stdout != nil {
+		cmd.Stdout = c.Stdout
+	}
+	if c.Stderr != nil {
+		cmd.Stderr = c.Stderr
+	}
+	err := cmd.Run()
+	res := Result{Stdout: stdout.Bytes(), Stderr: stderr.Bytes()}
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return res, &ExitError{Cmd: c.String(), Code: exit.ExitCode(), Stderr: stderr.String()}
+	}
+	return res, err
+}
+
+// Func adapts a function to Runner: the recorded or scripted runner of
+// tests.
+type Func func(ctx context.Context, c *Cmd) (Result, error)
+
+// Run calls f.
+func (f Func) Run(ctx context.Context, c *Cmd) (Result, error) { return f(ctx, c) }
