@@ -24,9 +24,9 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -34,8 +34,8 @@ import (
 // socket framing, not the kernel.
 type noRules struct{}
 
-func (noRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
-	return iptables.Report{}, fmt.Errorf("no kernel here")
+func (noRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	return podnet.Report{}, fmt.Errorf("no kernel here")
 }
 func (noRules) Check(string, *ruleset.Plan) error     { return fmt.Errorf("no kernel here") }
 func (noRules) PodAddrs(string) ([]netip.Addr, error) { return nil, fmt.Errorf("no kernel here") }

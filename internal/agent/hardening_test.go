@@ -28,9 +28,9 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -166,8 +166,8 @@ func TestSocketEvictsSilentClients(t *testing.T) {
 // panickyRules panics for one pod's namespace path, as a bug would.
 type panickyRules struct{}
 
-func (panickyRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
-	return iptables.Report{}, nil
+func (panickyRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	return podnet.Report{}, nil
 }
 func (panickyRules) Check(string, *ruleset.Plan) error { return nil }
 func (panickyRules) PodAddrs(string) ([]netip.Addr, error) {

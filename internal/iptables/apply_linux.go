@@ -4,21 +4,18 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -44,40 +41,12 @@ type Applier struct {
 	expandSets bool
 }
 
-// FamilyReport says what happened to one family.
-type FamilyReport struct {
-	Family  ruleset.Family
-	Variant string
-	// Action is "applied", "replaced", "unchanged", "removed" or "none".
-	Action   string
-	Duration time.Duration
-	// Note says what else is worth knowing of the call, if anything.
-	Note string
-}
-
-// Report describes one Apply or Remove.
-type Report struct {
-	Families []FamilyReport
-}
-
-func (r Report) String() string {
-	var parts []string
-	for _, f := range r.Families {
-		note := ""
-		if f.Note != "" {
-			note = "," + f.Note
-		}
-		parts = append(parts, fmt.Sprintf("%s:%s(%s,%s%s)", f.Family, f.Action, f.Variant, f.Duration.Round(10*time.Microsecond), note))
-	}
-	return strings.Join(parts, " ")
-}
-
 // Apply makes the namespace hold exactly the plan's rules: nothing is done
 // when they are already there, old rules of ours are replaced in the same
 // transaction as the new ones are added, and the TPROXY policy route and
 // the IPv6 passthrough address are set up as needed.
-func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
-	var rep Report
+func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
+	var rep podnet.Report
 	err := a.inPod(netnsPath, func(t *podTarget) error {
 		start := time.Now()
 		fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
@@ -114,44 +83,13 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (Report, error) {
 		if err := sets.dropStale(); err != nil {
 			return err
 		}
-		return SyncRouting(plan)
+		return podnet.SyncRouting(plan)
 	})
 	return rep, err
 }
 
-// SyncRouting sets up what the rules need besides netfilter: the IPv6
-// passthrough address and the TPROXY policy route (removed when not
-// wanted). It must run inside the pod's namespace.
-func SyncRouting(plan *ruleset.Plan) error {
-	if plan.V6 != nil {
-		if err := ensurePassthroughV6(); err != nil {
-			return err
-		}
-	}
-	return syncTProxyRoutes(plan.TProxyRoutes, plan.V6 != nil)
-}
-
-// Mismatch completes a backend's rule differences with the routing the
-// plan needs but the namespace lacks, and says all of it in one error (nil
-// when nothing differs). It must run inside the pod's namespace.
-func Mismatch(plan *ruleset.Plan, diffs []string) error {
-	if plan.TProxyRoutes {
-		ok, err := hasTProxyRule(netlink.FAMILY_V4)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			diffs = append(diffs, "IPv4 policy rule fwmark 1337 lookup 133 missing")
-		}
-	}
-	if len(diffs) > 0 {
-		return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
-	}
-	return nil
-}
-
 // Remove deletes every rule and chain of ours and the TPROXY policy route.
-func (a *Applier) Remove(netnsPath string) (Report, error) {
+func (a *Applier) Remove(netnsPath string) (podnet.Report, error) {
 	return a.Apply(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
 }
 
@@ -178,7 +116,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 				diffs = append(diffs, fam.String()+" "+d)
 			}
 		}
-		return Mismatch(plan, diffs)
+		return podnet.Mismatch(plan, diffs)
 	})
 }
 
@@ -195,9 +133,9 @@ func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {
 // sync brings one family's rules to the set, from the state read before;
 // changed names the sets this call filled, which makes rules that use
 // them count as replaced even when their text is the same.
-func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, set *ruleset.Set, changed map[string]bool) (FamilyReport, error) {
+func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, set *ruleset.Set, changed map[string]bool) (podnet.FamilyReport, error) {
 	start := time.Now()
-	fr := FamilyReport{Family: fam, Action: "none", Variant: v.name}
+	fr := podnet.FamilyReport{Family: fam, Action: "none", Variant: v.name}
 	var text string
 	switch {
 	case st.Empty() && set.Empty():
@@ -408,103 +346,11 @@ func (a *Applier) lookPath(name string) (string, error) {
 // up the same four for every pod.
 var foundPaths sync.Map
 
-// ensurePassthroughV6 adds ::6/128 to lo: IPv6 loopback is a single
-// address, and the proxy binds ::6 as the source of inbound passthrough.
-func ensurePassthroughV6() error {
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		return fmt.Errorf("finding lo: %w", err)
-	}
-	addr := &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("::6"), Mask: net.CIDRMask(128, 128)}}
-	if err := netlink.AddrAdd(lo, addr); err != nil && !errors.Is(err, syscall.EEXIST) {
-		return fmt.Errorf("adding ::6/128 to lo: %w", err)
-	}
-	return nil
+// PodAddrs lists the namespace's addresses, so an Applier serves as the
+// plugin's rule backend.
+func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) {
+	return podnet.PodAddrs(netnsPath)
 }
-
-func tproxyRule(family int) *netlink.Rule {
-	r := netlink.NewRule()
-	r.Family = family
-	r.Mark = ruleset.TProxyMarkValue
-	r.Table = ruleset.TProxyRouteTable
-	return r
-}
-
-func hasTProxyRule(family int) (bool, error) {
-	rules, err := netlink.RuleListFiltered(family, tproxyRule(family), netlink.RT_FILTER_MARK|netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return false, fmt.Errorf("listing policy rules: %w", err)
-	}
-	return len(rules) > 0, nil
-}
-
-// syncTProxyRoutes sends packets marked 1337 to a table whose only route
-// delivers everything locally, which is what lets TPROXY hand foreign
-// destinations to the proxy's socket.
-func syncTProxyRoutes(want, v6 bool) error {
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		return fmt.Errorf("finding lo: %w", err)
-	}
-	families := []int{netlink.FAMILY_V4}
-	if v6 || !want {
-		families = append(families, netlink.FAMILY_V6)
-	}
-	for _, fam := range families {
-		has, err := hasTProxyRule(fam)
-		if err != nil {
-			return err
-		}
-		dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
-		if fam == netlink.FAMILY_V6 {
-			dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
-		}
-		route := &netlink.Route{LinkIndex: lo.Attrs().Index, Dst: dst, Table: ruleset.TProxyRouteTable, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}
-		if !want {
-			if has {
-				if err := netlink.RuleDel(tproxyRule(fam)); err != nil && !errors.Is(err, syscall.ENOENT) {
-					return fmt.Errorf("deleting TPROXY policy rule: %w", err)
-				}
-				if err := netlink.RouteDel(route); err != nil && !errors.Is(err, syscall.ESRCH) && !errors.Is(err, syscall.ENOENT) {
-					return fmt.Errorf("deleting TPROXY route: %w", err)
-				}
-			}
-			continue
-		}
-		if !has {
-			if err := netlink.RuleAdd(tproxyRule(fam)); err != nil && !errors.Is(err, syscall.EEXIST) {
-				return fmt.Errorf("adding policy rule fwmark %d lookup %d: %w", ruleset.TProxyMarkValue, ruleset.TProxyRouteTable, err)
-			}
-		}
-		if err := netlink.RouteReplace(route); err != nil {
-			return fmt.Errorf("adding local default route in table %d: %w", ruleset.TProxyRouteTable, err)
-		}
-	}
-	return nil
-}
-
-// PodAddrs lists the namespace's addresses in the kernel's order (all IPv4
-// first), which is what decides whether IPv6 rules are needed.
-func PodAddrs(netnsPath string) ([]netip.Addr, error) {
-	var out []netip.Addr
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
-		if err != nil {
-			return fmt.Errorf("listing pod addresses: %w", err)
-		}
-		for _, a := range addrs {
-			if ip, ok := netip.AddrFromSlice(a.IP); ok {
-				out = append(out, ip.Unmap())
-			}
-		}
-		return nil
-	})
-	return out, err
-}
-
-// PodAddrs is PodAddrs as a method, so an Applier serves as the plugin's
-// rule backend.
-func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) { return PodAddrs(netnsPath) }
 
 // Inspection is what a namespace holds of ours, per family.
 type Inspection struct {

@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
@@ -47,7 +48,7 @@ func saveAll(t *testing.T, n ns.NetNS, variant string) string {
 	return out.String()
 }
 
-func actions(r Report) string {
+func actions(r podnet.Report) string {
 	var s []string
 	for _, f := range r.Families {
 		s = append(s, f.Action)
@@ -324,7 +325,7 @@ func TestCheckFindsMissingPolicyRoute(t *testing.T) {
 	if err := a.Check(pod.Path(), plan); err != nil {
 		t.Fatalf("CHECK right after ADD: %v", err)
 	}
-	if err := pod.Do(func(ns.NetNS) error { return netlink.RuleDel(tproxyRule(netlink.FAMILY_V4)) }); err != nil {
+	if err := pod.Do(func(ns.NetNS) error { return netlink.RuleDel(podnet.TProxyRule(netlink.FAMILY_V4)) }); err != nil {
 		t.Fatal(err)
 	}
 	err := a.Check(pod.Path(), plan)

@@ -12,7 +12,7 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -30,8 +30,8 @@ type Applier struct {
 // Apply makes the pod's namespace hold exactly the plan's tables: nothing
 // happens when they already match; otherwise our old tables are deleted
 // and the new ones added in the same netlink transaction.
-func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error) {
-	var rep iptables.Report
+func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
+	var rep podnet.Report
 	start := time.Now()
 	rs, err := Build(plan)
 	if err != nil {
@@ -71,14 +71,14 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, 
 				}
 			}
 		}
-		rep.Families = append(rep.Families, iptables.FamilyReport{Family: ruleset.IPv4, Variant: VariantName, Action: action, Duration: time.Since(start), Note: note})
-		return iptables.SyncRouting(plan)
+		rep.Families = append(rep.Families, podnet.FamilyReport{Family: ruleset.IPv4, Variant: VariantName, Action: action, Duration: time.Since(start), Note: note})
+		return podnet.SyncRouting(plan)
 	})
 	return rep, err
 }
 
 // Remove deletes our tables and the TPROXY policy route.
-func (a *Applier) Remove(netnsPath string) (iptables.Report, error) {
+func (a *Applier) Remove(netnsPath string) (podnet.Report, error) {
 	return a.Apply(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
 }
 
@@ -93,7 +93,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 		if err != nil {
 			return err
 		}
-		return iptables.Mismatch(plan, diffs)
+		return podnet.Mismatch(plan, diffs)
 	})
 }
 
@@ -123,7 +123,7 @@ func (a *Applier) withOurTables(netnsPath string, rs *Ruleset, fn func(*nftables
 
 // PodAddrs lists the namespace's addresses.
 func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) {
-	return iptables.PodAddrs(netnsPath)
+	return podnet.PodAddrs(netnsPath)
 }
 
 func ourTables(conn *nftables.Conn) ([]*nftables.Table, error) {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
@@ -144,7 +145,7 @@ func FuzzListsInKernel(f *testing.F) {
 		backends := []struct {
 			name string
 			a    interface {
-				Apply(string, *ruleset.Plan) (iptables.Report, error)
+				Apply(string, *ruleset.Plan) (podnet.Report, error)
 				Check(string, *ruleset.Plan) error
 			}
 		}{

@@ -17,16 +17,16 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // Rules is what the plugin needs from a rule backend.
 type Rules interface {
-	Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error)
+	Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error)
 	Check(netnsPath string, plan *ruleset.Plan) error
 	PodAddrs(netnsPath string) ([]netip.Addr, error)
 }

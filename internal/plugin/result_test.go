@@ -10,17 +10,17 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 type fakeRules struct{ applied int }
 
-func (f *fakeRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
+func (f *fakeRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
 	f.applied++
-	return iptables.Report{}, nil
+	return podnet.Report{}, nil
 }
 func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
 func (f *fakeRules) PodAddrs(string) ([]netip.Addr, error) {
