@@ -8,6 +8,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -49,7 +50,7 @@ func Mismatch(plan *ruleset.Plan, diffs []string) error {
 // ensurePassthroughV6 adds ::6/128 to lo: IPv6 loopback is a single
 // address, and the proxy binds ::6 as the source of inbound passthrough.
 func ensurePassthroughV6() error {
-	lo, err := netlink.LinkByName("lo")
+	lo, err := netlinksafe.LinkByName("lo")
 	if err != nil {
 		return fmt.Errorf("finding lo: %w", err)
 	}
@@ -71,7 +72,7 @@ func TProxyRule(family int) *netlink.Rule {
 }
 
 func hasTProxyRule(family int) (bool, error) {
-	rules, err := netlink.RuleListFiltered(family, TProxyRule(family), netlink.RT_FILTER_MARK|netlink.RT_FILTER_TABLE)
+	rules, err := netlinksafe.RuleListFiltered(family, TProxyRule(family), netlink.RT_FILTER_MARK|netlink.RT_FILTER_TABLE)
 	if err != nil {
 		return false, fmt.Errorf("listing policy rules: %w", err)
 	}
@@ -82,7 +83,7 @@ func hasTProxyRule(family int) (bool, error) {
 // delivers everything locally, which is what lets TPROXY hand foreign
 // destinations to the proxy's socket.
 func syncTProxyRoutes(want, v6 bool) error {
-	lo, err := netlink.LinkByName("lo")
+	lo, err := netlinksafe.LinkByName("lo")
 	if err != nil {
 		return fmt.Errorf("finding lo: %w", err)
 	}
@@ -128,7 +129,7 @@ func syncTProxyRoutes(want, v6 bool) error {
 func PodAddrs(netnsPath string) ([]netip.Addr, error) {
 	var out []netip.Addr
 	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_ALL)
 		if err != nil {
 			return fmt.Errorf("listing pod addresses: %w", err)
 		}
