@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"sort"
 	"strconv"
-	"strings"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -54,72 +53,18 @@ func diffRules(st *State, set *ruleset.Set) []string {
 }
 
 // ReplaceText renders one iptables-restore --noflush transaction that
-// turns the current state into the set: our rules in built-in chains are
-// deleted, our chains flushed (a chain line flushes under --noflush),
-// chains no longer wanted deleted, and the new rules added.
+// turns the current state into the set.
 func ReplaceText(st *State, set *ruleset.Set) string {
-	var b strings.Builder
-	newChains := set.Chains()
-	tables := map[string]bool{}
-	for t := range st.Chains {
-		tables[t] = true
-	}
-	for t := range st.Builtin {
-		tables[t] = true
-	}
-	for _, t := range set.Tables() {
-		tables[t] = true
-	}
-	names := make([]string, 0, len(tables))
-	for t := range tables {
-		names = append(names, t)
-	}
-	sort.Strings(names)
-	for _, table := range names {
-		fmt.Fprintf(&b, "*%s\n", table)
-		keep := map[string]bool{}
-		for _, c := range newChains[table] {
-			keep[c] = true
-		}
-		old := sortedKeys(st.Chains[table])
-		for _, c := range old {
-			fmt.Fprintf(&b, ":%s - [0:0]\n", c)
-		}
-		for _, c := range newChains[table] {
-			if _, exists := st.Chains[table][c]; !exists {
-				fmt.Fprintf(&b, ":%s - [0:0]\n", c)
-			}
-		}
-		for _, chain := range sortedKeys(st.Builtin[table]) {
-			for _, r := range st.Builtin[table][chain] {
-				fmt.Fprintf(&b, "-D %s %s\n", chain, quoteArgs(r))
-			}
-		}
-		for _, c := range old {
-			if !keep[c] {
-				fmt.Fprintf(&b, "-X %s\n", c)
-			}
-		}
-		for _, r := range set.Rules {
-			if r.Table == table {
-				b.WriteString(r.Command())
-				b.WriteByte('\n')
-			}
-		}
-		b.WriteString("COMMIT\n")
-	}
-	return b.String()
+	return set.RestoreOver(st.present())
 }
 
-func quoteArgs(args []string) string {
-	out := make([]string, len(args))
-	for i, a := range args {
-		if a == "" || strings.ContainsAny(a, " \"\\") {
-			a = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(a) + `"`
-		}
-		out[i] = a
+// present is the state as the restore renderer takes it.
+func (st *State) present() *ruleset.Present {
+	p := &ruleset.Present{Chains: map[string][]string{}, Builtin: st.Builtin}
+	for table, chains := range st.Chains {
+		p.Chains[table] = sortedKeys(chains)
 	}
-	return strings.Join(out, " ")
+	return p
 }
 
 func argsOf(rules []ruleset.Rule) [][]string {

@@ -157,27 +157,6 @@ func (s *Set) Chains() map[string][]string {
 	return out
 }
 
-// Restore renders the set as iptables-restore input for --noflush on a
-// namespace that holds none of our chains. The text is the same as Istio's.
-func (s *Set) Restore() string {
-	var b strings.Builder
-	chains := s.Chains()
-	for _, table := range s.Tables() {
-		fmt.Fprintf(&b, "* %s\n", table)
-		for _, c := range chains[table] {
-			fmt.Fprintf(&b, "-N %s\n", c)
-		}
-		for _, r := range s.Rules {
-			if r.Table == table {
-				b.WriteString(r.Command())
-				b.WriteByte('\n')
-			}
-		}
-		b.WriteString("COMMIT\n")
-	}
-	return b.String()
-}
-
 // Empty reports whether the set has no rules.
 func (s *Set) Empty() bool { return len(s.Rules) == 0 }
 
