@@ -17,7 +17,9 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -30,6 +32,14 @@ type Rules interface {
 	Check(netnsPath string, plan *ruleset.Plan) error
 	PodAddrs(netnsPath string) ([]netip.Addr, error)
 }
+
+// Both backends must serve as Rules: a method of one drifting from the
+// interface fails the build here, beside the interface, not in whichever
+// caller (agent, repair, diag) wires that backend first.
+var (
+	_ Rules = (*iptables.Applier)(nil)
+	_ Rules = (*nftables.Applier)(nil)
+)
 
 // Plugin carries the plugin's dependencies; the cmd wires real ones.
 type Plugin struct {
