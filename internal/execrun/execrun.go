@@ -44,19 +44,30 @@ type Result struct {
 	Stdout, Stderr []byte
 }
 
-// ExitError is a command that ran and exited non-zero.
+// ExitError is a command that ran and exited non-zero or was killed.
 type ExitError struct {
-	Cmd    string
-	Code   int
+	Cmd  string
+	Code int // -1 when a signal ended it
+	// Status is how it ended as the os package says it ("exit status 1",
+	// "signal: killed"); empty means "exit status <Code>".
+	Status string
 	Stderr string
+}
+
+// State is how the command ended, for messages.
+func (e *ExitError) State() string {
+	if e.Status != "" {
+		return e.Status
+	}
+	return fmt.Sprintf("exit status %d", e.Code)
 }
 
 func (e *ExitError) Error() string {
 	msg := strings.TrimSpace(e.Stderr)
 	if msg == "" {
-		return fmt.Sprintf("%s: exit status %d", e.Cmd, e.Code)
+		return fmt.Sprintf("%s: %s", e.Cmd, e.State())
 	}
-	return fmt.Sprintf("%s: exit status %d: %s", e.Cmd, e.Code, msg)
+	return fmt.Sprintf("%s: %s: %s", e.Cmd, e.State(), msg)
 }
 
 // Runner runs a command to completion. An error is either *ExitError (it
@@ -91,7 +102,7 @@ func (OS) Run(ctx context.Context, c *Cmd) (Result, error) {
 	res := Result{Stdout: stdout.Bytes(), Stderr: stderr.Bytes()}
 	var exit *exec.ExitError
 	if errors.As(err, &exit) {
-		return res, &ExitError{Cmd: c.String(), Code: exit.ExitCode(), Stderr: stderr.String()}
+		return res, &ExitError{Cmd: c.String(), Code: exit.ExitCode(), Status: exit.String(), Stderr: stderr.String()}
 	}
 	return res, err
 }
