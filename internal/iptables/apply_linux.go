@@ -15,6 +15,7 @@ import (
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -35,6 +36,9 @@ type Applier struct {
 	// Hide are the paths covered for the commands run for a pod with
 	// hostUsers: false; nil means DefaultHidden.
 	Hide []string
+	// Runner runs the iptables commands (and nsenter); nil means
+	// execrun.OS{}.
+	Runner execrun.Runner
 
 	// expandSets makes the applier behave as on a kernel without ipset
 	// (long lists as a rule per entry), so tests cover that path here.
@@ -48,44 +52,54 @@ type Applier struct {
 func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
 	var rep podnet.Report
 	err := a.inPod(netnsPath, func(t *podTarget) error {
-		start := time.Now()
-		fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
-		variants := make([]*variant, len(fams))
-		states := make([]*State, len(fams))
-		for i, fam := range fams {
-			var err error
-			if variants[i], states[i], err = a.read(t, fam); err != nil {
-				return err
-			}
-		}
-		plan, sets, err := a.prepareSets(plan, states)
-		if err != nil {
-			return err
-		}
-		defer sets.close()
-		if sets.client != nil {
-			if err := sets.ensure(plan); err != nil {
-				return err
-			}
-		}
-		for i, fam := range fams {
-			fr, err := a.sync(t, fam, variants[i], states[i], planSet(plan, fam), sets.changed)
-			if err != nil {
-				sets.undo()
-				return err
-			}
-			if i == 0 {
-				// The first family's time includes reading both and the sets.
-				fr.Duration = time.Since(start)
-			}
-			rep.Families = append(rep.Families, fr)
-		}
-		if err := sets.dropStale(); err != nil {
+		var err error
+		if rep, err = a.apply(t, plan); err != nil {
 			return err
 		}
 		return podnet.SyncRouting(plan)
 	})
 	return rep, err
+}
+
+// apply is Apply's netfilter part, from the thread inside the pod's
+// namespace: every iptables command of a call is decided and run here,
+// through t's runner, which is what lets tests see those decisions
+// without root. The report holds the families done when it fails.
+func (a *Applier) apply(t *podTarget, plan *ruleset.Plan) (podnet.Report, error) {
+	var rep podnet.Report
+	start := time.Now()
+	fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
+	variants := make([]*variant, len(fams))
+	states := make([]*State, len(fams))
+	for i, fam := range fams {
+		var err error
+		if variants[i], states[i], err = a.read(t, fam); err != nil {
+			return rep, err
+		}
+	}
+	plan, sets, err := a.prepareSets(plan, states)
+	if err != nil {
+		return rep, err
+	}
+	defer sets.close()
+	if sets.client != nil {
+		if err := sets.ensure(plan); err != nil {
+			return rep, err
+		}
+	}
+	for i, fam := range fams {
+		fr, err := a.sync(t, fam, variants[i], states[i], planSet(plan, fam), sets.changed)
+		if err != nil {
+			sets.undo()
+			return rep, err
+		}
+		if i == 0 {
+			// The first family's time includes reading both and the sets.
+			fr.Duration = time.Since(start)
+		}
+		rep.Families = append(rep.Families, fr)
+	}
+	return rep, sets.dropStale()
 }
 
 // Remove deletes every rule and chain of ours and the TPROXY policy route.
@@ -194,7 +208,7 @@ func (v *variant) restore(f ruleset.Family) string {
 // the namespace already has legacy tables, else nft, else the plain binary.
 // Reading /proc replaces Istio's probe commands, which cost several
 // process starts per pod.
-func (a *Applier) detect(fam ruleset.Family) (*variant, error) {
+func (a *Applier) detect(tables nsTables, fam ruleset.Family) (*variant, error) {
 	mk := func(name, suffix string) (*variant, error) {
 		v := &variant{name: name, legacy: name == VariantLegacy}
 		var err error
@@ -221,7 +235,7 @@ func (a *Applier) detect(fam ruleset.Family) (*variant, error) {
 	default:
 		return nil, fmt.Errorf("unknown iptables variant %q (want legacy or nft)", a.Force)
 	}
-	if hasLegacyTables(fam) {
+	if tables.legacy(fam) {
 		if v, err := mk(VariantLegacy, "-legacy"); err == nil {
 			return v, nil
 		}
@@ -247,7 +261,7 @@ func hasLegacyTables(fam ruleset.Family) bool {
 
 // read picks the variant for a family and reads our rules with it.
 func (a *Applier) read(t *podTarget, fam ruleset.Family) (*variant, *State, error) {
-	v, err := a.detect(fam)
+	v, err := a.detect(t.tables, fam)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -261,11 +275,11 @@ func (a *Applier) read(t *podTarget, fam ruleset.Family) (*variant, *State, erro
 // state reads our rules; it only runs iptables-save when the namespace has
 // tables of that variant at all, which a fresh pod namespace does not.
 func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family) (*State, error) {
-	any, err := t.snap.has(v, fam)
+	present, err := t.tables.has(v, fam)
 	if err != nil {
 		return nil, err
 	}
-	if !any {
+	if !present {
 		return &State{}, nil
 	}
 	out, err := t.run(false, v.save(fam), "")
@@ -275,6 +289,18 @@ func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family) (*State, e
 	return ParseSave(out)
 }
 
+// nsTables answers what choosing the iptables variant and reading our
+// rules ask of the namespace besides iptables itself: which tables it
+// has. tableSnapshot asks the kernel; tests script the answers.
+type nsTables interface {
+	// legacy reports whether the namespace has legacy tables of the
+	// family.
+	legacy(fam ruleset.Family) bool
+	// has reports whether it has tables of the variant for the family,
+	// which is when running iptables-save is worth it.
+	has(v *variant, fam ruleset.Family) (bool, error)
+}
+
 // tableSnapshot lists the namespace's nftables tables once for both
 // families of one call (it must be used inside the namespace).
 type tableSnapshot struct {
@@ -282,6 +308,8 @@ type tableSnapshot struct {
 	unsupported bool
 	families    map[nftables.TableFamily]bool
 }
+
+func (s *tableSnapshot) legacy(fam ruleset.Family) bool { return hasLegacyTables(fam) }
 
 func (s *tableSnapshot) has(v *variant, fam ruleset.Family) (bool, error) {
 	if v.legacy {

@@ -1,17 +1,18 @@
 package iptables
 
 import (
-	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
 )
 
 // podTarget is the pod namespace the iptables commands of one call act
@@ -27,7 +28,8 @@ type podTarget struct {
 	// nsenter runs a command in userns: its argv before the namespace
 	// option.
 	nsenter []string
-	snap    tableSnapshot
+	tables  nsTables
+	runner  execrun.Runner
 }
 
 // inPod runs fn on a thread in the pod's network namespace, with what
@@ -60,7 +62,10 @@ func (a *Applier) inPod(netnsPath string, fn func(*podTarget) error) error {
 // for a user-namespaced pod the commands run in its user namespace through
 // nsenter, as Istio's plugin does.
 func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
-	t := &podTarget{path: path}
+	t := &podTarget{path: path, tables: &tableSnapshot{}, runner: a.Runner}
+	if t.runner == nil {
+		t.runner = execrun.OS{}
+	}
 	var err error
 	if t.lock, err = xtablesLock(netNS); err != nil {
 		return nil, err
@@ -78,16 +83,24 @@ func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 		return t, err
 	}
 	t.userns = owner
-	if p, err := a.lookPath("nsenter"); err == nil {
-		t.nsenter = []string{p}
-	} else if p, err := a.lookPath("busybox"); err == nil {
-		t.nsenter = []string{p, "nsenter"}
-	} else {
+	if t.nsenter, err = a.nsenter(); err != nil {
 		t.close()
-		return nil, errors.New("the pod's network namespace belongs to a user namespace of its own (hostUsers: false); " +
-			"writing its owner rules needs nsenter (util-linux or busybox), found neither in PATH or sbin directories")
+		return nil, err
 	}
 	return t, nil
+}
+
+// nsenter finds the argv that enters a user namespace: util-linux's
+// nsenter, else busybox's.
+func (a *Applier) nsenter() ([]string, error) {
+	if p, err := a.lookPath("nsenter"); err == nil {
+		return []string{p}, nil
+	}
+	if p, err := a.lookPath("busybox"); err == nil {
+		return []string{p, "nsenter"}, nil
+	}
+	return nil, errors.New("the pod's network namespace belongs to a user namespace of its own (hostUsers: false); " +
+		"writing its owner rules needs nsenter (util-linux or busybox), found neither in PATH or sbin directories")
 }
 
 // ownUserNS identifies this process's user namespace, which never changes.
@@ -131,30 +144,31 @@ func (t *podTarget) how() string {
 // user-namespaced pod run in its user namespace; reads need not (and
 // legacy iptables-save cannot list the tables from there).
 func (t *podTarget) run(write bool, bin, stdin string, args ...string) (string, error) {
-	cmd := exec.Command(bin, args...)
-	// The lock goes as a descriptor: from inside the pod's user namespace
-	// the agent's files cannot be opened by path.
-	cmd.ExtraFiles = []*os.File{t.lock}
-	lock := "/proc/self/fd/3"
+	c := &execrun.Cmd{
+		Path: bin,
+		Args: args,
+		// The lock goes as a descriptor: from inside the pod's user
+		// namespace the agent's files cannot be opened by path.
+		ExtraFiles: []*os.File{t.lock},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=/proc/self/fd/3"},
+	}
 	if write && t.userns != nil {
-		argv := append(append(append([]string{}, t.nsenter[1:]...), "--user=/proc/self/fd/4", bin), args...)
-		cmd = exec.Command(t.nsenter[0], argv...)
-		cmd.ExtraFiles = []*os.File{t.lock, t.userns}
+		c.Path = t.nsenter[0]
+		c.Args = append(append(append([]string{}, t.nsenter[1:]...), "--user=/proc/self/fd/4", bin), args...)
+		c.ExtraFiles = []*os.File{t.lock, t.userns}
 	}
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin", "XTABLES_LOCKFILE=" + lock}
 	if stdin != "" {
-		cmd.Stdin = strings.NewReader(stdin)
+		c.Stdin = []byte(stdin)
 	}
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		msg := strings.TrimSpace(stderr.String())
+	res, err := t.runner.Run(context.Background(), c)
+	if err != nil {
+		msg := strings.TrimSpace(string(res.Stderr))
 		if stdin != "" {
 			msg += "\ninput was:\n" + abridge(stdin)
 		}
-		return "", &restoreError{err: err, stderr: stderr.String(), msg: msg}
+		return "", &restoreError{err: err, stderr: string(res.Stderr), msg: msg}
 	}
-	return stdout.String(), nil
+	return string(res.Stdout), nil
 }
 
 // restoreError is a failed iptables command with what it printed.
@@ -164,7 +178,15 @@ type restoreError struct {
 	msg    string
 }
 
-func (e *restoreError) Error() string { return e.err.Error() + ": " + e.msg }
+// Error says how the command ended, what it printed and what it was fed;
+// the caller names the command.
+func (e *restoreError) Error() string {
+	var exit *execrun.ExitError
+	if errors.As(e.err, &exit) {
+		return exit.State() + ": " + e.msg
+	}
+	return e.err.Error() + ": " + e.msg
+}
 func (e *restoreError) Unwrap() error { return e.err }
 
 // abridge keeps an error's copy of the input readable: a long list's
