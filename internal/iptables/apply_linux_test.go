@@ -378,7 +378,7 @@ func TestPodCannotHoldTheLock(t *testing.T) {
 // and kubeconfig); a pod in the node's user namespace needs no hiding.
 func TestUserNamespacedPodSeesNoCredentials(t *testing.T) {
 	testutil.RequireTools(t, "nsenter", "iptables-nft-restore", "sh")
-	real, err := (&Applier{}).lookPath("nsenter")
+	nsenter, err := (&Applier{}).lookPath("nsenter")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -390,7 +390,7 @@ func TestUserNamespacedPodSeesNoCredentials(t *testing.T) {
 	// A stand-in nsenter that first looks for the secret, from the mount
 	// namespace it and the command it starts run in.
 	probe := filepath.Join(bin, "nsenter")
-	script := fmt.Sprintf("#!/bin/sh\nif cat %s/token >/dev/null 2>&1; then echo visible >%s; else echo hidden >%s; fi\nexec %s \"$@\"\n", secrets, out, out, real)
+	script := fmt.Sprintf("#!/bin/sh\nif cat %s/token >/dev/null 2>&1; then echo visible >%s; else echo hidden >%s; fi\nexec %s \"$@\"\n", secrets, out, out, nsenter)
 	if err := os.WriteFile(probe, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}

@@ -26,9 +26,9 @@ type setSync struct {
 	changed map[string]bool
 }
 
-func (s *setSync) close() {
-	if s.client != nil {
-		s.client.close()
+func (ss *setSync) close() {
+	if ss.client != nil {
+		ss.client.close()
 	}
 }
 

@@ -100,11 +100,15 @@ func ownChain(name string) bool {
 		return false
 	}
 	for _, c := range name {
-		if !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+		if !chainNameChar(c) {
 			return false
 		}
 	}
 	return true
+}
+
+func chainNameChar(c rune) bool {
+	return c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_' || c == '-'
 }
 
 // tokenize splits a save line into words, honouring double quotes.
@@ -229,8 +233,11 @@ func segments(toks []string) []string {
 		}
 	}
 	for i, t := range toks {
-		isOpt := strings.HasPrefix(t, "-") && !(i > 0 && toks[i-1] == "!")
-		if t == "!" || (isOpt && !(len(cur) == 1 && cur[0] == "!")) {
+		// In "! --opt value" the option stays in the segment of its "!".
+		afterNot := i > 0 && toks[i-1] == "!"
+		pendingNot := len(cur) == 1 && cur[0] == "!"
+		isOpt := strings.HasPrefix(t, "-") && !afterNot
+		if t == "!" || (isOpt && !pendingNot) {
 			flush()
 		}
 		cur = append(cur, t)

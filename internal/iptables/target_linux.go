@@ -79,8 +79,12 @@ func (a *Applier) target(path string, netNS ns.NetNS) (*podTarget, error) {
 	owner := os.NewFile(uintptr(fd), "userns")
 	same, err := isOwnUserNS(owner)
 	if err != nil || same {
-		owner.Close()
-		return t, err
+		_ = owner.Close()
+		if err != nil {
+			t.close()
+			return nil, err
+		}
+		return t, nil
 	}
 	t.userns = owner
 	if t.nsenter, err = a.nsenter(); err != nil {
@@ -228,6 +232,7 @@ func xtablesLock(netNS ns.NetNS) (*os.File, error) {
 	if dst.Mode&unix.S_IFMT != unix.S_IFDIR || dst.Uid != uint32(os.Geteuid()) || dst.Mode&0o077 != 0 {
 		return nil, fmt.Errorf("xtables lock dir %s is not a directory private to uid %d", lockDir, os.Geteuid())
 	}
+	//nolint:gosec // G302: readable by all on purpose, see the Chmod below.
 	f, err := os.OpenFile(filepath.Join(lockDir, fmt.Sprintf("%02d.lock", st.Ino%lockBuckets)), os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err
@@ -236,7 +241,7 @@ func xtablesLock(netNS ns.NetNS) (*os.File, error) {
 	// reopens it through /proc/self/fd, as a uid that is not root's. No
 	// path reaches it but through the root-only directory.
 	if err := f.Chmod(0o644); err != nil {
-		f.Close()
+		_ = f.Close()
 		return nil, err
 	}
 	return f, nil
@@ -245,7 +250,7 @@ func xtablesLock(netNS ns.NetNS) (*os.File, error) {
 // foreignUserNS tells whether the namespace at path belongs to a user
 // namespace other than ours (a pod with hostUsers: false).
 func foreignUserNS(path string) (bool, error) {
-	f, err := os.Open(path)
+	f, err := os.Open(path) //nolint:gosec // G304: the runtime names the pod's namespace; opening it is the point.
 	if err != nil {
 		return false, err
 	}
