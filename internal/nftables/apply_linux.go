@@ -112,7 +112,8 @@ func (a *Applier) withOurTables(netnsPath string, rs *Ruleset, fn func(*nftables
 		if err != nil {
 			return fmt.Errorf("opening nftables netlink: %w", err)
 		}
-		defer conn.CloseLasting()
+		// Closing only releases the socket: the call's outcome is decided.
+		defer func() { _ = conn.CloseLasting() }()
 		existing, err := ourTables(conn)
 		if err != nil {
 			return err

@@ -111,7 +111,7 @@ func landed(rs *Ruleset, err error) bool {
 	if cerr != nil {
 		return false
 	}
-	defer conn.CloseLasting()
+	defer func() { _ = conn.CloseLasting() }()
 	existing, lerr := ourTables(conn)
 	if lerr != nil {
 		return false

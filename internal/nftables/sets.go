@@ -144,8 +144,8 @@ func prefixSet(table, name string, ip *ruleset.IPSet, bits int) *Set {
 func fromIPSet(table string, ip *ruleset.IPSet) *Set {
 	s := &Set{Table: table, Name: ChainName(ip.Name), list: ip, Origin: ip.Origin, Listed: ip.Listed, Interval: true}
 	var rs []keyRange
-	switch {
-	case ip.Kind == ruleset.SetPorts:
+	switch ip.Kind {
+	case ruleset.SetPorts:
 		// An interval set, though an annotation lists single ports: a
 		// set of single 2-byte keys is the kernel's bitmap type, whose
 		// every insert walks all the elements before it.
