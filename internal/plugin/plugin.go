@@ -212,7 +212,7 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
 	}
-	log := p.Log.Logger.With("cmd", cmd, "pod", string(k8s.K8S_POD_NAMESPACE)+"/"+string(k8s.K8S_POD_NAME),
+	log := p.Log.With("cmd", cmd, "pod", string(k8s.K8S_POD_NAMESPACE)+"/"+string(k8s.K8S_POD_NAME),
 		"containerID", args.ContainerID)
 	if p.FallbackReason != "" {
 		lv := slog.LevelInfo

@@ -116,8 +116,12 @@ func decide(t *testing.T, ns, name string, src *fakeSource) (*Decision, error) {
 		t.Fatal(err)
 	}
 	a := &K8sArgs{}
-	a.K8S_POD_NAMESPACE.UnmarshalText([]byte(ns))
-	a.K8S_POD_NAME.UnmarshalText([]byte(name))
+	if err := a.K8S_POD_NAMESPACE.UnmarshalText([]byte(ns)); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.K8S_POD_NAME.UnmarshalText([]byte(name)); err != nil {
+		t.Fatal(err)
+	}
 	return Decide(context.Background(), conf, a, func(*Config, string) (podinfo.Source, error) { return src, nil })
 }
 

@@ -44,9 +44,9 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 			t.Run(v+"/"+podNS, func(t *testing.T) {
 				prev := prevResultFor(v)
 				if v == "0.3.0" || v == "0.3.1" || v == "0.4.0" {
-					prev = fmt.Sprintf(`{"cniVersion":"%s","interfaces":[{"name":"eth0","mac":"0a:58:0a:00:00:02","sandbox":"/var/run/netns/x"}],"ips":[{"version":"4","address":"10.0.0.2/24","gateway":"10.0.0.1","interface":0}],"routes":[{"dst":"0.0.0.0/0"}],"dns":{}}`, v)
+					prev = fmt.Sprintf(`{"cniVersion":%q,"interfaces":[{"name":"eth0","mac":"0a:58:0a:00:00:02","sandbox":"/var/run/netns/x"}],"ips":[{"version":"4","address":"10.0.0.2/24","gateway":"10.0.0.1","interface":0}],"routes":[{"dst":"0.0.0.0/0"}],"dns":{}}`, v)
 				}
-				conf := fmt.Sprintf(`{"cniVersion":"%s","name":"k8s-pod-network","type":"istio-cni","exclude_namespaces":["kube-system"],"prevResult":%s}`, v, prev)
+				conf := fmt.Sprintf(`{"cniVersion":%q,"name":"k8s-pod-network","type":"istio-cni","exclude_namespaces":["kube-system"],"prevResult":%s}`, v, prev)
 				var out bytes.Buffer
 				rules := &fakeRules{}
 				p := &Plugin{Log: logging.New(os.Stderr), Stdout: &out, Rules: rules,
@@ -66,7 +66,7 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 				_ = json.Unmarshal([]byte(prev), &want)
 				gj, _ := json.Marshal(got)
 				wj, _ := json.Marshal(want)
-				if string(gj) != string(wj) {
+				if !bytes.Equal(gj, wj) {
 					t.Fatalf("result changed:\n got %s\nwant %s", gj, wj)
 				}
 			})

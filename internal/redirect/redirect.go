@@ -296,7 +296,7 @@ func position(i, n int) string {
 }
 
 func validInterfaceName(s string) bool {
-	if len(s) == 0 || len(s) > 15 || s == "." || s == ".." || s[0] == '-' || s[0] == '!' {
+	if s == "" || len(s) > 15 || s == "." || s == ".." || s[0] == '-' || s[0] == '!' {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

@@ -195,7 +195,7 @@ func (s *Set) Final() map[string]map[string][]Rule {
 			c.front = append(c.front, r)
 		case pos > 1 && pos-1 <= n:
 			all := joined(c)
-			c.front, c.back = nil, append(all[:pos-1], append([]Rule{r}, all[pos-1:]...)...)
+			c.front, c.back = nil, slices.Insert(all, pos-1, r)
 		default:
 			c.back = append(c.back, r)
 		}
