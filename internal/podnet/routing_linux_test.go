@@ -1,0 +1,93 @@
+package podnet
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+func TestPodAddrsListsIPv4First(t *testing.T) {
+	n := testutil.NewNS(t)
+	if err := n.Do(func(ns.NetNS) error { return SyncRouting(dual(false)) }); err != nil {
+		t.Fatal(err)
+	}
+	addrs, err := PodAddrs(n.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("::1"), netip.MustParseAddr("::6")}
+	for _, w := range want {
+		if !slices.Contains(addrs, w) {
+			t.Errorf("addresses %v lack %v", addrs, w)
+		}
+	}
+	if len(addrs) == 0 || !addrs[0].Is4() {
+		t.Errorf("addresses %v do not start with IPv4", addrs)
+	}
+}
+
+// TestTProxyRoutingFollowsThePlan: the policy rule and its table come with
+// a TPROXY plan, Mismatch sees them missing before and present after, and
+// a plan without TPROXY takes them away again.
+func TestTProxyRoutingFollowsThePlan(t *testing.T) {
+	n := testutil.NewNS(t)
+	err := n.Do(func(ns.NetNS) error {
+		if err := Mismatch(dual(true), nil); err == nil || !strings.Contains(err.Error(), "fwmark 1337 lookup 133 missing") {
+			t.Errorf("before: Mismatch = %v, want the policy rule missing", err)
+		}
+		if err := Mismatch(dual(false), nil); err != nil {
+			t.Errorf("a plan without TPROXY: Mismatch = %v", err)
+		}
+		if err := SyncRouting(dual(true)); err != nil {
+			return err
+		}
+		// Twice: a namespace already set up is no error.
+		if err := SyncRouting(dual(true)); err != nil {
+			return err
+		}
+		if err := Mismatch(dual(true), nil); err != nil {
+			t.Errorf("after: Mismatch = %v", err)
+		}
+		for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+			if has, err := hasTProxyRule(fam); err != nil || !has {
+				t.Errorf("family %d: policy rule present %v, %v", fam, has, err)
+			}
+		}
+		if err := Mismatch(dual(true), []string{"a rule differs"}); err == nil || !strings.Contains(err.Error(), "a rule differs") {
+			t.Errorf("Mismatch dropped the backend's differences: %v", err)
+		}
+		if err := SyncRouting(dual(false)); err != nil {
+			return err
+		}
+		for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+			if has, err := hasTProxyRule(fam); err != nil || has {
+				t.Errorf("family %d after removal: policy rule present %v, %v", fam, has, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func dual(tproxy bool) *ruleset.Plan {
+	return &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}, V6: &ruleset.Set{Family: ruleset.IPv6}, TProxyRoutes: tproxy}
+}
+
+func TestReportString(t *testing.T) {
+	r := Report{Families: []FamilyReport{
+		{Family: ruleset.IPv4, Variant: "nft", Action: "applied"},
+		{Family: ruleset.IPv6, Variant: "nft", Action: "unchanged", Note: "kernel replies lost"},
+	}}
+	if got, want := r.String(), "IPv4:applied(nft,0s) IPv6:unchanged(nft,0s,kernel replies lost)"; got != want {
+		t.Errorf("String() = %q, want %q", got, want)
+	}
+}
