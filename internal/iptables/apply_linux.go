@@ -111,27 +111,39 @@ func (a *Applier) Remove(netnsPath string) (podnet.Report, error) {
 // namespace and the plan.
 func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	return a.inPod(netnsPath, func(t *podTarget) error {
-		fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
-		states := make([]*State, len(fams))
-		for i, fam := range fams {
-			var err error
-			if _, states[i], err = a.read(t, fam); err != nil {
-				return err
-			}
-		}
-		plan, sets, err := a.prepareSets(plan, states)
+		plan, diffs, err := a.diff(t, plan)
 		if err != nil {
 			return err
 		}
-		sets.close()
-		var diffs []string
-		for i, fam := range fams {
-			for _, d := range Diff(states[i], planSet(plan, fam)) {
-				diffs = append(diffs, fam.String()+" "+d)
-			}
-		}
 		return podnet.Mismatch(plan, diffs)
 	})
+}
+
+// diff is Check's netfilter part, from the thread inside the pod's
+// namespace, as apply is Apply's: the plan as the namespace's kernel
+// gets it (long lists written out where it has no ipset) and every
+// difference of our rules and sets from it.
+func (a *Applier) diff(t *podTarget, plan *ruleset.Plan) (*ruleset.Plan, []string, error) {
+	fams := []ruleset.Family{ruleset.IPv4, ruleset.IPv6}
+	states := make([]*State, len(fams))
+	for i, fam := range fams {
+		var err error
+		if _, states[i], err = a.read(t, fam); err != nil {
+			return nil, nil, err
+		}
+	}
+	plan, sets, err := a.prepareSets(plan, states)
+	if err != nil {
+		return nil, nil, err
+	}
+	sets.close()
+	var diffs []string
+	for i, fam := range fams {
+		for _, d := range Diff(states[i], planSet(plan, fam)) {
+			diffs = append(diffs, fam.String()+" "+d)
+		}
+	}
+	return plan, diffs, nil
 }
 
 func planSet(plan *ruleset.Plan, fam ruleset.Family) *ruleset.Set {

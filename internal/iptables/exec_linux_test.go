@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -46,6 +47,8 @@ type execCase struct {
 	noNsenter bool
 	// fail makes the binary named fail, printing the text.
 	fail map[string]string
+	// check runs Check's part instead of Apply's.
+	check bool
 }
 
 var (
@@ -79,6 +82,10 @@ var execCases = []execCase{
 		fail: map[string]string{"ip6tables-nft-restore": "ip6tables-nft-restore v1.8.9 (nf_tables): line 10 failed"}},
 	{name: "userns-restore-fails", plan: "basic", userns: true,
 		fail: map[string]string{"nsenter": "nsenter: cannot open /proc/self/fd/4: Permission denied"}},
+	// Check reads, and writes nothing whatever it finds.
+	{name: "check-unchanged", plan: "basic", v6: true, saves: basicSaves, check: true},
+	{name: "check-stale", plan: "basic", v6: true, saves: staleSaves, check: true},
+	{name: "check-fresh", plan: "basic", check: true},
 	{name: "save-fails", plan: "basic", saves: basicSaves,
 		fail: map[string]string{"iptables-nft-save": "iptables-nft-save: Could not fetch rule set generation id: Permission denied (you must be root)"}},
 }
@@ -182,13 +189,23 @@ func runExecCase(t *testing.T, c execCase) string {
 	if c.plan != "" {
 		plan = planFor(t, caseNamed(t, c.plan), c.v6)
 	}
-	rep, err := a.apply(target, plan)
-
-	var fams []string
-	for _, f := range rep.Families {
-		fams = append(fams, fmt.Sprintf("%s %s (%s)", f.Family, f.Action, f.Variant))
+	var err error
+	if c.check {
+		var diffs []string
+		_, diffs, err = a.diff(target, plan)
+		log.WriteString("differences:\n")
+		for _, d := range diffs {
+			log.WriteString("  " + d + "\n")
+		}
+	} else {
+		var rep podnet.Report
+		rep, err = a.apply(target, plan)
+		var fams []string
+		for _, f := range rep.Families {
+			fams = append(fams, fmt.Sprintf("%s %s (%s)", f.Family, f.Action, f.Variant))
+		}
+		fmt.Fprintf(&log, "report: %s\n", strings.Join(fams, ", "))
 	}
-	fmt.Fprintf(&log, "report: %s\n", strings.Join(fams, ", "))
 	if err != nil {
 		fmt.Fprintf(&log, "error: %v\n", err)
 	}
