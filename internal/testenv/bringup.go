@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 )
@@ -12,14 +13,57 @@ import (
 type OneNode struct {
 	Cluster *Cluster
 	Node    *KubeNode
-	stop    []func()
+	// Dir holds the cluster's state; free for callers' files too.
+	Dir  string
+	stop []func()
+	// ownDir is set when Stop must remove Dir: StartOneNodeIn made it.
+	ownDir bool
+}
+
+// NodeSetup is what StartOneNodeIn prepares beyond the bare node.
+type NodeSetup struct {
+	// AgentImage builds the project's agent image and imports it into
+	// the node, as installing the chart needs.
+	AgentImage bool
+	// Namespaces are created once the API server is up.
+	Namespaces []string
+}
+
+// StartOneNodeIn is the start-up the bench's cluster series and clusterup
+// share: a fresh temporary directory (named after prefix, removed by
+// Stop), a single-node cluster in it, then what setup asks for. Call it
+// inside the node namespace.
+func StartOneNodeIn(ctx context.Context, prefix string, setup NodeSetup) (*OneNode, error) {
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		return nil, err
+	}
+	o, err := StartOneNode(ctx, dir)
+	if err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	o.ownDir = true
+	if setup.AgentImage {
+		if err := o.LoadAgentImage(dir); err != nil {
+			o.Stop()
+			return nil, err
+		}
+	}
+	for _, ns := range setup.Namespaces {
+		if err := EnsureNamespace(ctx, o.Cluster.Client, ns); err != nil {
+			o.Stop()
+			return nil, err
+		}
+	}
+	return o, nil
 }
 
 // StartOneNode brings up etcd, kube-apiserver (reachable from pods),
 // kube-controller-manager, containerd and a kubelet in dir. Call it inside
 // the node namespace; Stop tears everything down.
 func StartOneNode(ctx context.Context, dir string) (*OneNode, error) {
-	o := &OneNode{}
+	o := &OneNode{Dir: dir}
 	var err error
 	if o.Cluster, err = StartPodReachableCluster(filepath.Join(dir, "cp")); err != nil {
 		return nil, err
@@ -40,12 +84,17 @@ func StartOneNode(ctx context.Context, dir string) (*OneNode, error) {
 	return o, nil
 }
 
-// Stop tears down in reverse order.
+// Stop tears down in reverse order, and removes Dir if StartOneNodeIn
+// made it.
 func (o *OneNode) Stop() {
 	for i := len(o.stop) - 1; i >= 0; i-- {
 		o.stop[i]()
 	}
 	o.stop = nil
+	if o.ownDir {
+		_ = os.RemoveAll(o.Dir)
+		o.ownDir = false
+	}
 }
 
 // LoadAgentImage builds the project's agent image (hack/build-image.sh)
@@ -59,7 +108,7 @@ func (o *OneNode) LoadAgentImage(dir string) error {
 	build := exec.Command(filepath.Join(root, "hack", "build-image.sh"), tar, AgentImage)
 	build.Dir = root
 	if b, err := build.CombinedOutput(); err != nil {
-		return fmt.Errorf("building the agent image: %v\n%s", err, b)
+		return fmt.Errorf("building the agent image: %w\n%s", err, b)
 	}
 	return o.Node.Import(tar)
 }
