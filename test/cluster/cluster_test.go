@@ -106,7 +106,7 @@ func checkPodCgroups(t *testing.T, p *corev1.Pod) {
 	if len(procs) < 2 {
 		t.Fatalf("pod cgroup %s holds processes %v; want the sandbox's and the app's", cg, procs)
 	}
-	self, _ := os.ReadFile(filepath.Join("/proc", procs[0], "cgroup"))
+	self, _ := os.ReadFile("/proc/" + procs[0] + "/cgroup")
 	if !strings.Contains(string(self), "/kubepods/besteffort/pod"+string(p.UID)+"/") {
 		t.Errorf("process %s of the pod is not in its pod cgroup:\n%s", procs[0], self)
 	}
