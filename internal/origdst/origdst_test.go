@@ -17,7 +17,7 @@ import (
 // and reads back where it was going, for both families.
 func TestGet(t *testing.T) {
 	testutil.RequireRoot(t)
-	testutil.RequireTools(t, "ip", "iptables", "ip6tables")
+	testutil.RequireTools(t, "iptables", "ip6tables")
 	for _, tc := range []struct {
 		name, iptables, listen string
 		// dial is a destination nothing listens on; the rule sends it to
