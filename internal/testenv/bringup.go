@@ -1,11 +1,16 @@
 package testenv
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
+	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // OneNode is a running single-node cluster: control plane, node, and a
@@ -92,10 +97,43 @@ func (o *OneNode) Stop() {
 	}
 	o.stop = nil
 	if o.ownDir {
+		// The kubelet leaves its pods' volumes mounted under Dir, and
+		// RemoveAll cannot remove a mount point.
+		unmountUnder(o.Dir)
 		_ = os.RemoveAll(o.Dir)
 		o.ownDir = false
 	}
 }
+
+// unmountUnder detaches every mount below dir in this mount namespace,
+// deepest first.
+func unmountUnder(dir string) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	var below []string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// Fields: id parent major:minor root mountpoint ...; the mount
+		// point has space, tab, newline and backslash octal-escaped.
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		mp := mountinfoUnescape.Replace(fields[4])
+		if strings.HasPrefix(mp, dir+"/") {
+			below = append(below, mp)
+		}
+	}
+	sort.Slice(below, func(i, j int) bool { return len(below[i]) > len(below[j]) })
+	for _, mp := range below {
+		_ = unix.Unmount(mp, unix.MNT_DETACH)
+	}
+}
+
+var mountinfoUnescape = strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
 
 // LoadAgentImage builds the project's agent image (hack/build-image.sh)
 // into dir and imports it into the node's containerd as AgentImage.
