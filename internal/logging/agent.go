@@ -91,7 +91,10 @@ func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 			outs = append(outs, stderr)
 		case "":
 		default:
-			f, err := os.OpenFile(t, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+			// Group-readable, as log targets have always been made (a node's
+			// log shipper may read them by group); tightening that would
+			// change behaviour for existing deployments.
+			f, err := os.OpenFile(t, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640) //nolint:gosec // G302: 0640 is deliberate, see above
 			if err != nil {
 				_ = r.Close()
 				return nil, fmt.Errorf("--log_target %s: %w", t, err)

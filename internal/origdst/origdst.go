@@ -7,7 +7,6 @@ import (
 	"errors"
 	"net"
 	"net/netip"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -28,36 +27,33 @@ func Get(c net.Conn) (netip.AddrPort, error) {
 	v6 := tc.LocalAddr().(*net.TCPAddr).IP.To4() == nil
 	var out netip.AddrPort
 	var serr error
-	err = raw.Control(func(fd uintptr) {
-		if v6 {
-			var sa unix.RawSockaddrInet6
-			if serr = getsockopt(fd, unix.SOL_IPV6, unsafe.Pointer(&sa), unsafe.Sizeof(sa)); serr == nil {
-				out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netPort(&sa.Port))
-			}
-			return
-		}
-		var sa unix.RawSockaddrInet4
-		if serr = getsockopt(fd, unix.SOL_IP, unsafe.Pointer(&sa), unsafe.Sizeof(sa)); serr == nil {
-			out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netPort(&sa.Port))
-		}
-	})
+	err = raw.Control(func(fd uintptr) { out, serr = get(int(fd), v6) })
 	if err != nil {
 		return out, err
 	}
 	return out, serr
 }
 
-// getsockopt reads SO_ORIGINAL_DST at level into the sockaddr at p.
-func getsockopt(fd uintptr, level int, p unsafe.Pointer, size uintptr) error {
-	l := uint32(size)
-	if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, uintptr(level), soOriginalDst,
-		uintptr(p), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
-		return e
+// get asks the kernel for fd's original destination. x/sys has no
+// getsockopt for a bare sockaddr, so it borrows the two whose results are
+// large enough to hold one: struct ipv6_mreq for
+// sockaddr_in, struct ip6_mtuinfo (which starts with one) for sockaddr_in6.
+func get(fd int, v6 bool) (netip.AddrPort, error) {
+	if v6 {
+		info, err := unix.GetsockoptIPv6MTUInfo(fd, unix.SOL_IPV6, soOriginalDst)
+		if err != nil {
+			return netip.AddrPort{}, err
+		}
+		// Port holds the bytes of a network-order port, read in host order.
+		var port [2]byte
+		binary.NativeEndian.PutUint16(port[:], info.Addr.Port)
+		return netip.AddrPortFrom(netip.AddrFrom16(info.Addr.Addr), binary.BigEndian.Uint16(port[:])), nil
 	}
-	return nil
-}
-
-// netPort reads a sockaddr's port, which is in network byte order.
-func netPort(p *uint16) uint16 {
-	return binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(p))[:])
+	mreq, err := unix.GetsockoptIPv6Mreq(fd, unix.SOL_IP, soOriginalDst)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	// sockaddr_in: family (2 bytes), port (2, network order), address (4).
+	sin := mreq.Multiaddr
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte(sin[4:8])), binary.BigEndian.Uint16(sin[2:4])), nil
 }

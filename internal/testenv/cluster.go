@@ -236,7 +236,7 @@ func (c *Cluster) waitReady(limit time.Duration) error {
 				return fmt.Errorf("%s exited; see %s", p.Path, c.logPath)
 			}
 		}
-		req, _ := http.NewRequest(http.MethodGet, c.URL+"/readyz", nil)
+		req, _ := http.NewRequest(http.MethodGet, c.URL+"/readyz", http.NoBody)
 		req.Header.Set("Authorization", "Bearer "+c.Token)
 		resp, err := client.Do(req)
 		if err == nil {

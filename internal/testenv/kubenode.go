@@ -59,13 +59,13 @@ func BuildImage(dir, pkg, name, tag string) (string, error) {
 	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(rootfs, name), pkg)
 	build.Dir, build.Env = root, append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := build.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("building %s: %v %s", pkg, err, b)
+		return "", fmt.Errorf("building %s: %w %s", pkg, err, b)
 	}
 	out := filepath.Join(dir, name+".tar")
 	pack := exec.Command("go", "run", "./hack/imagepack", "-rootfs", rootfs, "-tag", tag, "-entrypoint", "/"+name, "-out", out)
 	pack.Dir = root
 	if b, err := pack.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("packing %s: %v %s", tag, err, b)
+		return "", fmt.Errorf("packing %s: %w %s", tag, err, b)
 	}
 	return out, nil
 }
@@ -202,7 +202,7 @@ func (n *KubeNode) Ctr(args ...string) ([]byte, error) {
 // Import loads a docker-archive image into containerd.
 func (n *KubeNode) Import(tar string) error {
 	if b, err := n.Ctr("images", "import", tar); err != nil {
-		return fmt.Errorf("ctr images import %s: %v %s", tar, err, b)
+		return fmt.Errorf("ctr images import %s: %w %s", tar, err, b)
 	}
 	return nil
 }
@@ -271,11 +271,11 @@ func killShims(socket string) {
 		if err != nil {
 			continue
 		}
-		if cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline")); err == nil &&
+		if cmd, err := os.ReadFile("/proc/" + e.Name() + "/cmdline"); err == nil &&
 			strings.Contains(string(cmd), "containerd-shim") && strings.Contains(string(cmd), socket) {
 			shims = append(shims, pid)
 		}
-		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil {
+		if stat, err := os.ReadFile("/proc/" + e.Name() + "/stat"); err == nil {
 			if i := strings.LastIndexByte(string(stat), ')'); i > 0 {
 				if f := strings.Fields(string(stat)[i+1:]); len(f) > 1 {
 					parent[pid], _ = strconv.Atoi(f[1])
@@ -309,7 +309,8 @@ func BindPendingPods(ctx context.Context, c *Cluster) {
 		for ctx.Err() == nil {
 			pods, err := c.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName="})
 			if err == nil {
-				for _, p := range pods.Items {
+				for i := range pods.Items {
+					p := &pods.Items[i]
 					b := &corev1.Binding{ObjectMeta: metav1.ObjectMeta{Namespace: p.Namespace, Name: p.Name, UID: p.UID},
 						Target: corev1.ObjectReference{Kind: "Node", Name: NodeName}}
 					_ = c.Client.CoreV1().Pods(p.Namespace).Bind(ctx, b, metav1.CreateOptions{})

@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -58,7 +59,8 @@ func EnterNodeNamespace() {
 	// at once with the tools' own "offline" messages instead of DNS errors.
 	cmd.Env = append(os.Environ(), nodeNSEnv+"=1", "GOPROXY=off", "GOTOOLCHAIN=local", "ISTIO_CNI_OFFLINE=1")
 	err := cmd.Run()
-	if ee, ok := err.(*exec.ExitError); ok {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
 		os.Exit(ee.ExitCode())
 	}
 	if err != nil {
@@ -87,7 +89,7 @@ func setupNode() error {
 		{"addr", "add", RemoteV6 + "/128", "dev", "lo"},
 	} {
 		if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
-			return fmt.Errorf("ip %v: %v: %s", c, err, out)
+			return fmt.Errorf("ip %v: %w: %s", c, err, out)
 		}
 	}
 	return nil
@@ -136,7 +138,7 @@ func BuildCommand(dir, name string) (string, error) {
 	// spends about a millisecond in the loader on every start.
 	cmd.Dir, cmd.Env = root, append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("building %s: %v: %s", name, err, b)
+		return "", fmt.Errorf("building %s: %w: %s", name, err, b)
 	}
 	return out, nil
 }

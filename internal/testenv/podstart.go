@@ -132,8 +132,8 @@ func DeletePods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, 
 			return err
 		}
 		left := 0
-		for _, p := range list.Items {
-			if names[p.Name] {
+		for i := range list.Items {
+			if names[list.Items[i].Name] {
 				left++
 			}
 		}

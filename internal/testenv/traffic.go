@@ -102,7 +102,7 @@ func DialAs(netnsPath string, uid, gid int, network, addr string) (string, error
 		"HELPER_NETWORK="+network, "HELPER_ADDR="+addr)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return "", fmt.Errorf("dial helper: %v: %s", err, out)
+		return "", fmt.Errorf("dial helper: %w: %s", err, out)
 	}
 	s := strings.TrimSpace(string(out))
 	if !strings.HasPrefix(s, "OK ") {

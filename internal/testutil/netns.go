@@ -13,6 +13,7 @@ import (
 func NewNS(t *testing.T) ns.NetNS {
 	t.Helper()
 	RequireRoot(t)
+	RequireTools(t, "ip")
 	n, err := testutils.NewNS()
 	if err != nil {
 		t.Fatal(err)

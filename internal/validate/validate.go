@@ -62,12 +62,19 @@ func Run(ctx context.Context, cfg Config) error {
 	defer cancel()
 	success := make(chan netip.AddrPort, 1)
 	lc := net.ListenConfig{Control: reuse}
+	// Every port listens until Run returns.
+	var listeners []net.Listener
+	defer func() {
+		for _, l := range listeners {
+			_ = l.Close()
+		}
+	}()
 	for _, port := range cfg.ListenPorts {
 		l, err := lc.Listen(ctx, "tcp", net.JoinHostPort(listenHost, strconv.Itoa(port)))
 		if err != nil {
 			return fmt.Errorf("listening on %d: %w", port, err)
 		}
-		defer l.Close()
+		listeners = append(listeners, l)
 		go serve(l, success)
 	}
 	// The probe leaves from the loopback address, not from the target's

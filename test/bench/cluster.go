@@ -1,10 +1,8 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"fmt"
-	"os"
 	"sort"
 	"time"
 
@@ -14,54 +12,28 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
-// runCluster measures pod start-up at the cluster level on a real
-// kubelet+containerd node: 30 sidecar-shaped pods created at once, time
-// from creation to Ready, without and then with the plugin in the chain
-// (installed by the chart with the project's image).
-func runCluster(n int) error {
-	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "istio-cni-bench-cluster-")
+// clusterResult is the cluster series' creation-to-Ready times, each side
+// sorted.
+type clusterResult struct {
+	without, with []time.Duration
+}
+
+// clusterStartup measures pod start-up at the cluster level on a real
+// kubelet+containerd node: cfg.clusterPods sidecar pods created at once,
+// time from creation to Ready, without and then with the plugin in the
+// chain (installed by the chart with the project's image).
+func clusterStartup(ctx context.Context, cfg config) (clusterResult, error) {
+	one, err := testenv.StartOneNodeIn(ctx, "istio-cni-bench-cluster-",
+		testenv.NodeSetup{AgentImage: true, Namespaces: []string{"istio-system", "bench"}})
 	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
-	one, err := testenv.StartOneNode(ctx, dir)
-	if err != nil {
-		return err
+		return clusterResult{}, err
 	}
 	defer one.Stop()
 	cluster, node := one.Cluster, one.Node
-	if err := one.LoadAgentImage(dir); err != nil {
-		return err
-	}
-	for _, ns := range []string{"istio-system", "bench"} {
-		if err := testenv.EnsureNamespace(ctx, cluster.Client, ns); err != nil {
-			return err
-		}
-	}
-	pods := func(round string) []*corev1.Pod {
-		never := corev1.PullNever
-		f := false
-		uid := int64(1337)
-		var out []*corev1.Pod
-		for i := 0; i < n; i++ {
-			out = append(out, &corev1.Pod{
-				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", round, i),
-					Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
-				Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
-					Containers: []corev1.Container{
-						{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
-						{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
-							SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
-					}},
-			})
-		}
-		return out
-	}
 	// Each round's pods are deleted before the next round, so every round
 	// starts on the same node state.
 	measure := func(round string) ([]time.Duration, error) {
-		ps := pods(round)
+		ps := sidecarPods(round, cfg.clusterPods)
 		d, err := testenv.PodStartTimes(ctx, cluster, "bench", ps, 3*time.Minute)
 		if err != nil {
 			return nil, err
@@ -70,48 +42,65 @@ func runCluster(n int) error {
 	}
 	// A warm-up round: images unpacked, caches filled.
 	if _, err := measure("warm"); err != nil {
-		return err
+		return clusterResult{}, err
 	}
 	// Rounds alternate, without and with the plugin, so that effects of
 	// order (caches, state the node accumulates) fall on both sides.
-	var without, with []time.Duration
-	for round := 0; round < *clusterRounds; round++ {
+	var res clusterResult
+	for round := 0; round < cfg.clusterRounds; round++ {
 		d, err := measure(fmt.Sprintf("without%d", round))
 		if err != nil {
-			return err
+			return clusterResult{}, err
 		}
-		without = append(without, d...)
+		res.without = append(res.without, d...)
 		values := testenv.NodeChartValues(cluster, node, false)
-		if *agentCPU != "" {
-			values["resources"] = map[string]any{"requests": map[string]any{"cpu": *agentCPU, "memory": "100Mi"}}
+		if cfg.clusterAgentCPU != "" {
+			values["resources"] = map[string]any{"requests": map[string]any{"cpu": cfg.clusterAgentCPU, "memory": "100Mi"}}
 		}
 		rel, err := testenv.InstallChart(cluster, values)
 		if err != nil {
-			return err
+			return clusterResult{}, err
 		}
 		if err := waitAgentPodReady(ctx, cluster); err != nil {
-			return err
+			return clusterResult{}, err
 		}
 		d, err = measure(fmt.Sprintf("with%d", round))
 		if err != nil {
-			return err
+			return clusterResult{}, err
 		}
-		with = append(with, d...)
+		res.with = append(res.with, d...)
 		if err := rel.Uninstall(); err != nil {
-			return err
+			return clusterResult{}, err
 		}
 		if err := waitAgentPodGone(ctx, cluster); err != nil {
-			return err
+			return clusterResult{}, err
 		}
 	}
-	sort.Slice(without, func(i, j int) bool { return without[i] < without[j] })
-	sort.Slice(with, func(i, j int) bool { return with[i] < with[j] })
-	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node, creation to Ready (%d alternating rounds each, agent CPU request %s):\n", n, *clusterRounds, cmp.Or(*agentCPU, "100m (chart default)"))
-	fmt.Printf("  without istio-cni: p50 %s  p99 %s  last %s\n", ms(pct(without, .5)), ms(pct(without, .99)), ms(without[len(without)-1]))
-	fmt.Printf("  with istio-cni:    p50 %s  p99 %s  last %s\n", ms(pct(with, .5)), ms(pct(with, .99)), ms(with[len(with)-1]))
-	fmt.Printf("  added by the plugin: p50 %+.1f%%, last pod %+.1f%% (goal < 5%%)\n",
-		100*(float64(pct(with, .5))/float64(pct(without, .5))-1), 100*(float64(with[len(with)-1])/float64(without[len(without)-1])-1))
-	return nil
+	sort.Slice(res.without, func(i, j int) bool { return res.without[i] < res.without[j] })
+	sort.Slice(res.with, func(i, j int) bool { return res.with[i] < res.with[j] })
+	return res, nil
+}
+
+// sidecarPods are n pods shaped as Istio's injector shapes a sidecar pod,
+// named after the round.
+func sidecarPods(round string, n int) []*corev1.Pod {
+	never := corev1.PullNever
+	f := false
+	uid := int64(1337)
+	var out []*corev1.Pod
+	for i := 0; i < n; i++ {
+		out = append(out, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", round, i),
+				Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
+			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+				Containers: []corev1.Container{
+					{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
+					{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
+						SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
+				}},
+		})
+	}
+	return out
 }
 
 func waitAgentPodGone(ctx context.Context, c *testenv.Cluster) error {

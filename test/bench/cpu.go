@@ -96,6 +96,12 @@ func (c cpuSplit) add(o cpuSplit) cpuSplit {
 	return cpuSplit{c.runtime + o.runtime, c.plugins + o.plugins, c.agent + o.agent}
 }
 
+// div is c shared among n pods; none counts as one.
+func (c cpuSplit) div(n int) cpuSplit {
+	d := time.Duration(max(n, 1))
+	return cpuSplit{c.runtime / d, c.plugins / d, c.agent / d}
+}
+
 func rusage(who int) (time.Duration, error) {
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(who, &ru); err != nil {
@@ -117,62 +123,9 @@ func (b *bench) cpuNow() (cpuSplit, error) {
 	return c, errors.Join(err1, err2, err3)
 }
 
-// perPod is a parallel series' CPU divided by the pods it started.
-func (b *bench) perPod(k string) cpuSplit {
-	c, n := b.cpu[k], time.Duration(max(b.cpuPods[k], 1))
-	return cpuSplit{c.runtime / n, c.plugins / n, c.agent / n}
-}
-
-// reportCPU prints CPU per pod for the parallel ADDs: what a burst of pod
-// starts costs the node, and who spends it.
-func (b *bench) reportCPU() {
-	base := b.perPod("par/primary ADD")
-	fmt.Printf("CPU per pod, %d parallel ADDs (runtime/libcni + plugin processes + agent with iptables-restore = total):\n", *parallel)
-	for _, s := range []string{"par/primary", "par/chain+agent", "par/chain+agent/nftables"} {
-		c := b.perPod(s + " ADD")
-		agent := ms(c.agent)
-		if b.agentCPU == nil {
-			agent = "    n/a   "
-		}
-		fmt.Printf("  %-26s %s + %s + %s = %s (%.2fx)\n", s, ms(c.runtime), ms(c.plugins), agent, ms(c.total()),
-			float64(c.total())/float64(max(base.total(), 1)))
-	}
-}
-
 // ownCPU is this process's CPU time and that of its waited-for children.
 func ownCPU() (time.Duration, error) {
 	self, err1 := rusage(syscall.RUSAGE_SELF)
 	kids, err2 := rusage(syscall.RUSAGE_CHILDREN)
 	return self + kids, errors.Join(err1, err2)
-}
-
-func mean(ds []time.Duration) time.Duration {
-	var sum time.Duration
-	for _, d := range ds {
-		sum += d
-	}
-	return sum / time.Duration(max(len(ds), 1))
-}
-
-// reportCPUFloor prints the least CPU a chained ADD can add to the
-// primary's in a burst, from parts measured in this run: the runtime
-// running one more plugin (libcni, not ours), a relay process that only
-// starts (VERSION), and Istio's default rules applied from a warm process
-// (iptables-restore or netlink, with the kernel's work). A ratio target
-// below this cannot be met by any code in the agent or the relay.
-func (b *bench) reportCPUFloor() {
-	primary := b.perPod("par/primary ADD")
-	if primary.total() == 0 {
-		return
-	}
-	relay := mean(b.samples["cpu/relay start"])
-	fmt.Printf("CPU floor of a chained ADD over the primary's, %d parallel (runtime's extra plugin + relay start + rules):\n", *parallel)
-	for _, s := range []struct{ series, rules string }{
-		{"par/chain+agent", "iptables (iptables-restore)"}, {"par/chain+agent/nftables", "nftables (netlink)"}} {
-		runtime := b.perPod(s.series+" ADD").runtime - primary.runtime
-		rules := mean(b.samples["cpu/default rules into a fresh netns, "+s.rules])
-		floor := primary.total() + runtime + relay + rules
-		fmt.Printf("  %-26s %s + %s + %s = %s over %s: at least %.2fx\n", s.series, ms(runtime), ms(relay), ms(rules),
-			ms(floor-primary.total()), ms(primary.total()), float64(floor)/float64(primary.total()))
-	}
 }

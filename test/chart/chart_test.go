@@ -145,8 +145,9 @@ func (r *rendered) config(t *testing.T) map[string]string {
 
 func (r *rendered) hostPath(t *testing.T, volume string) string {
 	t.Helper()
-	for _, v := range r.daemonSet(t).Spec.Template.Spec.Volumes {
-		if v.Name == volume && v.HostPath != nil {
+	vols := r.daemonSet(t).Spec.Template.Spec.Volumes
+	for i := range vols {
+		if v := &vols[i]; v.Name == volume && v.HostPath != nil {
 			return v.HostPath.Path
 		}
 	}
@@ -617,7 +618,7 @@ func sortedSets() []string {
 
 func TestRenderGoldenAndDryRun(t *testing.T) {
 	ctx := context.Background()
-	ensureTestCluster(t, ctx)
+	ensureTestCluster(ctx, t)
 	// The API server's deprecation warnings (the AppArmor annotation) are
 	// expected here: Istio's default keeps the annotation.
 	cfg := rest.CopyConfig(cluster.Config)
@@ -645,7 +646,7 @@ func TestRenderGoldenAndDryRun(t *testing.T) {
 				if err := yaml.Unmarshal([]byte(r.objs[key]), &obj.Object); err != nil {
 					t.Fatalf("%s: %v", key, err)
 				}
-				dryRun(t, ctx, dyn, mapper, obj)
+				dryRun(ctx, t, dyn, mapper, obj)
 			}
 			if set.golden {
 				goldens[name+".golden.yaml"] = true
@@ -843,7 +844,7 @@ func TestAgentInvocation(t *testing.T) {
 
 // dryRun has the API server validate and admit the object without storing
 // it (server-side dry run).
-func dryRun(t *testing.T, ctx context.Context, dyn dynamic.Interface, mapper meta.RESTMapper, obj *unstructured.Unstructured) {
+func dryRun(ctx context.Context, t *testing.T, dyn dynamic.Interface, mapper meta.RESTMapper, obj *unstructured.Unstructured) {
 	t.Helper()
 	gvk := obj.GroupVersionKind()
 	m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
@@ -865,7 +866,7 @@ func dryRun(t *testing.T, ctx context.Context, dyn dynamic.Interface, mapper met
 
 // ensureTestCluster creates the release namespace and the Multus
 // NetworkAttachmentDefinition CRD, so every object has a home.
-func ensureTestCluster(t *testing.T, ctx context.Context) {
+func ensureTestCluster(ctx context.Context, t *testing.T) {
 	t.Helper()
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
 		t.Fatal(err)

@@ -21,6 +21,9 @@ import (
 
 const agentImage = testenv.AgentImage
 
+// podLogDir is where the kubelet writes containers' logs.
+const podLogDir = "/var/log/pods"
+
 func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, string)) {
 	t.Helper()
 	deadline := time.Now().Add(limit)
@@ -34,7 +37,8 @@ func waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, 
 		if time.Now().After(deadline) {
 			evs, _ := cluster.Client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{})
 			var lines []string
-			for _, e := range evs.Items {
+			for i := range evs.Items {
+				e := &evs.Items[i]
 				lines = append(lines, e.InvolvedObject.Namespace+"/"+e.InvolvedObject.Name+" "+e.Reason+": "+e.Message)
 			}
 			log, _ := os.ReadFile(filepath.Join(workDir, "node", "node.log"))
@@ -185,7 +189,7 @@ func chartOnNode(t *testing.T, backend string) {
 	// The chart's default, as Istio's: the console format, labels as key=value.
 	podLabel := "pod=mesh/" + name + " "
 	waitLog(t, agentPod, "install-cni", podLabel)
-	agentLog, err := os.ReadFile(filepath.Join("/var/log/pods", agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
+	agentLog, err := os.ReadFile(filepath.Join(podLogDir, agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,8 +235,8 @@ func chartOnNode(t *testing.T, backend string) {
 		if err != nil {
 			return false, err.Error()
 		}
-		for _, e := range evs.Items {
-			if e.InvolvedObject.Name == raced.Name && e.Reason == "RepairedPod" {
+		for i := range evs.Items {
+			if e := &evs.Items[i]; e.InvolvedObject.Name == raced.Name && e.Reason == "RepairedPod" {
 				return true, ""
 			}
 		}
@@ -285,7 +289,7 @@ func chartOnNode(t *testing.T, backend string) {
 // waitLog waits until the container's log (the kubelet's files) has want.
 func waitLog(t *testing.T, pod *corev1.Pod, container, want string) {
 	t.Helper()
-	path := filepath.Join("/var/log/pods", pod.Namespace+"_"+pod.Name+"_"+string(pod.UID), container, "0.log")
+	path := filepath.Join(podLogDir, pod.Namespace+"_"+pod.Name+"_"+string(pod.UID), container, "0.log")
 	waitFor(t, container+" log containing "+want, 60*time.Second, func() (bool, string) {
 		b, err := os.ReadFile(path)
 		if err != nil {
@@ -301,7 +305,9 @@ func waitLog(t *testing.T, pod *corev1.Pod, container, want string) {
 
 func podProblems(p *corev1.Pod) string {
 	var out []string
-	for _, st := range append(append([]corev1.ContainerStatus{}, p.Status.InitContainerStatuses...), p.Status.ContainerStatuses...) {
+	statuses := append(append([]corev1.ContainerStatus{}, p.Status.InitContainerStatuses...), p.Status.ContainerStatuses...)
+	for i := range statuses {
+		st := &statuses[i]
 		if w := st.State.Waiting; w != nil {
 			out = append(out, st.Name+": "+w.Reason+" "+w.Message)
 		}
@@ -389,7 +395,8 @@ func upgradeUnderChurn(t *testing.T, rel *testenv.Release) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, e := range evs.Items {
+	for i := range evs.Items {
+		e := &evs.Items[i]
 		if strings.HasPrefix(e.InvolvedObject.Name, "churn-") && (e.Reason == "RepairedPod" || e.Reason == "FailedKillPod" || e.Reason == "FailedCreatePodSandBox") {
 			log, _ := os.ReadFile(filepath.Join(workDir, "node", "node.log"))
 			var lines []string
@@ -413,8 +420,8 @@ func repairEvent(t *testing.T, pod string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, e := range evs.Items {
-		if e.InvolvedObject.Name == pod && strings.HasPrefix(e.Reason, "Repair") {
+	for i := range evs.Items {
+		if e := &evs.Items[i]; e.InvolvedObject.Name == pod && strings.HasPrefix(e.Reason, "Repair") {
 			return e.Reason
 		}
 	}

@@ -31,21 +31,15 @@ func TestMain(m *testing.M) {
 }
 
 func run(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "istio-cni-cluster-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	defer os.RemoveAll(dir)
 	ctx := context.Background()
 	start := time.Now()
-	one, err := testenv.StartOneNode(ctx, dir)
+	one, err := testenv.StartOneNodeIn(ctx, "istio-cni-cluster-", testenv.NodeSetup{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	defer one.Stop()
-	cluster, node, workDir = one.Cluster, one.Node, dir
+	cluster, node, workDir = one.Cluster, one.Node, one.Dir
 	oneNode = one
 	fmt.Fprintf(os.Stderr, "node Ready after %s\n", time.Since(start).Round(time.Millisecond))
 	return m.Run()
@@ -106,7 +100,7 @@ func checkPodCgroups(t *testing.T, p *corev1.Pod) {
 	if len(procs) < 2 {
 		t.Fatalf("pod cgroup %s holds processes %v; want the sandbox's and the app's", cg, procs)
 	}
-	self, _ := os.ReadFile(filepath.Join("/proc", procs[0], "cgroup"))
+	self, _ := os.ReadFile("/proc/" + procs[0] + "/cgroup")
 	if !strings.Contains(string(self), "/kubepods/besteffort/pod"+string(p.UID)+"/") {
 		t.Errorf("process %s of the pod is not in its pod cgroup:\n%s", procs[0], self)
 	}

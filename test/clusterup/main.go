@@ -29,31 +29,24 @@ func main() {
 
 func run(withChart bool) error {
 	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "istio-cni-clusterup-")
-	if err != nil {
-		return err
+	setup := testenv.NodeSetup{}
+	if withChart {
+		setup = testenv.NodeSetup{AgentImage: true, Namespaces: []string{"istio-system"}}
 	}
-	defer os.RemoveAll(dir)
-	one, err := testenv.StartOneNode(ctx, dir)
+	one, err := testenv.StartOneNodeIn(ctx, "istio-cni-clusterup-", setup)
 	if err != nil {
 		return err
 	}
 	defer one.Stop()
 	cluster, node := one.Cluster, one.Node
 	if withChart {
-		if err := one.LoadAgentImage(dir); err != nil {
-			return err
-		}
-		if err := testenv.EnsureNamespace(ctx, cluster.Client, "istio-system"); err != nil {
-			return err
-		}
 		rel, err := testenv.InstallChart(cluster, testenv.NodeChartValues(cluster, node, false))
 		if err != nil {
 			return err
 		}
 		defer func() { _ = rel.Uninstall() }()
 	}
-	kc := filepath.Join(dir, "admin.kubeconfig")
+	kc := filepath.Join(one.Dir, "admin.kubeconfig")
 	if err := cluster.AdminKubeconfig(kc); err != nil {
 		return err
 	}

@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -213,7 +214,7 @@ func run() error {
 	}
 	code, err = d.host.Stop(10 * time.Second)
 	if err != nil || code != 0 {
-		return fmt.Errorf("agent exit %d: %v", code, err)
+		return fmt.Errorf("agent exit %d: %w", code, err)
 	}
 	final, err := os.ReadFile(primary)
 	if err != nil {
@@ -292,7 +293,7 @@ func (d *demo) sandbox(name string) (*testenv.Pod, netip.Addr, error) {
 	}
 	r, err := current.NewResultFromResult(res)
 	if err != nil || len(r.IPs) == 0 {
-		return nil, netip.Addr{}, fmt.Errorf("no IP for %s: %v", name, err)
+		return nil, netip.Addr{}, fmt.Errorf("no IP for %s: %w", name, err)
 	}
 	ip, _ := netip.AddrFromSlice(r.IPs[0].Address.IP.To4())
 	stop, err := pod.StartSandboxProcess()
@@ -312,7 +313,8 @@ func (d *demo) runValidation(pod *testenv.Pod) (int, string) {
 		cmd.Stdout, cmd.Stderr = &out, &out
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1337, Gid: 1337}}
 		err := cmd.Run()
-		if ee, ok := err.(*exec.ExitError); ok {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
 			code = ee.ExitCode()
 		} else if err == nil {
 			code = 0
@@ -341,8 +343,8 @@ func (d *demo) waitEvent(pod, reason string) (*corev1.Event, error) {
 		if err != nil {
 			return nil, err
 		}
-		for i, ev := range evs.Items {
-			if ev.InvolvedObject.Name == pod && ev.Reason == reason {
+		for i := range evs.Items {
+			if ev := &evs.Items[i]; ev.InvolvedObject.Name == pod && ev.Reason == reason {
 				return &evs.Items[i], nil
 			}
 		}

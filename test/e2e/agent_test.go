@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -277,7 +278,7 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 		_ = json.Unmarshal(orig, &o)
 		ab, _ := json.Marshal(a)
 		ob, _ := json.Marshal(o)
-		if string(ab) != string(ob) {
+		if !bytes.Equal(ab, ob) {
 			t.Fatalf("primary config not restored:\n%s", after)
 		}
 		for _, p := range []string{kc, filepath.Join(h.BinDir, "istio-cni")} {
@@ -367,7 +368,7 @@ func TestAgentStandalone(t *testing.T) {
 	h.start("--chained-cni-plugin=false")
 	h.waitReadyz(200, 20*time.Second)
 	p := filepath.Join(h.NetDir, install.StandaloneConfName)
-	conf, err := libcni.ConfFromFile(p)
+	conf, err := readPluginConf(p)
 	if err != nil || conf.Network.Type != "istio-cni" {
 		t.Fatalf("standalone config: %v %v", conf, err)
 	}
@@ -377,6 +378,17 @@ func TestAgentStandalone(t *testing.T) {
 	if _, err := os.Stat(p); !os.IsNotExist(err) {
 		t.Fatal("standalone config left after uninstall")
 	}
+}
+
+// readPluginConf reads a single-plugin config file, the format of the
+// standalone config (Istio writes one for Multus). libcni deprecates its
+// reader for that format, not the format's use by runtimes.
+func readPluginConf(path string) (*libcni.PluginConfig, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return libcni.NetworkPluginConfFromBytes(b)
 }
 
 func TestAgentBadInput(t *testing.T) {
@@ -404,7 +416,11 @@ func TestAgentBadInput(t *testing.T) {
 		if err := syscall.Mount(h.NetDir, h.NetDir, "", syscall.MS_BIND, ""); err != nil {
 			t.Fatal(err)
 		}
-		defer syscall.Unmount(h.NetDir, syscall.MNT_DETACH)
+		defer func() {
+			if err := syscall.Unmount(h.NetDir, syscall.MNT_DETACH); err != nil {
+				t.Errorf("unmounting the read-only bind of %s: %v", h.NetDir, err)
+			}
+		}()
 		if err := syscall.Mount("", h.NetDir, "", syscall.MS_BIND|syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
 			t.Fatal(err)
 		}
@@ -419,7 +435,8 @@ func TestAgentBadInput(t *testing.T) {
 	})
 	t.Run("bad-flag", func(t *testing.T) {
 		out, err := exec.Command(agentBin, "--kubeconfig-mode", "rw").CombinedOutput()
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "kubeconfig-mode") {
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "kubeconfig-mode") {
 			t.Fatalf("want exit 2 naming the flag, got %v: %s", err, out)
 		}
 	})
@@ -433,10 +450,10 @@ func TestAgentPicksNftablesWithoutIPTables(t *testing.T) {
 		h := newHost(t)
 		root := t.TempDir()
 		if hostHasIPT {
-			if err := os.MkdirAll(filepath.Join(root, "usr/sbin"), 0o755); err != nil {
+			if err := os.MkdirAll(filepath.Join(root, "usr", "sbin"), 0o755); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.Symlink("/usr/sbin/iptables-nft-restore", filepath.Join(root, "usr/sbin/iptables-restore")); err != nil {
+			if err := os.Symlink("/usr/sbin/iptables-nft-restore", filepath.Join(root, "usr", "sbin", "iptables-restore")); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"errors"
 	"os/exec"
 	"strings"
 	"testing"
@@ -12,7 +13,8 @@ func runDiag(t *testing.T, e *env, args ...string) (int, string) {
 	t.Helper()
 	cmd := exec.Command(diagBin, append([]string{"--run-dir", e.node.RunDir}, args...)...)
 	out, err := cmd.CombinedOutput()
-	if ee, ok := err.(*exec.ExitError); ok {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
 		return ee.ExitCode(), string(out)
 	}
 	if err != nil {

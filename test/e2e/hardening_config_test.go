@@ -241,7 +241,11 @@ func TestHardeningRemovalStops(t *testing.T) {
 	if err := syscall.Mount(h.NetDir, h.NetDir, "", syscall.MS_BIND, ""); err != nil {
 		t.Fatal(err)
 	}
-	defer syscall.Unmount(h.NetDir, syscall.MNT_DETACH)
+	defer func() {
+		if err := syscall.Unmount(h.NetDir, syscall.MNT_DETACH); err != nil {
+			t.Errorf("unmounting the read-only bind of %s: %v", h.NetDir, err)
+		}
+	}()
 	if err := syscall.Mount("", h.NetDir, "", syscall.MS_BIND|syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
 		t.Fatal(err)
 	}
@@ -305,12 +309,12 @@ func TestHardeningInotifyOverflow(t *testing.T) {
 	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 	h.start("--resync-interval", "1h")
 	h.waitReadyz(200, 20*time.Second)
-	max, err := os.ReadFile("/proc/sys/fs/inotify/max_queued_events")
+	maxQueued, err := os.ReadFile("/proc/sys/fs/inotify/max_queued_events")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var queue int
-	if _, err := fmt.Sscan(string(max), &queue); err != nil {
+	if _, err := fmt.Sscan(string(maxQueued), &queue); err != nil {
 		t.Fatal(err)
 	}
 	h.Signal(syscall.SIGSTOP)

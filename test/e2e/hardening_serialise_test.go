@@ -55,7 +55,7 @@ func (n *agentNode) runRelay(command string, pod *testenv.Pod, stdin []byte) err
 	var out bytes.Buffer
 	cmd.Stdout = &out
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("%s: %v: %s", command, err, out.String())
+		return fmt.Errorf("%s: %w: %s", command, err, out.String())
 	}
 	return nil
 }

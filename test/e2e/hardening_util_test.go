@@ -170,7 +170,7 @@ func keepAlive(t *testing.T, port int) func(path string) (int, string) {
 	var conn net.Conn
 	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1, IdleConnTimeout: time.Hour,
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			var err error = fmt.Errorf("the kept-alive connection to the health port was closed")
+			err := fmt.Errorf("the kept-alive connection to the health port was closed")
 			once.Do(func() {
 				var d net.Dialer
 				conn, err = d.DialContext(ctx, network, addr)

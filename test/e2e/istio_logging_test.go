@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -71,7 +72,7 @@ func TestIstioLoggingFlags(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer pod.Close()
+		t.Cleanup(pod.Close)
 		if _, err := cni.AddNetworkList(context.Background(), c.list, pod.RT); err != nil {
 			t.Fatalf("%s: ADD: %v", c.name, err)
 		}
@@ -142,7 +143,8 @@ func TestAgentVersionAndHelp(t *testing.T) {
 		}
 	}
 	out, err = exec.Command(agentBin, "--no-such-flag").CombinedOutput()
-	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "no-such-flag") {
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "no-such-flag") {
 		t.Fatalf("an unknown flag must exit 2 naming it: %v %q", err, out)
 	}
 }

@@ -117,7 +117,7 @@ func TestIstioManifestsRunTheAgent(t *testing.T) {
 				if list.Plugins[len(list.Plugins)-1].Network.Type == "istio-cni" {
 					t.Fatal("not chained, yet the plugin went into the primary config")
 				}
-				if standalone, err = libcni.ConfFromFile(filepath.Join(h.NetDir, env["CNI_CONF_NAME"])); err != nil {
+				if standalone, err = readPluginConf(filepath.Join(h.NetDir, env["CNI_CONF_NAME"])); err != nil {
 					t.Fatalf("standalone config %s: %v", env["CNI_CONF_NAME"], err)
 				}
 				entry = standalone.Bytes

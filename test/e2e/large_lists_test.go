@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
@@ -78,7 +79,7 @@ func backendEnv(t *testing.T, path, variant string) *env {
 // has no uplink.
 func addListAddrs(t *testing.T) {
 	t.Helper()
-	lo, err := netlink.LinkByName("lo")
+	lo, err := netlinksafe.LinkByName("lo")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -276,7 +277,7 @@ func vethToNode(t *testing.T, sb *sandbox, name string) netip.Addr {
 	if err := netlink.LinkAdd(veth); err != nil {
 		t.Fatal(err)
 	}
-	peer, err := netlink.LinkByName("h" + name)
+	peer, err := netlinksafe.LinkByName("h" + name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,7 +289,7 @@ func vethToNode(t *testing.T, sb *sandbox, name string) netip.Addr {
 	if err := netlink.LinkSetUp(peer); err != nil {
 		t.Fatal(err)
 	}
-	link, err := netlink.LinkByName(name)
+	link, err := netlinksafe.LinkByName(name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +297,7 @@ func vethToNode(t *testing.T, sb *sandbox, name string) netip.Addr {
 		t.Fatal(err)
 	}
 	if err := sb.pod.NetNS.Do(func(ns.NetNS) error {
-		link, err := netlink.LinkByName(name)
+		link, err := netlinksafe.LinkByName(name)
 		if err != nil {
 			return err
 		}

@@ -139,7 +139,7 @@ func rulesIn(t *testing.T, pod *testenv.Pod) string {
 		for _, bin := range []string{"iptables-legacy-save", "iptables-nft-save", "ip6tables-legacy-save", "ip6tables-nft-save"} {
 			b, err := exec.Command(bin).CombinedOutput()
 			if err != nil {
-				return fmt.Errorf("%s: %v: %s", bin, err, b)
+				return fmt.Errorf("%s: %w: %s", bin, err, b)
 			}
 			out.Write(b)
 		}
@@ -243,188 +243,184 @@ func TestTraffic(t *testing.T) {
 // relay served by the node agent's CNI server ("agent") or, with no
 // agent, by the fallback plugin it starts ("fallback").
 func trafficCases(t *testing.T, path, variant string) {
-	{
-		{
-			e := backendEnv(t, path, variant)
-			remote := testenv.RemoteV4
+	e := backendEnv(t, path, variant)
+	remote := testenv.RemoteV4
 
-			t.Run("outbound-to-15001", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true})
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp4", remote+":80")
-				})
-				if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
-					t.Fatalf("CHECK on a redirected pod: %v", err)
-				}
-			})
-
-			t.Run("proxy-uid-bypasses", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true})
-				expectDirect(t, remote+":81", func() error {
-					_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp4", remote+":81")
-					return err
-				})
-				// And an ordinary uid is redirected on the same port.
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":81"), func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp4", remote+":81")
-				})
-			})
-
-			t.Run("custom-proxy-uid", func(t *testing.T) {
-				uid, gid := int64(1000670000), int64(1000670001)
-				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyUID: &uid, ProxyGID: &gid})
-				expectDirect(t, remote+":82", func() error {
-					_, err := testenv.DialAs(sb.pod.NetNS.Path(), int(uid), int(gid), "tcp4", remote+":82")
-					return err
-				})
-			})
-
-			t.Run("user-namespaced-pod", func(t *testing.T) {
-				// hostUsers: false. The proxy runs as 1337 inside the pod's
-				// user namespace, another uid on the host; the owner match
-				// must mean the pod's 1337.
-				sb := e.addIn(testenv.NewUserNSPod, &testenv.PodSpec{Sidecar: true})
-				proxy := testenv.UserNSBase + 1337
-				expectDirect(t, remote+":83", func() error {
-					_, err := testenv.DialAs(sb.pod.NetNS.Path(), proxy, proxy, "tcp4", remote+":83")
-					return err
-				})
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":83"), func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp4", remote+":83")
-				})
-				if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
-					t.Fatalf("CHECK on a user-namespaced pod: %v", err)
-				}
-			})
-
-			t.Run("inbound-to-15006", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true})
-				target := netip.AddrPortFrom(sb.v4, 8080)
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15006", target, func() (net.Conn, error) {
-					return testenv.Dial(nil, "tcp4", target.String())
-				})
-			})
-
-			t.Run("excluded-inbound-port", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
-					"traffic.sidecar.istio.io/excludeInboundPorts": "9000"}})
-				l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:9000", false)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer l.Close()
-				c, err := testenv.Dial(nil, "tcp4", netip.AddrPortFrom(sb.v4, 9000).String())
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer c.Close()
-				got, err := testenv.Accept(l, 5*time.Second)
-				if err != nil {
-					t.Fatalf("excluded inbound port did not reach the app: %v", err)
-				}
-				got.Close()
-			})
-
-			t.Run("excluded-outbound-port", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
-					"traffic.sidecar.istio.io/excludeOutboundPorts": "9090"}})
-				expectDirect(t, remote+":9090", dialPing(sb.pod, "tcp4", remote+":9090"))
-			})
-
-			t.Run("excluded-outbound-cidr", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
-					"traffic.sidecar.istio.io/excludeOutboundIPRanges": "198.18.0.0/24"}})
-				expectDirect(t, remote+":80", dialPing(sb.pod, "tcp4", remote+":80"))
-			})
-
-			t.Run("included-outbound-cidr-only", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
-					"traffic.sidecar.istio.io/includeOutboundIPRanges": "10.96.0.0/12"}})
-				expectDirect(t, remote+":83", dialPing(sb.pod, "tcp4", remote+":83"))
-			})
-
-			t.Run("tproxy-keeps-addresses", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
-					"sidecar.istio.io/interceptionMode": "TPROXY"}})
-				l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:15006", true)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer l.Close()
-				target := netip.AddrPortFrom(sb.v4, 8080)
-				c, err := testenv.Dial(nil, "tcp4", target.String())
-				if err != nil {
-					t.Fatalf("dial %s: %v", target, err)
-				}
-				defer c.Close()
-				got, err := testenv.Accept(l, 5*time.Second)
-				if err != nil {
-					t.Fatalf("TPROXY connection did not reach 15006: %v", err)
-				}
-				defer got.Close()
-				if got.LocalAddr().String() != target.String() {
-					t.Fatalf("TPROXY local address %s, want the original %s", got.LocalAddr(), target)
-				}
-				if got.RemoteAddr().String() != c.LocalAddr().String() {
-					t.Fatalf("TPROXY peer %s, want the client %s", got.RemoteAddr(), c.LocalAddr())
-				}
-			})
-
-			t.Run("dns-capture", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"}})
-				u, err := testenv.ListenUDP(sb.pod, "udp4", "0.0.0.0:15053")
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer u.Close()
-				c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer c.Close()
-				if _, err := c.Write([]byte("query")); err != nil {
-					t.Fatal(err)
-				}
-				buf := make([]byte, 64)
-				_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
-				n, _, err := u.ReadFromUDP(buf)
-				if err != nil || string(buf[:n]) != "query" {
-					t.Fatalf("UDP DNS did not reach 15053: %v %q", err, buf[:n])
-				}
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15053", ap(remote+":53"), func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp4", remote+":53")
-				})
-			})
-
-			t.Run("ipv6-dual-stack", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_DUAL_STACK": "true"}})
-				want := netip.AddrPortFrom(netip.MustParseAddr(testenv.RemoteV6), 80)
-				expectRedirect(t, sb.pod, "tcp6", "[::]:15001", want, func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp6", want.String())
-				})
-				inbound := netip.AddrPortFrom(sb.v6, 8080)
-				expectRedirect(t, sb.pod, "tcp6", "[::]:15006", inbound, func() (net.Conn, error) {
-					return testenv.Dial(nil, "tcp6", inbound.String())
-				})
-				expectDirect(t, "["+testenv.RemoteV6+"]:84", func() error {
-					_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp6", "["+testenv.RemoteV6+"]:84")
-					return err
-				})
-			})
-
-			t.Run("ipv6-not-captured-without-dual-stack", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{Sidecar: true})
-				expectDirect(t, "["+testenv.RemoteV6+"]:85", dialPing(sb.pod, "tcp6", "["+testenv.RemoteV6+"]:85"))
-			})
-
-			t.Run("native-sidecar", func(t *testing.T) {
-				sb := e.add(&testenv.PodSpec{NativeSidecar: true})
-				expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
-					return testenv.Dial(sb.pod, "tcp4", remote+":80")
-				})
-			})
+	t.Run("outbound-to-15001", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp4", remote+":80")
+		})
+		if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
+			t.Fatalf("CHECK on a redirected pod: %v", err)
 		}
-	}
+	})
+
+	t.Run("proxy-uid-bypasses", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		expectDirect(t, remote+":81", func() error {
+			_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp4", remote+":81")
+			return err
+		})
+		// And an ordinary uid is redirected on the same port.
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":81"), func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp4", remote+":81")
+		})
+	})
+
+	t.Run("custom-proxy-uid", func(t *testing.T) {
+		uid, gid := int64(1000670000), int64(1000670001)
+		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyUID: &uid, ProxyGID: &gid})
+		expectDirect(t, remote+":82", func() error {
+			_, err := testenv.DialAs(sb.pod.NetNS.Path(), int(uid), int(gid), "tcp4", remote+":82")
+			return err
+		})
+	})
+
+	t.Run("user-namespaced-pod", func(t *testing.T) {
+		// hostUsers: false. The proxy runs as 1337 inside the pod's
+		// user namespace, another uid on the host; the owner match
+		// must mean the pod's 1337.
+		sb := e.addIn(testenv.NewUserNSPod, &testenv.PodSpec{Sidecar: true})
+		proxy := testenv.UserNSBase + 1337
+		expectDirect(t, remote+":83", func() error {
+			_, err := testenv.DialAs(sb.pod.NetNS.Path(), proxy, proxy, "tcp4", remote+":83")
+			return err
+		})
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":83"), func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp4", remote+":83")
+		})
+		if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
+			t.Fatalf("CHECK on a user-namespaced pod: %v", err)
+		}
+	})
+
+	t.Run("inbound-to-15006", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		target := netip.AddrPortFrom(sb.v4, 8080)
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15006", target, func() (net.Conn, error) {
+			return testenv.Dial(nil, "tcp4", target.String())
+		})
+	})
+
+	t.Run("excluded-inbound-port", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"traffic.sidecar.istio.io/excludeInboundPorts": "9000"}})
+		l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:9000", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		c, err := testenv.Dial(nil, "tcp4", netip.AddrPortFrom(sb.v4, 9000).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		got, err := testenv.Accept(l, 5*time.Second)
+		if err != nil {
+			t.Fatalf("excluded inbound port did not reach the app: %v", err)
+		}
+		got.Close()
+	})
+
+	t.Run("excluded-outbound-port", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"traffic.sidecar.istio.io/excludeOutboundPorts": "9090"}})
+		expectDirect(t, remote+":9090", dialPing(sb.pod, "tcp4", remote+":9090"))
+	})
+
+	t.Run("excluded-outbound-cidr", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"traffic.sidecar.istio.io/excludeOutboundIPRanges": "198.18.0.0/24"}})
+		expectDirect(t, remote+":80", dialPing(sb.pod, "tcp4", remote+":80"))
+	})
+
+	t.Run("included-outbound-cidr-only", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"traffic.sidecar.istio.io/includeOutboundIPRanges": "10.96.0.0/12"}})
+		expectDirect(t, remote+":83", dialPing(sb.pod, "tcp4", remote+":83"))
+	})
+
+	t.Run("tproxy-keeps-addresses", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, Annotations: map[string]string{
+			"sidecar.istio.io/interceptionMode": "TPROXY"}})
+		l, err := testenv.Listen(sb.pod, "tcp4", "0.0.0.0:15006", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		target := netip.AddrPortFrom(sb.v4, 8080)
+		c, err := testenv.Dial(nil, "tcp4", target.String())
+		if err != nil {
+			t.Fatalf("dial %s: %v", target, err)
+		}
+		defer c.Close()
+		got, err := testenv.Accept(l, 5*time.Second)
+		if err != nil {
+			t.Fatalf("TPROXY connection did not reach 15006: %v", err)
+		}
+		defer got.Close()
+		if got.LocalAddr().String() != target.String() {
+			t.Fatalf("TPROXY local address %s, want the original %s", got.LocalAddr(), target)
+		}
+		if got.RemoteAddr().String() != c.LocalAddr().String() {
+			t.Fatalf("TPROXY peer %s, want the client %s", got.RemoteAddr(), c.LocalAddr())
+		}
+	})
+
+	t.Run("dns-capture", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"}})
+		u, err := testenv.ListenUDP(sb.pod, "udp4", "0.0.0.0:15053")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer u.Close()
+		c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("query")); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 64)
+		_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
+		n, _, err := u.ReadFromUDP(buf)
+		if err != nil || string(buf[:n]) != "query" {
+			t.Fatalf("UDP DNS did not reach 15053: %v %q", err, buf[:n])
+		}
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15053", ap(remote+":53"), func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp4", remote+":53")
+		})
+	})
+
+	t.Run("ipv6-dual-stack", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_DUAL_STACK": "true"}})
+		want := netip.AddrPortFrom(netip.MustParseAddr(testenv.RemoteV6), 80)
+		expectRedirect(t, sb.pod, "tcp6", "[::]:15001", want, func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp6", want.String())
+		})
+		inbound := netip.AddrPortFrom(sb.v6, 8080)
+		expectRedirect(t, sb.pod, "tcp6", "[::]:15006", inbound, func() (net.Conn, error) {
+			return testenv.Dial(nil, "tcp6", inbound.String())
+		})
+		expectDirect(t, "["+testenv.RemoteV6+"]:84", func() error {
+			_, err := testenv.DialAs(sb.pod.NetNS.Path(), 1337, 1337, "tcp6", "["+testenv.RemoteV6+"]:84")
+			return err
+		})
+	})
+
+	t.Run("ipv6-not-captured-without-dual-stack", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		expectDirect(t, "["+testenv.RemoteV6+"]:85", dialPing(sb.pod, "tcp6", "["+testenv.RemoteV6+"]:85"))
+	})
+
+	t.Run("native-sidecar", func(t *testing.T) {
+		sb := e.add(&testenv.PodSpec{NativeSidecar: true})
+		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15001", ap(remote+":80"), func() (net.Conn, error) {
+			return testenv.Dial(sb.pod, "tcp4", remote+":80")
+		})
+	})
 }
 
 // serveCNI runs the node agent's CNI server for this node in the test
@@ -478,7 +474,8 @@ func selectionCases(t *testing.T, path string) {
 		{"disable-envoy", testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"DISABLE_ENVOY": "true"}}},
 		{"interception-none", testenv.PodSpec{Sidecar: true, Annotations: map[string]string{"sidecar.istio.io/interceptionMode": "NONE"}}},
 	}
-	for _, c := range cases {
+	for i := range cases {
+		c := &cases[i]
 		t.Run(c.name, func(t *testing.T) {
 			spec := c.spec
 			sb := e.add(&spec)

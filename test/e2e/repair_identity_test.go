@@ -36,7 +36,7 @@ func attackerNetNS(t *testing.T, ip string) string {
 		for _, args := range [][]string{{"link", "add", "fake0", "type", "veth", "peer", "name", "fake1"}, {"addr", "add", ip + "/32", "dev", "fake0"},
 			{"link", "set", "fake0", "up"}, {"link", "set", "lo", "up"}} {
 			if b, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
-				return fmt.Errorf("ip %v: %v %s", args, err, b)
+				return fmt.Errorf("ip %v: %w %s", args, err, b)
 			}
 		}
 		return nil

@@ -49,8 +49,8 @@ func waitEvent(t *testing.T, podName, reason string) *corev1.Event {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for i, ev := range evs.Items {
-			if ev.InvolvedObject.Name == podName && ev.Reason == reason {
+		for i := range evs.Items {
+			if ev := &evs.Items[i]; ev.InvolvedObject.Name == podName && ev.Reason == reason {
 				return &evs.Items[i]
 			}
 		}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os/exec"
 	"strings"
@@ -27,7 +28,8 @@ func runValidation(t *testing.T, pod *testenv.Pod) (int, string, time.Duration) 
 		cmd.Stdout, cmd.Stderr = &out, &out
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1337, Gid: 1337}}
 		err := cmd.Run()
-		if ee, ok := err.(*exec.ExitError); ok {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
 			code = ee.ExitCode()
 			return nil
 		}
@@ -67,7 +69,8 @@ func TestValidation(t *testing.T) {
 	})
 	t.Run("refuses-rule-mode", func(t *testing.T) {
 		out, err := exec.Command(validBin, "-p", "15001").CombinedOutput()
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || !strings.Contains(string(out), "--run-validation") {
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "--run-validation") {
 			t.Fatalf("want exit 2 explaining --run-validation: %v %s", err, out)
 		}
 	})
@@ -85,7 +88,7 @@ func TestValidationIPv6(t *testing.T) {
 			{"addr", "add", "fd00:77::5/64", "dev", "v0", "nodad"},
 		} {
 			if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
-				return fmt.Errorf("ip %v: %v %s", c, err, out)
+				return fmt.Errorf("ip %v: %w %s", c, err, out)
 			}
 		}
 		return nil

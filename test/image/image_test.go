@@ -8,6 +8,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -83,11 +84,12 @@ func TestImage(t *testing.T) {
 	}
 	// No nsswitch.conf: glibc then only reads local files for the owner
 	// match's user lookup, so the agent skips hiding it.
-	if _, err := os.Stat(filepath.Join(rootfs, "etc/nsswitch.conf")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(rootfs, "etc", "nsswitch.conf")); !os.IsNotExist(err) {
 		t.Fatalf("the image has an /etc/nsswitch.conf (%v); the agent would hide it for every iptables command", err)
 	}
 	b, err := exec.Command("chroot", rootfs, "install-cni", "--kubeconfig-mode", "x").CombinedOutput()
-	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 {
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 2 {
 		t.Fatalf("install-cni in the image: %v %s", err, b)
 	}
 
@@ -105,7 +107,7 @@ func readTar(t *testing.T, path string) map[string][]byte {
 	tr := tar.NewReader(f)
 	for {
 		h, err := tr.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			return out
 		}
 		if err != nil {

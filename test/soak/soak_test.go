@@ -31,6 +31,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
@@ -138,7 +139,7 @@ func soakPod() (ns.NetNS, error) {
 		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "peer0"}); err != nil {
 			return err
 		}
-		eth, err := netlink.LinkByName("eth0")
+		eth, err := netlinksafe.LinkByName("eth0")
 		if err != nil {
 			return err
 		}
@@ -164,7 +165,7 @@ func relay(bin, command, netns, args string, stdin []byte) error {
 	var out bytes.Buffer
 	cmd.Stdout = &out
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("%s: %v: %s", command, err, out.String())
+		return fmt.Errorf("%s: %w: %s", command, err, out.String())
 	}
 	return nil
 }

@@ -1,0 +1,47 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"testing"
+	"time"
+)
+
+func TestParseFlags(t *testing.T) {
+	parse := func(args ...string) config {
+		t.Helper()
+		fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		c, err := parseFlags(fs, args)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	want := config{seqPods: 40, parallel: 20, rounds: 3, listPods: 15, clusterRounds: 3}
+	if got := parse(); got != want {
+		t.Errorf("defaults: got %+v, want %+v", got, want)
+	}
+	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true, clusterPods: 6, clusterRounds: 7, clusterAgentCPU: "250m"}
+	if got := parse("-pods", "1", "-parallel", "2", "-rounds", "4", "-list-pods", "5", "-lists-only",
+		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m"); got != want {
+		t.Errorf("every flag set: got %+v, want %+v", got, want)
+	}
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	if _, err := parseFlags(fs, []string{"-pods", "many"}); err == nil {
+		t.Error("a non-number for -pods was accepted")
+	}
+}
+
+// The parallel series report CPU per pod; a series that started no pod
+// must not divide by zero.
+func TestCPUSplitDiv(t *testing.T) {
+	c := cpuSplit{runtime: 10 * time.Millisecond, plugins: 20 * time.Millisecond, agent: 30 * time.Millisecond}
+	if got, want := c.div(10), (cpuSplit{time.Millisecond, 2 * time.Millisecond, 3 * time.Millisecond}); got != want {
+		t.Errorf("div(10) = %+v, want %+v", got, want)
+	}
+	if got := c.div(0); got != c {
+		t.Errorf("div(0) = %+v, want %+v", got, c)
+	}
+}
