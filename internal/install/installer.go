@@ -1,6 +1,7 @@
 package install
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -86,11 +87,11 @@ func (in *Installer) ConfFile(conf string) string {
 	if conf == "" {
 		return ""
 	}
-	real, err := ResolveInDir(in.cfg.MountedCNINetDir, conf)
+	resolved, err := ResolveInDir(in.cfg.MountedCNINetDir, conf)
 	if err != nil {
 		return ""
 	}
-	return real
+	return resolved
 }
 
 // Step names, used in errors and as the installs_total result label.
@@ -166,12 +167,12 @@ func (in *Installer) WriteKubeconfig() (bool, error) {
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}
 	path := in.KubeconfigPath()
-	if cur, err := os.ReadFile(path); err == nil && string(cur) == string(data) {
+	if cur, err := readFile(path); err == nil && bytes.Equal(cur, data) {
 		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm() == in.cfg.KubeconfigMode {
 			return false, nil
 		}
 	}
-	if err := os.MkdirAll(in.cfg.RunDir, 0o755); err != nil {
+	if err := os.MkdirAll(in.cfg.RunDir, 0o755); err != nil { //nolint:gosec // G301: Istio's mode for the run dir, which the plugin and host tools read
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}
 	if err := WriteFileAtomic(path, data, in.cfg.KubeconfigMode, false); err != nil {
@@ -250,7 +251,7 @@ func (in *Installer) ensureStandalone(dir string) (Placed, error) {
 	want := StandaloneConf(in.cfg.Entry)
 	// The path is ours whatever this pass manages.
 	at := func(wrote bool) Placed { return Placed{Path: path, Wrote: wrote} }
-	real, err := ResolveInDir(dir, path)
+	resolved, err := ResolveInDir(dir, path)
 	if errors.Is(err, fs.ErrNotExist) {
 		if err := CreateExclusive(path, want, in.createdMode(), -1, -1); err != nil {
 			return at(false), stepErr(err)
@@ -260,7 +261,7 @@ func (in *Installer) ensureStandalone(dir string) (Placed, error) {
 	if err != nil {
 		return at(false), stepErr(err)
 	}
-	cur, err := os.ReadFile(real)
+	cur, err := readFile(resolved)
 	if err != nil {
 		return at(false), stepErr(err)
 	}
@@ -270,7 +271,7 @@ func (in *Installer) ensureStandalone(dir string) (Placed, error) {
 	if t := pluginType(cur); t != PluginType {
 		return at(false), stepErr(fmt.Errorf("%s holds another network's config (type %q): not overwriting it; set CNI_CONF_NAME to a name of its own", path, t))
 	}
-	if err := ReplaceIfUnchanged(real, cur, want, in.createdMode(), -1, -1); err != nil {
+	if err := ReplaceIfUnchanged(resolved, cur, want, in.createdMode(), -1, -1); err != nil {
 		return at(false), stepErr(err)
 	}
 	return at(true), nil
@@ -296,14 +297,14 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 	if err != nil {
 		return Placed{}, stepErr(err)
 	}
-	real, err := ResolveInDir(dir, primary)
+	resolved, err := ResolveInDir(dir, primary)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Placed{}, ErrChanged
 	}
 	if err != nil {
 		return Placed{}, stepErr(err)
 	}
-	data, err := os.ReadFile(real)
+	data, err := readFile(resolved)
 	if errors.Is(err, fs.ErrNotExist) {
 		return Placed{}, ErrChanged
 	}
@@ -321,20 +322,20 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 	if err != nil {
 		return Placed{}, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
-	mode, uid, gid, err := owner(real)
+	mode, uid, gid, err := owner(resolved)
 	if err != nil {
 		return Placed{}, ErrChanged
 	}
 	target := primary
 	if strings.HasSuffix(primary, ".conf") {
-		if real != primary {
+		if resolved != primary {
 			return Placed{}, stepErr(fmt.Errorf("%s is a symbolic link: a .conf is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist", primary))
 		}
 		target = primary + "list"
 		if err := in.wrap(primary, target, data, merged, mode, uid, gid); err != nil {
 			return Placed{}, stepErr(err)
 		}
-	} else if err := ReplaceIfUnchanged(real, data, merged, mode, uid, gid); err != nil {
+	} else if err := ReplaceIfUnchanged(resolved, data, merged, mode, uid, gid); err != nil {
 		return Placed{}, stepErr(err)
 	}
 	in.log.Info("inserted istio-cni into the CNI config", "file", target, "was", map[EntryState]string{EntryMissing: "missing", EntryStale: "stale"}[state])
@@ -346,7 +347,7 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 // existing list is overwritten only when it holds the same network (an
 // earlier wrap of this .conf): another network's file is never replaced.
 func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMode, uid, gid int) error {
-	cur, err := os.ReadFile(list)
+	cur, err := readFile(list)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		err = CreateExclusive(list, merged, mode, uid, gid)
@@ -357,11 +358,11 @@ func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMo
 			return fmt.Errorf("cannot wrap %s into %s: %s already exists and holds another network (%s); remove one of the two",
 				filepath.Base(conf), filepath.Base(list), filepath.Base(list), why)
 		}
-		real, rerr := ResolveInDir(filepath.Dir(list), list)
+		resolved, rerr := ResolveInDir(filepath.Dir(list), list)
 		if rerr != nil {
 			return rerr
 		}
-		err = ReplaceIfUnchanged(real, cur, merged, mode, uid, gid)
+		err = ReplaceIfUnchanged(resolved, cur, merged, mode, uid, gid)
 	}
 	if err != nil {
 		return err
@@ -414,7 +415,7 @@ func (in *Installer) Ready(conf string) error {
 	if conf == "" {
 		return errors.New("CNI config not written yet")
 	}
-	data, err := os.ReadFile(conf)
+	data, err := readFile(conf)
 	if err != nil {
 		return fmt.Errorf("CNI config: %w", err)
 	}
@@ -489,7 +490,7 @@ func (in *Installer) removeEntry() (string, error) {
 	dir := in.cfg.MountedCNINetDir
 	if !in.cfg.Chained {
 		p := in.standalonePath(dir)
-		cur, err := os.ReadFile(p)
+		cur, err := readFile(p)
 		if errors.Is(err, os.ErrNotExist) {
 			return "", nil
 		}
@@ -514,14 +515,14 @@ func (in *Installer) removeEntry() (string, error) {
 		if !strings.HasSuffix(f, ".conf") && !strings.HasSuffix(f, ".conflist") {
 			continue
 		}
-		real, err := ResolveInDir(dir, f)
+		resolved, err := ResolveInDir(dir, f)
 		if err != nil {
 			// Not ours to write: the agent never writes through such a link.
 			continue
 		}
 		removed := false
 		for attempt := 0; ; attempt++ {
-			data, err := os.ReadFile(real)
+			data, err := readFile(resolved)
 			if err != nil {
 				break
 			}
@@ -529,9 +530,9 @@ func (in *Installer) removeEntry() (string, error) {
 			if err != nil || !had {
 				break
 			}
-			mode, uid, gid, err := owner(real)
+			mode, uid, gid, err := owner(resolved)
 			if err == nil {
-				err = ReplaceIfUnchanged(real, data, out, mode, uid, gid)
+				err = ReplaceIfUnchanged(resolved, data, out, mode, uid, gid)
 			}
 			if err == nil {
 				removed = true
