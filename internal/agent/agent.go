@@ -213,7 +213,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		p.rest = append(p.rest, done)
 	}
 	runDir := cfg.Loop.Install.RunDir
-	if err := os.MkdirAll(runDir, 0o755); err != nil {
+	if err := os.MkdirAll(runDir, 0o755); err != nil { //nolint:gosec // G301: Istio's mode for the run dir, which the plugin and host tools read
 		return nil, fmt.Errorf("creating run dir: %w", err)
 	}
 	pluginLog := a.PluginLog

@@ -302,7 +302,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			v, src = values[d.name].v, "flag --"+d.name
 		}
 		if d.ignored != "" {
-			if src != "default" && !(d.isBool && (v == "" || v == "false")) {
+			if src != "default" && (!d.isBool || v != "" && v != "false") {
 				o.Notes = append(o.Notes, fmt.Sprintf("%s=%q is accepted for compatibility with Istio and ignored: %s", src, v, d.ignored))
 			}
 			continue

@@ -125,10 +125,10 @@ func TestNftablesAuto(t *testing.T) {
 		t.Fatalf("empty root: %v %v", has, err)
 	}
 	withIPT := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(withIPT, "usr/sbin"), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(withIPT, "usr", "sbin"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink("xtables-nft-multi", filepath.Join(withIPT, "usr/sbin/iptables-nft-restore")); err != nil {
+	if err := os.Symlink("xtables-nft-multi", filepath.Join(withIPT, "usr", "sbin", "iptables-nft-restore")); err != nil {
 		t.Fatal(err)
 	}
 	if has, err := HostHasIPTables(withIPT); err != nil || !has {

@@ -120,7 +120,7 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.
-		return nil, fmt.Errorf("%w: %v", errNoAgent, err)
+		return nil, fmt.Errorf("%w: %w", errNoAgent, err)
 	}
 	defer conn.Close()
 	if r.Timeout > 0 {
@@ -131,10 +131,10 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	var hdr [4]byte
 	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
 	if _, _, err := conn.WriteMsgUnix(hdr[:], oob, nil); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	if _, err := conn.Write(body); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	_ = conn.CloseWrite()
 	out, err := io.ReadAll(io.LimitReader(conn, MaxMessage))
@@ -142,10 +142,13 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	if errors.As(err, &ne) && ne.Timeout() {
 		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
 	}
-	if err != nil || len(out) == 0 {
-		// The agent went away mid-command (a restart): the command is
-		// idempotent, so the fallback can do it.
-		return nil, fmt.Errorf("%w: no answer on %s (%v)", errNoAgent, sock, err)
+	// The agent went away mid-command (a restart): the command is
+	// idempotent, so the fallback can do it.
+	if err != nil {
+		return nil, fmt.Errorf("%w: no answer on %s (%w)", errNoAgent, sock, err)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: no answer on %s (<nil>)", errNoAgent, sock)
 	}
 	resp := &Response{}
 	if err := json.Unmarshal(out, resp); err != nil {

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
@@ -90,7 +91,7 @@ func podNamespace(b *testing.B) (ns.NetNS, *os.File) {
 		b.Fatal(err)
 	}
 	err = n.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}
@@ -100,7 +101,7 @@ func podNamespace(b *testing.B) (ns.NetNS, *os.File) {
 		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "peer0"}); err != nil {
 			return err
 		}
-		eth, err := netlink.LinkByName("eth0")
+		eth, err := netlinksafe.LinkByName("eth0")
 		if err != nil {
 			return err
 		}

@@ -87,7 +87,7 @@ func socketPair(t *testing.T) (client, server *net.UnixConn) {
 func unixRights(f *os.File) []byte { return syscall.UnixRights(int(f.Fd())) }
 
 // fuzzPods is a synced pod cache holding one pod, ns/p, without a sidecar.
-func fuzzPods(t testing.TB, ctx context.Context) *podcache.Cache {
+func fuzzPods(ctx context.Context, t testing.TB) *podcache.Cache {
 	cs := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u"},
 		Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "app"}}}})
 	pc := podcache.Start(ctx, cs, "n")
@@ -114,7 +114,7 @@ func FuzzCNISocketFraming(f *testing.F) {
 	f.Add([]byte{}, false)
 	ctx, cancel := context.WithCancel(context.Background())
 	f.Cleanup(cancel)
-	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Pods: fuzzPods(f, ctx), Clientset: fake.NewClientset()}
+	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Pods: fuzzPods(ctx, f), Clientset: fake.NewClientset()}
 	self, err := os.Open(os.DevNull)
 	if err != nil {
 		f.Fatal(err)

@@ -365,7 +365,8 @@ func (l *Loop) noteRewrite(now time.Time) time.Duration {
 			keep = append(keep, t)
 		}
 	}
-	l.rewrites = append(keep, now)
+	keep = append(keep, now)
+	l.rewrites = keep
 	if len(l.rewrites) <= l.cfg.ConflictLimit {
 		l.backoff = 0
 		return 0

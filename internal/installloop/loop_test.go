@@ -169,11 +169,15 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		t.Fatalf("before Run: %q", r)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- l.Run(ctx) }()
+	var runErr error
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		runErr = l.Run(ctx)
+	}()
 	defer func() {
 		cancel()
-		<-done
+		<-stopped
 	}()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
 	if got := counterValue(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
@@ -192,10 +196,10 @@ func TestLoopPutsEntryBack(t *testing.T) {
 	eventually(t, "the re-insertion counted", func() bool { return counterValue(m.Reinsertions) == 1 })
 	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
 	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
+	<-stopped
+	if runErr != nil {
+		t.Fatal(runErr)
 	}
-	done <- nil
 	if r := l.NotReady(); r != "shutting down" {
 		t.Fatalf("after Run: %q", r)
 	}

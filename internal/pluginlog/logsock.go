@@ -156,8 +156,7 @@ func labelKey(k string) string {
 // labelValue keeps strings on one line; numbers stay as written, and
 // other values are re-encoded as JSON, which escapes what needs escaping.
 func labelValue(v any) any {
-	switch x := v.(type) {
-	case string:
+	if x, ok := v.(string); ok {
 		return oneLine(x)
 	}
 	return v

@@ -20,7 +20,7 @@ import (
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // fuzzPods is a synced pod cache holding one pod, ns/p, without a sidecar.
-func fuzzPods(t testing.TB, ctx context.Context) *Cache {
+func fuzzPods(ctx context.Context, t testing.TB) *Cache {
 	cs := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u"},
 		Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "app"}}}})
 	pc := Start(ctx, cs, "n")
@@ -48,7 +48,7 @@ func FuzzAgentSocket(f *testing.F) {
 	f.Cleanup(cancel)
 	dir := f.TempDir()
 	srvCtx, stop := context.WithCancel(ctx)
-	done, err := fuzzPods(f, ctx).Serve(srvCtx, dir, func() string { return "" }, quiet, nil)
+	done, err := fuzzPods(ctx, f).Serve(srvCtx, dir, func() string { return "" }, quiet, nil)
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -153,7 +153,8 @@ func PodFromCore(p *corev1.Pod) *podinfo.Pod {
 
 func containersFromCore(in []corev1.Container) []podinfo.Container {
 	out := make([]podinfo.Container, 0, len(in))
-	for _, c := range in {
+	for i := range in {
+		c := &in[i]
 		pc := podinfo.Container{Name: c.Name, Args: c.Args}
 		for _, e := range c.Env {
 			if e.Value == "" {

@@ -394,7 +394,7 @@ func (s *Server) Health() (time.Time, error) {
 		s.failFrom, s.failErr = time.Time{}, nil
 		return time.Time{}, nil
 	}
-	return s.failFrom, fmt.Errorf("%s cannot accept connections since %s: %v", s.name, s.failFrom.UTC().Format(time.RFC3339), s.failErr)
+	return s.failFrom, fmt.Errorf("%s cannot accept connections since %s: %w", s.name, s.failFrom.UTC().Format(time.RFC3339), s.failErr)
 }
 
 // checkPeer lets root and the agent's own user in.
