@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -188,9 +187,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	loopErr := loop.Run(ctx)
+	// The loop fails only before its first pass (no file watcher): then,
+	// as for a part that cannot start, nothing is removed.
+	if err := loop.Run(ctx); err != nil {
+		return err
+	}
 	p.stop()
-	return errors.Join(loopErr, a.shutdown(&cfg, loop, present))
+	return a.shutdown(&cfg, loop, present)
 }
 
 // start starts every part but the install loop, in the order that lets
