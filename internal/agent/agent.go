@@ -44,6 +44,9 @@ type Agent struct {
 	// listen opens the health and metrics ports (net.Listen; tests bind
 	// the loopback's port 0 instead).
 	listen func(network, addr string) (net.Listener, error)
+	// stopped, when set, is called once every part has stopped, before the
+	// clean-up (tests look for goroutines left behind there).
+	stopped func()
 
 	mu sync.Mutex
 	// loop is the install loop of the current Run (nil before).
@@ -193,6 +196,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	p.stop()
+	if a.stopped != nil {
+		a.stopped()
+	}
 	return a.shutdown(&cfg, loop, present)
 }
 

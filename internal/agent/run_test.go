@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -72,8 +73,8 @@ func partOfTheAgent(stack string) bool {
 	return false
 }
 
-// TestRunWaitsForEveryPart: when Run returns, no goroutine it started is
-// still waiting on anything: the HTTP servers, the sockets' servers, the
+// TestRunWaitsForEveryPart: when the clean-up begins (and so when Run
+// returns), no goroutine Run started is still waiting on anything: the HTTP servers, the sockets' servers, the
 // pod cache's informer, the repair controller with its own informer,
 // queue and event broadcaster, the DaemonSet watch and the file watcher
 // have all ended. A goroutine that is still runnable may be on its way
@@ -96,9 +97,13 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 126}}}}}}
 	cs := fake.NewClientset(broken)
 
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	before := goroutines()
 	a := New(cfg, quiet)
 	a.Clientset = cs
+	var atCleanup map[string]goroutine
+	a.stopped = func() { atCleanup = goroutines() }
 	ports := make(chan string, 2)
 	a.listen = func(network, _ string) (net.Listener, error) {
 		l, err := net.Listen(network, "127.0.0.1:0")
@@ -107,8 +112,6 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 		}
 		return l, err
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
 	errs := make(chan error, 1)
 	go func() {
 		// Drive every part once, then stop the agent.
@@ -116,15 +119,20 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 		errs <- exercise(ctx, a, cs, cfg, ports)
 	}()
 	runErr := a.Run(ctx)
-	left := goroutines()
 	if err := <-errs; err != nil {
 		t.Fatal(err)
 	}
 	if runErr != nil {
 		t.Fatalf("Run: %v", runErr)
 	}
+	if atCleanup == nil {
+		t.Fatal("Run did not get to the clean-up")
+	}
+	if _, err := os.Lstat(filepath.Join(cfg.Loop.Install.RunDir, "istio-cni-kubeconfig")); !os.IsNotExist(err) {
+		t.Fatalf("not cleaned up: %v", err)
+	}
 	var leaked []string
-	for id, g := range left {
+	for id, g := range atCleanup {
 		if _, old := before[id]; old || !partOfTheAgent(g.stack) {
 			continue
 		}
@@ -134,7 +142,7 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 		leaked = append(leaked, g.stack)
 	}
 	if len(leaked) > 0 {
-		t.Fatalf("%d goroutines of the agent still blocked after Run returned:\n\n%s", len(leaked), strings.Join(leaked, "\n\n"))
+		t.Fatalf("%d goroutines of the agent still blocked when the clean-up began:\n\n%s", len(leaked), strings.Join(leaked, "\n\n"))
 	}
 }
 
