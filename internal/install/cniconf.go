@@ -1,6 +1,9 @@
 // Package install is the node agent's installer: it places the plugin
 // binary and kubeconfig on the host and keeps the plugin's entry in the
 // node's CNI config, without ever losing what other plugins wrote there.
+//
+// Each call is one pass over the files and keeps no state: when to pass
+// again (file events, resync, back-off) is internal/installloop's.
 package install
 
 import (
