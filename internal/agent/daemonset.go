@@ -27,13 +27,19 @@ type daemonSetWatch struct {
 	ns, name string
 	log      *slog.Logger
 
+	// done is closed once the watch has stopped, after ctx ended.
+	done chan struct{}
+
 	mu   sync.Mutex
 	gone bool
 }
 
 func watchDaemonSet(ctx context.Context, cs kubernetes.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
-	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log}
-	go d.run(ctx)
+	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log, done: make(chan struct{})}
+	go func() {
+		defer close(d.done)
+		d.run(ctx)
+	}()
 	return d
 }
 
@@ -78,7 +84,18 @@ func (d *daemonSetWatch) run(ctx context.Context) {
 // caller starts another, after a pause).
 func (d *daemonSetWatch) follow(ctx context.Context, w watch.Interface) {
 	defer w.Stop()
-	for ev := range w.ResultChan() {
+	for {
+		var ev watch.Event
+		select {
+		case <-ctx.Done():
+			// Not only the stream's end: a watch need not watch ctx.
+			return
+		case e, ok := <-w.ResultChan():
+			if !ok {
+				return
+			}
+			ev = e
+		}
 		switch ev.Type {
 		case watch.Added, watch.Modified:
 			if ds, ok := ev.Object.(*appsv1.DaemonSet); ok {

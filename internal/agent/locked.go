@@ -3,9 +3,10 @@ package agent
 import (
 	"net/netip"
 
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
-	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -27,7 +28,7 @@ func (r *lockedRules) lock(netnsPath string) func() {
 	return r.locker.Lock(key)
 }
 
-func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
+func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error) {
 	defer r.lock(netnsPath)()
 	return r.Rules.Apply(netnsPath, plan)
 }
@@ -40,3 +41,14 @@ func (r *lockedRules) Check(netnsPath string, plan *ruleset.Plan) error {
 func (r *lockedRules) PodAddrs(netnsPath string) ([]netip.Addr, error) {
 	return r.Rules.PodAddrs(netnsPath)
 }
+
+// The agent's only references to the rule backends are in this file.
+
+// iptablesRules is the iptables backend, with the variant forced as the
+// plugin's FORCE_IPTABLES_BINARY does.
+func iptablesRules(cfg *Config) plugin.Rules {
+	return &iptables.Applier{Force: cfg.ForceIPTablesBinary}
+}
+
+// nftablesRules is the nftables backend.
+func nftablesRules() plugin.Rules { return &nftables.Applier{} }

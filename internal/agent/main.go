@@ -32,7 +32,7 @@ func Main(args []string) int {
 	if len(args) > 0 && args[0] == "help" {
 		args = []string{"--help"}
 	}
-	opts, err := ParseOptions(args, os.LookupEnv)
+	cfg, err := ParseOptions(args, os.LookupEnv)
 	if errors.Is(err, ErrHelp) {
 		return ExitOK
 	}
@@ -40,7 +40,7 @@ func Main(args []string) int {
 		fmt.Fprintf(os.Stderr, "install-cni: invalid configuration: %v\n", err)
 		return ExitBadUsage
 	}
-	logs, err := logging.Open(opts.Log, os.Stdout, os.Stderr)
+	logs, err := logging.Open(cfg.Log, os.Stdout, os.Stderr)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "install-cni: %v\n", err)
 		return ExitBadUsage
@@ -50,29 +50,32 @@ func Main(args []string) int {
 	for _, p := range logs.Problems {
 		log.Warn("logging option not understood", "problem", p)
 	}
-	if opts.PluginLogLevelSet {
-		lv, ok := logging.PluginLevel(opts.PluginLogLevel)
+	// The plugin's level is written into its config entry.
+	level := &cfg.Loop.Install.Entry.LogLevel
+	if cfg.PluginLogLevelSet {
+		lv, ok := logging.PluginLevel(*level)
 		if !ok {
-			log.Warn("plugin-log-level not understood; using "+logging.LevelName(lv), "value", opts.PluginLogLevel)
+			log.Warn("plugin-log-level not understood; using "+logging.LevelName(lv), "value", *level)
 		}
-		opts.PluginLogLevel = logging.LevelName(lv)
+		*level = logging.LevelName(lv)
 	} else {
-		opts.PluginLogLevel = logging.LevelName(logs.Level(logging.ScopePlugin))
+		*level = logging.LevelName(logs.Level(logging.ScopePlugin))
 	}
-	for _, n := range opts.Notes {
+	for _, n := range cfg.Notes {
 		log.Warn(n)
 	}
 	log.Info("starting install-cni", "version", version.Get().String(), "logLevel", logging.LevelName(logs.Level(logging.ScopeAgent)),
-		"pluginLogLevel", opts.PluginLogLevel, "options", fmt.Sprintf("%+v", *opts))
-	a := New(opts, log, os.Getenv)
+		"pluginLogLevel", *level, "options", fmt.Sprintf("%+v", *cfg))
+	a := New(cfg, log)
 	a.PluginLog = logs.Logger(logging.ScopePlugin)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if cs, err := clientset(opts); err != nil {
+	// With API access, Run also watches the DaemonSet to tell an upgrade
+	// from an uninstall at termination.
+	if cs, err := clientset(cfg); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {
 		a.Clientset = cs
-		a.DaemonSetPresent = watchDaemonSet(ctx, cs, opts.PodNamespace, opts.DaemonSetName, log).present
 	}
 	if err := a.Run(ctx); err != nil {
 		log.Error("install-cni failed", "error", err.Error())
@@ -81,16 +84,16 @@ func Main(args []string) int {
 	return ExitOK
 }
 
-func clientset(opts *Options) (kubernetes.Interface, error) {
-	var cfg *rest.Config
+func clientset(cfg *Config) (kubernetes.Interface, error) {
+	var rc *rest.Config
 	var err error
-	if opts.Kubeconfig != "" {
-		cfg, err = clientcmd.BuildConfigFromFlags("", opts.Kubeconfig)
+	if cfg.Kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", cfg.Kubeconfig)
 	} else {
-		cfg, err = rest.InClusterConfig()
+		rc, err = rest.InClusterConfig()
 	}
 	if err != nil {
 		return nil, err
 	}
-	return kubernetes.NewForConfig(cfg)
+	return kubernetes.NewForConfig(rc)
 }

@@ -1,5 +1,13 @@
-// Package agent composes the node agent (install-cni): installer, watch
-// loop, health and metrics servers, and clean-up on termination.
+// Package agent is the node agent (install-cni) put together: it turns
+// Istio's flags and environment into each part's configuration, starts
+// every part (the install loop, the plugin's log socket, the pod cache and
+// its socket, the CNI server, the repair controller, the DaemonSet watch,
+// the health and metrics servers), stops them and waits for each, and
+// then removes the plugin unless this is an upgrade.
+//
+// What each part does is in its own package (installloop, install,
+// cniserver, podcache, pluginlog, sockserve, repair); this one holds no
+// logic of theirs.
 package agent
 
 import (
@@ -13,35 +21,37 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/istio-cni-go/istio-cni/internal/installloop"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
 
-// Options are the agent's settings. Each is a flag (--kebab-case) and an
-// environment variable (UPPER_SNAKE_CASE) with Istio's names; a flag that
-// is set wins over the environment.
-type Options struct {
-	CNINetDir         string
-	CNIConfName       string
-	Chained           bool
-	RunDir            string
-	BinSourceDir      string
-	BinTargetDirs     []string
-	KubeconfigMode    os.FileMode
-	ConfGroupRead     bool
-	KubeCAFile        string
-	SkipTLSVerify     bool
-	ServiceAccountDir string
-	MonitoringPort    int
-	ReadinessPort     int
-	ExcludeNamespaces []string
-	PodNamespace      string
-	PluginLogLevel    string
-	NativeNftables    bool
-	// NftablesAuto picks nftables when the host has no iptables binary.
+// Config is the agent's configuration: each part's own configuration
+// type, filled in place by ParseOptions, and what only the agent itself
+// uses. Each setting is a flag (--kebab-case) and an environment variable
+// (UPPER_SNAKE_CASE) with Istio's names; a flag that is set wins over the
+// environment.
+type Config struct {
+	// Loop is the install loop's, with the installer's (Loop.Install)
+	// inside: the CNI config, binaries, the plugin's kubeconfig and entry.
+	Loop installloop.Config
+	// Repair is the repair controller's; it runs when RepairEnabled.
+	Repair        repair.Config
+	RepairEnabled bool
+	// HostProcDir is the host's /proc, where repair finds pods' network
+	// namespaces.
+	HostProcDir string
+
+	MonitoringPort int
+	ReadinessPort  int
+	// NftablesAuto picks nftables when the host has no iptables binary;
+	// Run decides, before the first install pass.
 	NftablesAuto bool
 	// HostRoot is the host's root file system as the agent sees it.
-	HostRoot       string
-	AmbientEnabled bool
+	HostRoot string
+	// ForceIPTablesBinary forces the iptables variant, as the plugin's
+	// FORCE_IPTABLES_BINARY does (environment only).
+	ForceIPTablesBinary string
 	// DisableSafeUpgrade removes the plugin on every termination, even
 	// while the DaemonSet still exists (a rollout or a node reboot).
 	DisableSafeUpgrade bool
@@ -49,27 +59,6 @@ type Options struct {
 	NodeName           string
 	// Kubeconfig is for the agent's own API access outside a pod.
 	Kubeconfig string
-	// ConflictWindow and ConflictLimit: more rewrites than the limit within
-	// the window means another component keeps reverting us.
-	ConflictWindow time.Duration
-	ConflictLimit  int
-	// ResyncInterval is how often the whole installation is checked
-	// besides the file watch (what the watch missed, the run dir).
-	ResyncInterval time.Duration
-
-	RepairEnabled       bool
-	RepairPods          bool
-	RepairDeletePods    bool
-	RepairLabelPods     bool
-	RepairLabelKey      string
-	RepairLabelValue    string
-	RepairInitContainer string
-	RepairExitCode      int
-	RepairTermMessage   string
-	RepairSidecarAnno   string
-	HostProcDir         string
-	RepairLabelSelector string
-	RepairFieldSelector string
 
 	// Log are Istio's logging flags (--log_output_level and the rest).
 	Log logging.Options
@@ -114,9 +103,11 @@ func (f *rawFlag) IsBoolFlag() bool   { return f.isBool }
 var ErrHelp = flag.ErrHelp
 
 // ParseOptions reads flags from args and the environment through
-// lookupEnv (os.LookupEnv).
-func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Options, error) {
-	o := &Options{Log: logging.DefaultOptions()}
+// lookupEnv (os.LookupEnv) into a Config.
+func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config, error) {
+	o := &Config{Log: logging.DefaultOptions()}
+	in := &o.Loop.Install
+	rp := &o.Repair
 	str := func(p *string) func(string) error { return func(v string) error { *p = v; return nil } }
 	// Empty means false and 0, as viper's casts read an empty variable.
 	boolean := func(p *bool) func(string) error {
@@ -161,33 +152,52 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 			return nil
 		}
 	}
+	int32Of := func(p *int32) func(string) error {
+		return func(v string) error {
+			var n int
+			err := integer(&n)(v)
+			*p = int32(n)
+			return err
+		}
+	}
+	duration := func(p *time.Duration) func(string) error {
+		return func(v string) error {
+			d, err := time.ParseDuration(v)
+			*p = d
+			return err
+		}
+	}
 	var repairNode string
 	defs := []optDef{
-		{name: "mounted-cni-net-dir", help: "host CNI config dir as mounted in the agent", def: "/host/etc/cni/net.d", set: str(&o.CNINetDir), istio: true},
-		{name: "cni-conf-name", help: "CNI config file to use (empty: the runtime's choice)", set: str(&o.CNIConfName), istio: true},
-		{name: "chained-cni-plugin", help: "insert into the primary config (false: write a standalone config)", def: "true", set: boolean(&o.Chained), istio: true},
-		{name: "cni-agent-run-dir", help: "run dir shared with the plugin", def: "/var/run/istio-cni", set: str(&o.RunDir), istio: true},
-		{name: "cni-bin-source-dir", help: "binaries to install", def: "/opt/cni/bin", set: str(&o.BinSourceDir)},
-		{name: "cni-bin-target-dirs", help: "host CNI bin dirs, comma separated", def: "/host/opt/cni/bin", set: list(&o.BinTargetDirs)},
+		{name: "mounted-cni-net-dir", help: "host CNI config dir as mounted in the agent", def: "/host/etc/cni/net.d", set: str(&in.MountedCNINetDir), istio: true},
+		{name: "cni-conf-name", help: "CNI config file to use (empty: the runtime's choice)", set: str(&in.CNIConfName), istio: true},
+		{name: "chained-cni-plugin", help: "insert into the primary config (false: write a standalone config)", def: "true", set: boolean(&in.Chained), istio: true},
+		{name: "cni-agent-run-dir", help: "run dir shared with the plugin", def: "/var/run/istio-cni", set: func(v string) error {
+			// The run dir is both where the agent writes and what the entry tells the plugin.
+			in.RunDir, in.Entry.RunDir = v, v
+			return nil
+		}, istio: true},
+		{name: "cni-bin-source-dir", help: "binaries to install", def: "/opt/cni/bin", set: str(&in.BinSourceDir)},
+		{name: "cni-bin-target-dirs", help: "host CNI bin dirs, comma separated", def: "/host/opt/cni/bin", set: list(&in.BinTargetDirs)},
 		{name: "kubeconfig-mode", help: "mode of the plugin kubeconfig", def: "0600", istio: true, set: func(v string) error {
 			if v == "" {
-				o.KubeconfigMode = 0
+				in.KubeconfigMode = 0
 				return nil
 			}
 			m, err := strconv.ParseUint(v, 0, 32)
-			o.KubeconfigMode = os.FileMode(m)
+			in.KubeconfigMode = os.FileMode(m)
 			return err
 		}},
-		{name: "cni-conf-group-read", help: "make files the agent creates group readable", def: "false", set: boolean(&o.ConfGroupRead), istio: true},
-		{name: "kube-ca-file", help: "CA for the plugin kubeconfig (default: the service account's)", set: str(&o.KubeCAFile), istio: true},
-		{name: "skip-tls-verify", help: "let the plugin skip API server certificate checks", def: "false", set: boolean(&o.SkipTLSVerify), istio: true},
-		{name: "service-account-dir", help: "service account mount", def: "/var/run/secrets/kubernetes.io/serviceaccount", set: str(&o.ServiceAccountDir)},
+		{name: "cni-conf-group-read", help: "make files the agent creates group readable", def: "false", set: boolean(&in.ConfGroupRead), istio: true},
+		{name: "kube-ca-file", help: "CA for the plugin kubeconfig (default: the service account's)", set: str(&in.Kubeconfig.CAFile), istio: true},
+		{name: "skip-tls-verify", help: "let the plugin skip API server certificate checks", def: "false", set: boolean(&in.Kubeconfig.SkipTLSVerify), istio: true},
+		{name: "service-account-dir", help: "service account mount", def: "/var/run/secrets/kubernetes.io/serviceaccount", set: str(&in.Kubeconfig.ServiceAccountDir)},
 		{name: "monitoring-port", help: "Prometheus metrics port (0 disables)", def: "15014", set: integer(&o.MonitoringPort), istio: true},
 		{name: "readiness-port", help: "health and readiness port", def: "8000", set: integer(&o.ReadinessPort)},
-		{name: "exclude-namespaces", help: "namespaces whose pods are never redirected", set: list(&o.ExcludeNamespaces), istio: true},
-		{name: "pod-namespace", help: "the agent's namespace", set: str(&o.PodNamespace), istio: true},
+		{name: "exclude-namespaces", help: "namespaces whose pods are never redirected", set: list(&in.Entry.ExcludeNamespaces), istio: true},
+		{name: "pod-namespace", help: "the agent's namespace", set: str(&in.Entry.PodNamespace), istio: true},
 		{name: "plugin-log-level", help: "plugin log level written into its config (default: the cni-plugin scope's level of --log_output_level)", set: func(v string) error {
-			o.PluginLogLevel = v
+			in.Entry.LogLevel = v
 			return nil
 		}},
 		{name: "native-nftables", help: "rule backend: true (nftables over netlink), false (iptables) or auto (nftables when the host has no iptables)", def: "false", istio: true, set: func(v string) error {
@@ -195,44 +205,40 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 				o.NftablesAuto = true
 				return nil
 			}
-			return boolean(&o.NativeNftables)(v)
+			return boolean(&in.Entry.NativeNftables)(v)
 		}},
 		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
-		{name: "ambient-enabled", help: "ambient mode flag passed to the plugin", def: "false", set: boolean(&o.AmbientEnabled), istio: true},
+		{name: "ambient-enabled", help: "ambient mode flag passed to the plugin", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},
 		{name: "disable-safe-upgrade", help: "remove the plugin on every termination, even during a rollout", def: "false", set: boolean(&o.DisableSafeUpgrade)},
 		{name: "daemonset-name", help: "the agent's DaemonSet, checked on termination", def: "istio-cni-node", set: str(&o.DaemonSetName)},
 		{name: "kubernetes-node-name", help: "this node (default: --repair-node-name, NODE_NAME, the host name)", set: str(&o.NodeName), istio: true},
 		{name: "kubeconfig", help: "kubeconfig for the agent itself (default: in-cluster)", set: str(&o.Kubeconfig)},
-		{name: "conflict-window", help: "window for detecting a component that reverts us", def: "10s", set: func(v string) error {
-			d, err := time.ParseDuration(v)
-			o.ConflictWindow = d
-			return err
-		}},
-		{name: "conflict-limit", help: "rewrites within the window before backing off", def: "5", set: integer(&o.ConflictLimit)},
+		{name: "conflict-window", help: "window for detecting a component that reverts us", def: "10s", set: duration(&o.Loop.ConflictWindow)},
+		{name: "conflict-limit", help: "rewrites within the window before backing off", def: "5", set: integer(&o.Loop.ConflictLimit)},
 		{name: "resync-interval", help: "how often binaries, kubeconfig and config entry are checked besides the file watch; twice this is the liveness grace", def: "60s", set: func(v string) error {
 			d, err := time.ParseDuration(v)
 			if err == nil && d <= 0 {
 				err = fmt.Errorf("must be positive")
 			}
-			o.ResyncInterval = d
+			o.Loop.ResyncInterval = d
 			return err
 		}},
 		{name: "repair-enabled", help: "run the repair controller", def: "true", set: boolean(&o.RepairEnabled), istio: true},
 		// Istio's binary defaults to false here; its chart sets true.
-		{name: "repair-repair-pods", help: "repair broken pods in place", def: "false", set: boolean(&o.RepairPods), istio: true},
-		{name: "repair-delete-pods", help: "delete broken pods (when not repairing)", def: "false", set: boolean(&o.RepairDeletePods), istio: true},
-		{name: "repair-label-pods", help: "label broken pods (when not repairing or deleting)", def: "false", set: boolean(&o.RepairLabelPods), istio: true},
-		{name: "repair-broken-pod-label-key", help: "label key for broken pods", def: "cni.istio.io/uninitialized", set: str(&o.RepairLabelKey), istio: true},
-		{name: "repair-broken-pod-label-value", help: "label value for broken pods", def: "true", set: str(&o.RepairLabelValue), istio: true},
-		{name: "repair-init-container-name", help: "the validation init container", def: "istio-validation", set: str(&o.RepairInitContainer), istio: true},
-		{name: "repair-init-container-exit-code", help: "its exit code when the rules are missing", def: "126", set: integer(&o.RepairExitCode), istio: true},
-		{name: "repair-init-container-termination-message", help: "its termination message (empty: any)", set: str(&o.RepairTermMessage), istio: true},
-		{name: "repair-sidecar-annotation", help: "annotation that marks pods with a sidecar", def: "sidecar.istio.io/status", set: str(&o.RepairSidecarAnno), istio: true},
+		{name: "repair-repair-pods", help: "repair broken pods in place", def: "false", set: boolean(&rp.RepairPods), istio: true},
+		{name: "repair-delete-pods", help: "delete broken pods (when not repairing)", def: "false", set: boolean(&rp.DeletePods), istio: true},
+		{name: "repair-label-pods", help: "label broken pods (when not repairing or deleting)", def: "false", set: boolean(&rp.LabelPods), istio: true},
+		{name: "repair-broken-pod-label-key", help: "label key for broken pods", def: "cni.istio.io/uninitialized", set: str(&rp.LabelKey), istio: true},
+		{name: "repair-broken-pod-label-value", help: "label value for broken pods", def: "true", set: str(&rp.LabelValue), istio: true},
+		{name: "repair-init-container-name", help: "the validation init container", def: "istio-validation", set: str(&rp.InitContainerName), istio: true},
+		{name: "repair-init-container-exit-code", help: "its exit code when the rules are missing", def: "126", set: int32Of(&rp.ExitCode), istio: true},
+		{name: "repair-init-container-termination-message", help: "its termination message (empty: any)", set: str(&rp.TerminationMessage), istio: true},
+		{name: "repair-sidecar-annotation", help: "annotation that marks pods with a sidecar", def: "sidecar.istio.io/status", set: str(&rp.SidecarAnnotation), istio: true},
 		{name: "repair-host-proc", help: "the host's /proc, to find pod network namespaces", def: "/host/proc", set: str(&o.HostProcDir)},
 		{name: "repair-label-selectors", help: "label selector (key=value,...) added to the repair controller's pod watch", istio: true,
-			set: selector(&o.RepairLabelSelector, func(v string) error { _, err := labels.Parse(v); return err })},
+			set: selector(&rp.LabelSelectors, func(v string) error { _, err := labels.Parse(v); return err })},
 		{name: "repair-field-selectors", help: "field selector (field=value,...) added to the repair controller's pod watch", istio: true,
-			set: selector(&o.RepairFieldSelector, func(v string) error { _, err := fields.ParseSelector(v); return err })},
+			set: selector(&rp.FieldSelectors, func(v string) error { _, err := fields.ParseSelector(v); return err })},
 		{name: "repair-node-name", help: "the node whose pods are repaired (default: this node)", istio: true, set: func(v string) error {
 			repairNode = v
 			return nil
@@ -296,7 +302,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 			v, src = values[d.name].v, "flag --"+d.name
 		}
 		if d.ignored != "" {
-			if src != "default" && !(d.isBool && (v == "" || v == "false")) {
+			if src != "default" && (!d.isBool || v != "" && v != "false") {
 				o.Notes = append(o.Notes, fmt.Sprintf("%s=%q is accepted for compatibility with Istio and ignored: %s", src, v, d.ignored))
 			}
 			continue
@@ -315,9 +321,16 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 		}
 	}
 	// An older chart's spelling of EXCLUDE_NAMESPACES.
-	if v, ok := lookupEnv("EXCLUDED_NAMESPACES"); ok && len(o.ExcludeNamespaces) == 0 {
-		_ = list(&o.ExcludeNamespaces)(v)
+	if v, ok := lookupEnv("EXCLUDED_NAMESPACES"); ok && len(in.Entry.ExcludeNamespaces) == 0 {
+		_ = list(&in.Entry.ExcludeNamespaces)(v)
 	}
+	// Where the plugin reaches the API server, as the kubelet tells every
+	// pod; and the plugin's own variant override. Environment only, as in
+	// Istio.
+	in.Kubeconfig.Protocol, _ = lookupEnv("KUBERNETES_SERVICE_PROTOCOL")
+	in.Kubeconfig.Host, _ = lookupEnv("KUBERNETES_SERVICE_HOST")
+	in.Kubeconfig.Port, _ = lookupEnv("KUBERNETES_SERVICE_PORT")
+	o.ForceIPTablesBinary, _ = lookupEnv("FORCE_IPTABLES_BINARY")
 	if o.NodeName == "" {
 		o.NodeName = repairNode
 	}
@@ -329,12 +342,12 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Option
 	if o.NodeName == "" {
 		o.NodeName, _ = os.Hostname()
 	}
-	if o.KubeconfigMode&^0o777 != 0 {
-		return nil, fmt.Errorf("invalid kubeconfig-mode %o", o.KubeconfigMode)
+	if in.KubeconfigMode&^0o777 != 0 {
+		return nil, fmt.Errorf("invalid kubeconfig-mode %o", in.KubeconfigMode)
 	}
 	// Empty is what Istio would take from an empty variable, but a node
 	// agent cannot work without these two.
-	for name, v := range map[string]string{"mounted-cni-net-dir": o.CNINetDir, "cni-agent-run-dir": o.RunDir} {
+	for name, v := range map[string]string{"mounted-cni-net-dir": in.MountedCNINetDir, "cni-agent-run-dir": in.RunDir} {
 		if v == "" {
 			return nil, fmt.Errorf("%s (env %s) is empty", name, envName(name))
 		}

@@ -13,13 +13,13 @@ func TestParseOptions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.Chained || o.CNIConfName != "20-y.conflist" || !o.DisableSafeUpgrade || o.KubeconfigMode != 0o640 {
+	if o.Loop.Install.Chained || o.Loop.Install.CNIConfName != "20-y.conflist" || !o.DisableSafeUpgrade || o.Loop.Install.KubeconfigMode != 0o640 {
 		t.Fatalf("flags/env precedence wrong: %+v", o)
 	}
-	if strings.Join(o.ExcludeNamespaces, ",") != "kube-system,istio-system" {
-		t.Fatalf("exclude namespaces %q", o.ExcludeNamespaces)
+	if strings.Join(o.Loop.Install.Entry.ExcludeNamespaces, ",") != "kube-system,istio-system" {
+		t.Fatalf("exclude namespaces %q", o.Loop.Install.Entry.ExcludeNamespaces)
 	}
-	if o.CNINetDir != "/host/etc/cni/net.d" || o.RunDir != "/var/run/istio-cni" || o.MonitoringPort != 15014 || o.ReadinessPort != 8000 {
+	if o.Loop.Install.MountedCNINetDir != "/host/etc/cni/net.d" || o.Loop.Install.RunDir != "/var/run/istio-cni" || o.MonitoringPort != 15014 || o.ReadinessPort != 8000 {
 		t.Fatalf("defaults: %+v", o)
 	}
 	for _, bad := range [][]string{{"--monitoring-port", "x"}, {"--kubeconfig-mode", "01777"}, {"--chained-cni-plugin=maybe"}, {"--nope"}} {
@@ -80,10 +80,10 @@ func TestEmptyEnvironmentValues(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.RepairEnabled || o.MonitoringPort != 0 || o.Chained || o.ReadinessPort != 8000 || o.RepairInitContainer != "" || o.NativeNftables {
+	if o.RepairEnabled || o.MonitoringPort != 0 || o.Loop.Install.Chained || o.ReadinessPort != 8000 || o.Repair.InitContainerName != "" || o.Loop.Install.Entry.NativeNftables {
 		t.Fatalf("empty values: %+v", o)
 	}
-	if o.RepairPods {
+	if o.Repair.RepairPods {
 		t.Fatal("REPAIR_REPAIR_PODS must default to false, as Istio's binary does (its chart sets true)")
 	}
 	for _, k := range []string{"MOUNTED_CNI_NET_DIR", "CNI_AGENT_RUN_DIR"} {
@@ -92,14 +92,14 @@ func TestEmptyEnvironmentValues(t *testing.T) {
 		}
 	}
 	o, err = ParseOptions(nil, envOf(map[string]string{"EXCLUDED_NAMESPACES": "a,b", "REPAIR_NODE_NAME": "n1"}))
-	if err != nil || strings.Join(o.ExcludeNamespaces, ",") != "a,b" || o.NodeName != "n1" {
+	if err != nil || strings.Join(o.Loop.Install.Entry.ExcludeNamespaces, ",") != "a,b" || o.NodeName != "n1" {
 		t.Fatalf("older chart's names: %+v %v", o, err)
 	}
 }
 
 func TestRepairSelectors(t *testing.T) {
 	o, err := ParseOptions([]string{"--repair-label-selectors=app=web,tier!=db"}, envOf(map[string]string{"REPAIR_FIELD_SELECTORS": "status.phase=Running"}))
-	if err != nil || o.RepairLabelSelector != "app=web,tier!=db" || o.RepairFieldSelector != "status.phase=Running" {
+	if err != nil || o.Repair.LabelSelectors != "app=web,tier!=db" || o.Repair.FieldSelectors != "status.phase=Running" {
 		t.Fatalf("selectors: %+v %v", o, err)
 	}
 	for _, bad := range []map[string]string{{"REPAIR_LABEL_SELECTORS": "app in (a"}, {"REPAIR_FIELD_SELECTORS": "status.phase~Running"}} {
@@ -114,7 +114,7 @@ func TestRepairSelectors(t *testing.T) {
 
 func TestNftablesAuto(t *testing.T) {
 	o, err := ParseOptions([]string{"--native-nftables", "auto"}, envOf(nil))
-	if err != nil || !o.NftablesAuto || o.NativeNftables {
+	if err != nil || !o.NftablesAuto || o.Loop.Install.Entry.NativeNftables {
 		t.Fatalf("auto: %+v %v", o, err)
 	}
 	if _, err := ParseOptions([]string{"--native-nftables", "sometimes"}, envOf(nil)); err == nil {
@@ -125,10 +125,10 @@ func TestNftablesAuto(t *testing.T) {
 		t.Fatalf("empty root: %v %v", has, err)
 	}
 	withIPT := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(withIPT, "usr/sbin"), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(withIPT, "usr", "sbin"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink("xtables-nft-multi", filepath.Join(withIPT, "usr/sbin/iptables-nft-restore")); err != nil {
+	if err := os.Symlink("xtables-nft-multi", filepath.Join(withIPT, "usr", "sbin", "iptables-nft-restore")); err != nil {
 		t.Fatal(err)
 	}
 	if has, err := HostHasIPTables(withIPT); err != nil || !has {

@@ -1,7 +1,7 @@
 package cnirelay
 
 import (
-	"bytes"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"syscall"
 	"time"
@@ -17,6 +16,8 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
 )
 
 // DefaultRunDir is the plugin's run directory when its config names none.
@@ -37,6 +38,8 @@ type Relay struct {
 	Stdout  io.Writer
 	Stderr  io.Writer
 	Timeout time.Duration
+	// Runner starts the fallback; nil means execrun.OS.
+	Runner execrun.Runner
 }
 
 // Main runs the relay as a runtime executes it and returns the exit code.
@@ -117,7 +120,7 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.
-		return nil, fmt.Errorf("%w: %v", errNoAgent, err)
+		return nil, fmt.Errorf("%w: %w", errNoAgent, err)
 	}
 	defer conn.Close()
 	if r.Timeout > 0 {
@@ -128,10 +131,10 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	var hdr [4]byte
 	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
 	if _, _, err := conn.WriteMsgUnix(hdr[:], oob, nil); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	if _, err := conn.Write(body); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %v", errNoAgent, sock, err)
+		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	_ = conn.CloseWrite()
 	out, err := io.ReadAll(io.LimitReader(conn, MaxMessage))
@@ -139,10 +142,13 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	if errors.As(err, &ne) && ne.Timeout() {
 		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
 	}
-	if err != nil || len(out) == 0 {
-		// The agent went away mid-command (a restart): the command is
-		// idempotent, so the fallback can do it.
-		return nil, fmt.Errorf("%w: no answer on %s (%v)", errNoAgent, sock, err)
+	// The agent went away mid-command (a restart): the command is
+	// idempotent, so the fallback can do it.
+	if err != nil {
+		return nil, fmt.Errorf("%w: no answer on %s (%w)", errNoAgent, sock, err)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: no answer on %s (<nil>)", errNoAgent, sock)
 	}
 	resp := &Response{}
 	if err := json.Unmarshal(out, resp); err != nil {
@@ -176,21 +182,24 @@ func (r *Relay) status(reason string) error {
 // fallback runs the complete plugin with the runtime's environment and
 // config, and passes its answer on.
 func (r *Relay) fallback(reason string, args *skel.CmdArgs) error {
-	cmd := exec.Command(r.Fallback)
-	cmd.Env = append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason)
-	cmd.Stdin = bytes.NewReader(args.StdinData)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, r.Stderr
-	err := cmd.Run()
-	var exit *exec.ExitError
+	runner := r.Runner
+	if runner == nil {
+		runner = execrun.OS{}
+	}
+	// The fallback's stderr is the runtime's, as it comes; its stdout is
+	// the CNI answer, read whole.
+	res, err := runner.Run(context.Background(), &execrun.Cmd{Path: r.Fallback,
+		Env:   append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason),
+		Stdin: args.StdinData, Stderr: r.Stderr})
+	var exit *execrun.ExitError
 	switch {
 	case err == nil:
-		_, err = r.Stdout.Write(out.Bytes())
+		_, err = r.Stdout.Write(res.Stdout)
 		return err
 	case errors.As(err, &exit):
 		e := &types.Error{}
-		if jerr := json.Unmarshal(out.Bytes(), e); jerr != nil || e.Msg == "" {
-			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (%v) with output %q", r.Fallback, err, out.String()), "")
+		if jerr := json.Unmarshal(res.Stdout, e); jerr != nil || e.Msg == "" {
+			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (exit status %d) with output %q", r.Fallback, exit.Code, res.Stdout), "")
 		}
 		return e
 	}

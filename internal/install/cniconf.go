@@ -1,6 +1,9 @@
 // Package install is the node agent's installer: it places the plugin
 // binary and kubeconfig on the host and keeps the plugin's entry in the
 // node's CNI config, without ever losing what other plugins wrote there.
+//
+// Each call is one pass over the files and keeps no state: when to pass
+// again (file events, resync, back-off) is internal/installloop's.
 package install
 
 import (
@@ -57,7 +60,7 @@ func FindPrimary(dir, name string) (string, []Skipped, error) {
 	sort.Strings(files)
 	var skipped []Skipped
 	for _, f := range files {
-		real, err := ResolveInDir(dir, f)
+		resolved, err := ResolveInDir(dir, f)
 		var le *LinkError
 		switch {
 		case errors.As(err, &le):
@@ -66,7 +69,7 @@ func FindPrimary(dir, name string) (string, []Skipped, error) {
 			skipped = append(skipped, Skipped{File: f, Reason: err.Error()})
 			continue
 		}
-		if reason := invalidReason(real, f); reason != "" {
+		if reason := invalidReason(resolved, f); reason != "" {
 			skipped = append(skipped, Skipped{File: f, Reason: reason})
 			continue
 		}
@@ -98,7 +101,13 @@ func invalidReason(path, name string) string {
 		}
 		return ""
 	}
-	conf, err := libcni.ConfFromFile(path)
+	// As libcni's deprecated ConfFromFile reads a single-plugin .conf,
+	// with the same messages.
+	data, err := readFile(path)
+	if err != nil {
+		return fmt.Sprintf("error reading %s: %v", path, err)
+	}
+	conf, err := libcni.NetworkPluginConfFromBytes(data)
 	if err != nil {
 		return err.Error()
 	}

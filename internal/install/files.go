@@ -56,7 +56,7 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode, keep bool) erro
 // the given mode and (uid >= 0) owner, and returns its name.
 func writeTemp(path string, data []byte, mode os.FileMode, uid, gid int) (string, error) {
 	tmp := tempName(path)
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
+	f, err := openFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {
 		return "", fmt.Errorf("creating temp file for %s: %w", path, err)
 	}
@@ -106,7 +106,7 @@ func ReplaceIfUnchanged(path string, base, data []byte, mode os.FileMode, uid, g
 	case errors.Is(err, unix.ENOENT):
 		return ErrChanged
 	case err != nil && exchangeUnsupported(err):
-		if cur, err := os.ReadFile(path); err != nil || !bytes.Equal(cur, base) {
+		if cur, err := readFile(path); err != nil || !bytes.Equal(cur, base) {
 			return ErrChanged
 		}
 		if err := os.Rename(tmp, path); err != nil {
@@ -116,7 +116,7 @@ func ReplaceIfUnchanged(path string, base, data []byte, mode os.FileMode, uid, g
 	case err != nil:
 		return fmt.Errorf("writing %s: %w", path, err)
 	}
-	if displaced, err := os.ReadFile(tmp); err == nil && bytes.Equal(displaced, base) {
+	if displaced, err := readFile(tmp); err == nil && bytes.Equal(displaced, base) {
 		if err := os.Remove(tmp); err != nil {
 			return fmt.Errorf("removing the old %s: %w", path, err)
 		}
@@ -130,7 +130,7 @@ func ReplaceIfUnchanged(path string, base, data []byte, mode os.FileMode, uid, g
 	}
 	// A write newer still may have landed between the two swaps; it
 	// supersedes the one just put back, so it goes back in its place.
-	if back, err := os.ReadFile(tmp); err == nil && !bytes.Equal(back, data) {
+	if back, err := readFile(tmp); err == nil && !bytes.Equal(back, data) {
 		_ = unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, path, unix.RENAME_EXCHANGE)
 	}
 	_ = syncDir(filepath.Dir(path))
@@ -169,7 +169,7 @@ func RemoveIfUnchanged(path string, base []byte) error {
 		}
 		return fmt.Errorf("removing %s: %w", path, err)
 	}
-	if cur, err := os.ReadFile(aside); err == nil && bytes.Equal(cur, base) {
+	if cur, err := readFile(aside); err == nil && bytes.Equal(cur, base) {
 		if err := os.Remove(aside); err != nil {
 			return fmt.Errorf("removing %s: %w", path, err)
 		}
@@ -219,7 +219,7 @@ func ResolveInDir(dir, path string) (string, error) {
 	if filepath.IsAbs(target) {
 		return "", &LinkError{Path: path, Target: target, Why: "is absolute"}
 	}
-	real, err := filepath.EvalSymlinks(path)
+	resolved, err := filepath.EvalSymlinks(path)
 	if err != nil {
 		return "", fmt.Errorf("%s: %w", path, fs.ErrNotExist)
 	}
@@ -227,13 +227,13 @@ func ResolveInDir(dir, path string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if rel, err := filepath.Rel(realDir, real); err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+	if rel, err := filepath.Rel(realDir, resolved); err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return "", &LinkError{Path: path, Target: target, Why: "leads outside " + dir}
 	}
-	if fi, err := os.Stat(real); err != nil || !fi.Mode().IsRegular() {
+	if fi, err := os.Stat(resolved); err != nil || !fi.Mode().IsRegular() {
 		return "", &LinkError{Path: path, Target: target, Why: "is not a regular file"}
 	}
-	return real, nil
+	return resolved, nil
 }
 
 func writeSyncClose(f *os.File, r io.Reader) error {
@@ -245,7 +245,7 @@ func writeSyncClose(f *os.File, r io.Reader) error {
 }
 
 func syncDir(dir string) error {
-	d, err := os.Open(dir)
+	d, err := open(dir)
 	if err != nil {
 		return err
 	}
@@ -279,11 +279,11 @@ func RemoveStaleTemps(dir string) ([]string, error) {
 // binary appears under its name only once complete, so a runtime never
 // executes a half-written file. An identical dst is left alone.
 func CopyFileAtomic(src, dst string, mode os.FileMode) (bool, error) {
-	data, err := os.ReadFile(src)
+	data, err := readFile(src)
 	if err != nil {
 		return false, fmt.Errorf("reading %s: %w", src, err)
 	}
-	if cur, err := os.ReadFile(dst); err == nil && bytes.Equal(cur, data) {
+	if cur, err := readFile(dst); err == nil && bytes.Equal(cur, data) {
 		if fi, err := os.Stat(dst); err == nil && fi.Mode().Perm() == mode {
 			return false, nil
 		}

@@ -1,6 +1,7 @@
 package install
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -56,13 +57,22 @@ func cmpBool(a, b bool) int {
 // StandaloneConfName is the default file name in standalone mode.
 const StandaloneConfName = "YYY-istio-cni.conf"
 
-// Installer installs, checks and removes the plugin on the node.
+// Installer installs, checks and removes the plugin on the node. It keeps
+// no state between calls: where our entry went is EnsureConf's answer,
+// which the caller hands back to Ready and ConfFile.
 type Installer struct {
-	cfg Config
-	log *slog.Logger
-	// confPath is the config file holding our entry, once written.
-	confPath string
-	entry    []byte
+	cfg   Config
+	log   *slog.Logger
+	entry []byte
+}
+
+// Placed is what one EnsureConf pass did.
+type Placed struct {
+	// Path is the config file that holds our entry; "" when the pass did
+	// not get as far as choosing one (the caller keeps the one it had).
+	Path string
+	// Wrote: the pass wrote the CNI config.
+	Wrote bool
 }
 
 // New returns an installer.
@@ -70,20 +80,18 @@ func New(cfg Config, log *slog.Logger) *Installer {
 	return &Installer{cfg: cfg, log: log, entry: Entry(cfg.Entry)}
 }
 
-// ConfPath is the config file that holds our entry ("" before install).
-func (in *Installer) ConfPath() string { return in.confPath }
-
-// ConfFile is the file ConfPath stands for: itself, or the file inside
-// the config dir its symbolic link leads to ("" before install).
-func (in *Installer) ConfFile() string {
-	if in.confPath == "" {
+// ConfFile is the file conf (a Placed.Path) stands for: itself, or the
+// file inside the config dir its symbolic link leads to ("" when conf is
+// "" or cannot be resolved).
+func (in *Installer) ConfFile(conf string) string {
+	if conf == "" {
 		return ""
 	}
-	real, err := ResolveInDir(in.cfg.MountedCNINetDir, in.confPath)
+	resolved, err := ResolveInDir(in.cfg.MountedCNINetDir, conf)
 	if err != nil {
 		return ""
 	}
-	return real
+	return resolved
 }
 
 // Step names, used in errors and as the installs_total result label.
@@ -159,12 +167,12 @@ func (in *Installer) WriteKubeconfig() (bool, error) {
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}
 	path := in.KubeconfigPath()
-	if cur, err := os.ReadFile(path); err == nil && string(cur) == string(data) {
+	if cur, err := readFile(path); err == nil && bytes.Equal(cur, data) {
 		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm() == in.cfg.KubeconfigMode {
 			return false, nil
 		}
 	}
-	if err := os.MkdirAll(in.cfg.RunDir, 0o755); err != nil {
+	if err := os.MkdirAll(in.cfg.RunDir, 0o755); err != nil { //nolint:gosec // G301: Istio's mode for the run dir, which the plugin and host tools read
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}
 	if err := WriteFileAtomic(path, data, in.cfg.KubeconfigMode, false); err != nil {
@@ -199,30 +207,35 @@ func owner(path string) (os.FileMode, int, int, error) {
 }
 
 // EnsureConf puts our entry into the node's CNI config if it is missing
-// or stale, and reports whether it wrote. ErrNoPrimary means there is no
+// or stale, and reports where it is and whether it wrote. ErrNoPrimary means there is no
 // primary config yet (chained mode) and the caller should wait. Every
 // write is a compare-and-swap: when the file changes between our read and
 // our write (its owner rewrote it), the pass starts over from the new
 // content instead of writing over it.
-func (in *Installer) EnsureConf() (bool, error) {
+func (in *Installer) EnsureConf() (Placed, error) {
 	dir := in.cfg.MountedCNINetDir
 	if removed, err := RemoveStaleTemps(dir); err == nil && len(removed) > 0 {
 		in.log.Info("removed stale temp files", "files", removed)
 	}
+	var placed Placed
 	for attempt := 0; attempt < casAttempts; attempt++ {
-		var wrote bool
+		var p Placed
 		var err error
 		if in.cfg.Chained {
-			wrote, err = in.ensureChained(dir)
+			p, err = in.ensureChained(dir)
 		} else {
-			wrote, err = in.ensureStandalone(dir)
+			p, err = in.ensureStandalone(dir)
 		}
+		if p.Path != "" {
+			placed.Path = p.Path
+		}
+		placed.Wrote = p.Wrote
 		if !errors.Is(err, ErrChanged) {
-			return wrote, err
+			return placed, err
 		}
 		in.log.Debug("the CNI config changed while being rewritten; reading it again", "attempt", attempt+1)
 	}
-	return false, &StepError{ResultCreateCNIConfig, fmt.Errorf("the CNI config in %s kept changing while being rewritten (%d attempts)", dir, casAttempts)}
+	return Placed{Path: placed.Path}, &StepError{ResultCreateCNIConfig, fmt.Errorf("the CNI config in %s kept changing while being rewritten (%d attempts)", dir, casAttempts)}
 }
 
 func (in *Installer) standalonePath(dir string) string {
@@ -233,34 +246,35 @@ func (in *Installer) standalonePath(dir string) string {
 	return filepath.Join(dir, name)
 }
 
-func (in *Installer) ensureStandalone(dir string) (bool, error) {
+func (in *Installer) ensureStandalone(dir string) (Placed, error) {
 	path := in.standalonePath(dir)
 	want := StandaloneConf(in.cfg.Entry)
-	in.confPath = path
-	real, err := ResolveInDir(dir, path)
+	// The path is ours whatever this pass manages.
+	at := func(wrote bool) Placed { return Placed{Path: path, Wrote: wrote} }
+	resolved, err := ResolveInDir(dir, path)
 	if errors.Is(err, fs.ErrNotExist) {
 		if err := CreateExclusive(path, want, in.createdMode(), -1, -1); err != nil {
-			return false, stepErr(err)
+			return at(false), stepErr(err)
 		}
-		return true, nil
+		return at(true), nil
 	}
 	if err != nil {
-		return false, stepErr(err)
+		return at(false), stepErr(err)
 	}
-	cur, err := os.ReadFile(real)
+	cur, err := readFile(resolved)
 	if err != nil {
-		return false, stepErr(err)
+		return at(false), stepErr(err)
 	}
 	if SameJSON(cur, want) {
-		return false, nil
+		return at(false), nil
 	}
 	if t := pluginType(cur); t != PluginType {
-		return false, stepErr(fmt.Errorf("%s holds another network's config (type %q): not overwriting it; set CNI_CONF_NAME to a name of its own", path, t))
+		return at(false), stepErr(fmt.Errorf("%s holds another network's config (type %q): not overwriting it; set CNI_CONF_NAME to a name of its own", path, t))
 	}
-	if err := ReplaceIfUnchanged(real, cur, want, in.createdMode(), -1, -1); err != nil {
-		return false, stepErr(err)
+	if err := ReplaceIfUnchanged(resolved, cur, want, in.createdMode(), -1, -1); err != nil {
+		return at(false), stepErr(err)
 	}
-	return true, nil
+	return at(true), nil
 }
 
 // stepErr marks a config step's failure for the installs metric; a
@@ -272,62 +286,60 @@ func stepErr(err error) error {
 	return &StepError{ResultCreateCNIConfig, err}
 }
 
-func (in *Installer) ensureChained(dir string) (bool, error) {
+func (in *Installer) ensureChained(dir string) (Placed, error) {
 	primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName)
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
 	}
 	if errors.Is(err, ErrNoPrimary) {
-		return false, err
+		return Placed{}, err
 	}
 	if err != nil {
-		return false, stepErr(err)
+		return Placed{}, stepErr(err)
 	}
-	real, err := ResolveInDir(dir, primary)
+	resolved, err := ResolveInDir(dir, primary)
 	if errors.Is(err, fs.ErrNotExist) {
-		return false, ErrChanged
+		return Placed{}, ErrChanged
 	}
 	if err != nil {
-		return false, stepErr(err)
+		return Placed{}, stepErr(err)
 	}
-	data, err := os.ReadFile(real)
+	data, err := readFile(resolved)
 	if errors.Is(err, fs.ErrNotExist) {
-		return false, ErrChanged
+		return Placed{}, ErrChanged
 	}
 	if err != nil {
-		return false, stepErr(err)
+		return Placed{}, stepErr(err)
 	}
 	state, err := Inspect(data, in.entry)
 	if err != nil {
-		return false, stepErr(fmt.Errorf("%s: %w", primary, err))
+		return Placed{}, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
 	if state == EntryOK {
-		in.confPath = primary
-		return false, nil
+		return Placed{Path: primary}, nil
 	}
 	merged, err := Insert(data, in.entry)
 	if err != nil {
-		return false, stepErr(fmt.Errorf("%s: %w", primary, err))
+		return Placed{}, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
-	mode, uid, gid, err := owner(real)
+	mode, uid, gid, err := owner(resolved)
 	if err != nil {
-		return false, ErrChanged
+		return Placed{}, ErrChanged
 	}
 	target := primary
 	if strings.HasSuffix(primary, ".conf") {
-		if real != primary {
-			return false, stepErr(fmt.Errorf("%s is a symbolic link: a .conf is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist", primary))
+		if resolved != primary {
+			return Placed{}, stepErr(fmt.Errorf("%s is a symbolic link: a .conf is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist", primary))
 		}
 		target = primary + "list"
 		if err := in.wrap(primary, target, data, merged, mode, uid, gid); err != nil {
-			return false, stepErr(err)
+			return Placed{}, stepErr(err)
 		}
-	} else if err := ReplaceIfUnchanged(real, data, merged, mode, uid, gid); err != nil {
-		return false, stepErr(err)
+	} else if err := ReplaceIfUnchanged(resolved, data, merged, mode, uid, gid); err != nil {
+		return Placed{}, stepErr(err)
 	}
-	in.confPath = target
 	in.log.Info("inserted istio-cni into the CNI config", "file", target, "was", map[EntryState]string{EntryMissing: "missing", EntryStale: "stale"}[state])
-	return true, nil
+	return Placed{Path: target, Wrote: true}, nil
 }
 
 // wrap writes the list made of conf (the .conf's bytes) at list, and only
@@ -335,7 +347,7 @@ func (in *Installer) ensureChained(dir string) (bool, error) {
 // existing list is overwritten only when it holds the same network (an
 // earlier wrap of this .conf): another network's file is never replaced.
 func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMode, uid, gid int) error {
-	cur, err := os.ReadFile(list)
+	cur, err := readFile(list)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		err = CreateExclusive(list, merged, mode, uid, gid)
@@ -346,11 +358,11 @@ func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMo
 			return fmt.Errorf("cannot wrap %s into %s: %s already exists and holds another network (%s); remove one of the two",
 				filepath.Base(conf), filepath.Base(list), filepath.Base(list), why)
 		}
-		real, rerr := ResolveInDir(filepath.Dir(list), list)
+		resolved, rerr := ResolveInDir(filepath.Dir(list), list)
 		if rerr != nil {
 			return rerr
 		}
-		err = ReplaceIfUnchanged(real, cur, merged, mode, uid, gid)
+		err = ReplaceIfUnchanged(resolved, cur, merged, mode, uid, gid)
 	}
 	if err != nil {
 		return err
@@ -387,9 +399,9 @@ func otherNetwork(list, conf []byte) string {
 	return ""
 }
 
-// Ready says whether the binary, the kubeconfig and our entry are all in
-// place, and if not, what is missing.
-func (in *Installer) Ready() error {
+// Ready says whether the binary, the kubeconfig and our entry in conf
+// (the last Placed.Path) are all in place, and if not, what is missing.
+func (in *Installer) Ready(conf string) error {
 	for _, dir := range in.cfg.BinTargetDirs {
 		for _, name := range pluginBinaries {
 			if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
@@ -400,10 +412,10 @@ func (in *Installer) Ready() error {
 	if _, err := os.Stat(in.KubeconfigPath()); err != nil {
 		return fmt.Errorf("kubeconfig: %w", err)
 	}
-	if in.confPath == "" {
+	if conf == "" {
 		return errors.New("CNI config not written yet")
 	}
-	data, err := os.ReadFile(in.confPath)
+	data, err := readFile(conf)
 	if err != nil {
 		return fmt.Errorf("CNI config: %w", err)
 	}
@@ -411,10 +423,10 @@ func (in *Installer) Ready() error {
 		return nil
 	}
 	if st, err := Inspect(data, in.entry); err != nil || st != EntryOK {
-		return fmt.Errorf("istio-cni entry missing or stale in %s", in.confPath)
+		return fmt.Errorf("istio-cni entry missing or stale in %s", conf)
 	}
-	if primary, _, err := FindPrimary(in.cfg.MountedCNINetDir, in.cfg.CNIConfName); err != nil || primary != in.confPath {
-		return fmt.Errorf("%s is no longer the node's primary CNI config", in.confPath)
+	if primary, _, err := FindPrimary(in.cfg.MountedCNINetDir, in.cfg.CNIConfName); err != nil || primary != conf {
+		return fmt.Errorf("%s is no longer the node's primary CNI config", conf)
 	}
 	return nil
 }
@@ -478,7 +490,7 @@ func (in *Installer) removeEntry() (string, error) {
 	dir := in.cfg.MountedCNINetDir
 	if !in.cfg.Chained {
 		p := in.standalonePath(dir)
-		cur, err := os.ReadFile(p)
+		cur, err := readFile(p)
 		if errors.Is(err, os.ErrNotExist) {
 			return "", nil
 		}
@@ -503,14 +515,14 @@ func (in *Installer) removeEntry() (string, error) {
 		if !strings.HasSuffix(f, ".conf") && !strings.HasSuffix(f, ".conflist") {
 			continue
 		}
-		real, err := ResolveInDir(dir, f)
+		resolved, err := ResolveInDir(dir, f)
 		if err != nil {
 			// Not ours to write: the agent never writes through such a link.
 			continue
 		}
 		removed := false
 		for attempt := 0; ; attempt++ {
-			data, err := os.ReadFile(real)
+			data, err := readFile(resolved)
 			if err != nil {
 				break
 			}
@@ -518,9 +530,9 @@ func (in *Installer) removeEntry() (string, error) {
 			if err != nil || !had {
 				break
 			}
-			mode, uid, gid, err := owner(real)
+			mode, uid, gid, err := owner(resolved)
 			if err == nil {
-				err = ReplaceIfUnchanged(real, data, out, mode, uid, gid)
+				err = ReplaceIfUnchanged(resolved, data, out, mode, uid, gid)
 			}
 			if err == nil {
 				removed = true

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"path/filepath"
 	"strings"
 )
@@ -32,7 +31,7 @@ func BuildKubeconfig(s KubeconfigSettings) ([]byte, error) {
 	if proto == "" {
 		proto = "https"
 	}
-	token, err := os.ReadFile(filepath.Join(s.ServiceAccountDir, "token"))
+	token, err := readFile(filepath.Join(s.ServiceAccountDir, "token"))
 	if err != nil {
 		return nil, fmt.Errorf("reading the service account token: %w", err)
 	}
@@ -48,7 +47,7 @@ func BuildKubeconfig(s KubeconfigSettings) ([]byte, error) {
 		if caFile == "" {
 			caFile = filepath.Join(s.ServiceAccountDir, "ca.crt")
 		}
-		ca, err := os.ReadFile(caFile)
+		ca, err := readFile(caFile)
 		if err != nil {
 			return nil, fmt.Errorf("reading the API server CA: %w", err)
 		}

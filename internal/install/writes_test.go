@@ -239,8 +239,8 @@ func TestWrapNeverOverwritesAnotherNetwork(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "10-b.conflist"), earlier, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if wrote, err := in.EnsureConf(); err != nil || !wrote {
-		t.Fatalf("completing an earlier wrap: %v %v", wrote, err)
+	if placed, err := in.EnsureConf(); err != nil || !placed.Wrote {
+		t.Fatalf("completing an earlier wrap: %v %v", placed, err)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "10-b.conf")); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatal("the .conf is still there")

@@ -38,7 +38,7 @@ func (a *AgentClient) GetPod(ctx context.Context, namespace, name string) (*Pod,
 	if a.UID != "" {
 		q.Set("uid", a.UID)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent/pod?"+q.Encode(), nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent/pod?"+q.Encode(), http.NoBody)
 	if err != nil {
 		return nil, err
 	}
@@ -63,7 +63,7 @@ func (a *AgentClient) GetPod(ctx context.Context, namespace, name string) (*Pod,
 // Ready asks the agent whether the node is ready (binary, kubeconfig and
 // config entry in place).
 func (a *AgentClient) Ready(ctx context.Context) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent/readyz", nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent/readyz", http.NoBody)
 	if err != nil {
 		return err
 	}

@@ -201,7 +201,7 @@ func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, e
 		return nil, &PermanentError{err}
 	}
 	u := fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name))
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, http.NoBody)
 	if err != nil {
 		return nil, err
 	}
@@ -219,12 +219,12 @@ func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, e
 	if err != nil {
 		return nil, fmt.Errorf("reading pod: %w", err)
 	}
-	switch {
-	case resp.StatusCode == http.StatusOK:
+	switch resp.StatusCode {
+	case http.StatusOK:
 		return DecodeJSON(body)
-	case resp.StatusCode == http.StatusNotFound:
+	case http.StatusNotFound:
 		return nil, ErrNotFound
-	case resp.StatusCode == http.StatusUnauthorized || resp.StatusCode == http.StatusForbidden:
+	case http.StatusUnauthorized, http.StatusForbidden:
 		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", resp.StatusCode, snippet(body))}
 	default:
 		return nil, fmt.Errorf("API server answered HTTP %d: %s", resp.StatusCode, snippet(body))

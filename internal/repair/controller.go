@@ -46,9 +46,12 @@ type Controller struct {
 	rules    plugin.Rules
 	procDir  string
 	recorder record.EventRecorder
-	counter  *prometheus.CounterVec
-	queue    workqueue.TypedRateLimitingInterface[k8stypes.NamespacedName]
-	lister   func(ns, name string) (*corev1.Pod, error)
+	// events is the recorder's broadcaster: it sends to the API only
+	// while Run runs, and Run shuts it down before returning.
+	events  record.EventBroadcaster
+	counter *prometheus.CounterVec
+	queue   workqueue.TypedRateLimitingInterface[k8stypes.NamespacedName]
+	lister  func(ns, name string) (*corev1.Pod, error)
 
 	mu       sync.Mutex
 	repaired map[k8stypes.NamespacedName]k8stypes.UID
@@ -79,17 +82,26 @@ func NewMetric() *prometheus.CounterVec {
 // New returns a controller; rules is the backend repair programs with.
 func New(cfg Config, cs kubernetes.Interface, rules plugin.Rules, procDir string, counter *prometheus.CounterVec, log *slog.Logger) *Controller {
 	b := record.NewBroadcaster()
-	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: cs.CoreV1().Events("")})
 	return &Controller{cfg: cfg, cs: cs, log: log.With("component", "repair"), rules: rules, procDir: procDir,
-		recorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "cni-repair"}),
-		counter:  counter,
+		recorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "cni-repair"}), events: b,
+		counter: counter,
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[k8stypes.NamespacedName](
 			100*time.Millisecond, 10*time.Second)),
 		repaired: map[k8stypes.NamespacedName]k8stypes.UID{}, brokenSeen: map[k8stypes.NamespacedName]seen{}}
 }
 
-// Run watches the pods of node until ctx ends.
+// Run watches the pods of node until ctx ends. It returns only once every
+// goroutine it started has ended: its own informer (a shared one is its
+// owner's to stop), the work queue's and the event broadcaster's, whose
+// pending events are sent first.
 func (c *Controller) Run(ctx context.Context, node string) error {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	sink := c.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cs.CoreV1().Events("")})
+	defer func() {
+		sink.Stop()
+		c.events.Shutdown()
+	}()
 	informer := c.Informer
 	if informer == nil {
 		factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
@@ -101,7 +113,12 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 				o.LabelSelector = c.cfg.LabelSelectors
 			}))
 		informer = factory.Core().V1().Pods().Informer()
-		factory.Start(ctx.Done())
+		informerCtx, stopInformer := context.WithCancel(ctx)
+		factory.Start(informerCtx.Done())
+		// Shutdown waits for the informer, so it is stopped first (defers
+		// run last first), whatever way Run returns.
+		defer factory.Shutdown()
+		defer stopInformer()
 	}
 	lister := listersv1.NewPodLister(informer.GetIndexer())
 	enqueue := func(obj any) {
@@ -121,8 +138,12 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 		return err
 	}
 	c.lister = func(ns, name string) (*corev1.Pod, error) { return lister.Pods(ns).Get(name) }
+	queueCtx, stopQueue := context.WithCancel(ctx)
+	defer stopQueue()
+	wg.Add(1)
 	go func() {
-		<-ctx.Done()
+		defer wg.Done()
+		<-queueCtx.Done()
 		c.queue.ShutDown()
 	}()
 	if !cache.WaitForCacheSync(ctx.Done(), informer.HasSynced) {

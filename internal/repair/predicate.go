@@ -63,7 +63,8 @@ func (c Config) Broken(pod *corev1.Pod) (string, bool) {
 	if pod.DeletionTimestamp != nil {
 		return "", false
 	}
-	for _, st := range pod.Status.InitContainerStatuses {
+	for i := range pod.Status.InitContainerStatuses {
+		st := &pod.Status.InitContainerStatuses[i]
 		if c.InitContainerName != "" && st.Name != c.InitContainerName {
 			continue
 		}

@@ -20,8 +20,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/istio-cni-go/istio-cni/internal/agent"
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -30,7 +30,7 @@ import (
 // not leave a thousand idle connections behind.
 func TestHardeningLookupsShareATransport(t *testing.T) {
 	e := newEnv(t, nil)
-	s := &agent.CNIServer{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)), ReadyReason: func() string { return "" }}
+	s := &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)), ReadyReason: func() string { return "" }}
 	conf := []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + e.node.RunDir + `"}`)
 	lookup := func(name string) {
 		t.Helper()

@@ -21,10 +21,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
-	"github.com/istio-cni-go/istio-cni/internal/agent"
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -432,10 +433,10 @@ func (e *env) serveCNI(variant string) {
 	if variant == "nftables" {
 		force = ""
 	}
-	s := &agent.CNIServer{
+	s := &cniserver.Server{
 		Log:   slog.New(slog.NewJSONHandler(os.Stderr, nil)).With("scope", "cni-plugin"),
 		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{},
-		Pods: agent.StartPodCache(ctx, cluster.Client, testenv.NodeName), Clientset: cluster.Client,
+		Pods: podcache.Start(ctx, cluster.Client, testenv.NodeName), Clientset: cluster.Client,
 		ReadyReason: func() string { return "" },
 	}
 	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)

@@ -1,4 +1,4 @@
-package agent
+package installloop
 
 import (
 	"log/slog"

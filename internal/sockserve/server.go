@@ -1,4 +1,12 @@
-package agent
+// Package sockserve is what the agent's Unix sockets share: listening
+// with mode 0600 and a peer check, connection limits with eviction of
+// silent clients, accept retries that survive descriptor exhaustion, and
+// serving HTTP on a socket or a TCP port until a context ends, with a
+// channel that says when the server has stopped.
+//
+// It knows nothing of what is served: the CNI commands, the pod cache and
+// the plugin's log lines each live in a package of their own.
+package sockserve
 
 import (
 	"errors"
@@ -17,15 +25,15 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// SocketMetrics count what the agent's sockets refuse and fail at.
-type SocketMetrics struct {
+// Metrics count what the agent's sockets refuse and fail at.
+type Metrics struct {
 	Rejected     *prometheus.CounterVec
 	AcceptErrors *prometheus.CounterVec
 }
 
-// NewSocketMetrics returns unregistered socket metrics.
-func NewSocketMetrics() *SocketMetrics {
-	return &SocketMetrics{
+// NewMetrics returns unregistered socket metrics.
+func NewMetrics() *Metrics {
+	return &Metrics{
 		Rejected: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_socket_connections_rejected_total",
 			Help: "Connections to the agent's sockets closed without being served, by socket and reason: peer (not root nor the agent's user), " +
 				"limit (too many open and none idle), evicted (an idle one closed to make room), timeout (no complete request in time), " +
@@ -37,35 +45,35 @@ func NewSocketMetrics() *SocketMetrics {
 }
 
 // Limits of one socket.
-type sockLimits struct {
-	// maxConns bounds the connections open at once.
-	maxConns int
-	// readTimeout bounds the wait for a complete request.
-	readTimeout time.Duration
+type Limits struct {
+	// MaxConns bounds the connections open at once.
+	MaxConns int
+	// ReadTimeout bounds the wait for a complete request.
+	ReadTimeout time.Duration
 }
 
-// sockServer is one of the agent's Unix sockets. Every socket is mode
+// Server is one of the agent's Unix sockets. Every socket is mode
 // 0600 and, besides, serves only peers whose uid is root or the agent's:
 // a mode can be loosened by a runtime's umask or an operator, the peer
 // check cannot. A bad client costs its own connection and never the
 // server: a silent one is evicted when room is needed or timed out, accept
-// errors are retried with back-off (and reported through health), and
+// errors are retried with back-off (and reported through Health), and
 // while the process has no descriptor to spare, pending clients get their
 // connection closed at once so a relay runs the fallback instead of
 // waiting for its deadline.
-type sockServer struct {
+type Server struct {
 	name    string
 	path    string
 	log     *slog.Logger
-	metrics *SocketMetrics
-	limits  sockLimits
+	metrics *Metrics
+	limits  Limits
 	l       *net.UnixListener
 	// id is our socket file's identity: on stop the path is removed only
 	// while it is still ours, not a newer agent's.
 	id [2]uint64
 
 	mu      sync.Mutex
-	conns   map[*sockConn]struct{}
+	conns   map[*Conn]struct{}
 	stopped bool
 	// reserve holds one descriptor to give up when the process has none
 	// left: /dev/null at first, then a shut-down connection.
@@ -77,17 +85,25 @@ type sockServer struct {
 	suppressed int
 }
 
-// sockConn is an admitted connection; it frees its slot when closed.
-type sockConn struct {
+// Conn is an admitted connection; it frees its slot when closed.
+type Conn struct {
 	*net.UnixConn
-	s        *sockServer
+	s        *Server
 	accepted time.Time
 	// busy: a request is being served, so the connection is not evicted.
 	busy atomic.Bool
 	once sync.Once
 }
 
-func (c *sockConn) Close() error {
+// SetBusy marks a request as being served (true) or the connection as
+// idle again: a busy connection is never evicted to make room.
+func (c *Conn) SetBusy(busy bool) { c.busy.Store(busy) }
+
+// TimedOut counts the connection as closed for not sending its request
+// in time.
+func (c *Conn) TimedOut() { c.s.TimedOut() }
+
+func (c *Conn) Close() error {
 	c.once.Do(func() {
 		c.s.mu.Lock()
 		delete(c.s.conns, c)
@@ -136,13 +152,13 @@ func fileIdentity(path string) ([2]uint64, error) {
 	return [2]uint64{uint64(st.Dev), st.Ino}, nil
 }
 
-func newSockServer(path string, limits sockLimits, log *slog.Logger, m *SocketMetrics) (*sockServer, error) {
+func Listen(path string, limits Limits, log *slog.Logger, m *Metrics) (*Server, error) {
 	l, id, err := listenSocket(path, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	s := &sockServer{name: filepath.Base(path), path: path, log: log, metrics: m, limits: limits, l: l, id: id,
-		conns: map[*sockConn]struct{}{}}
+	s := &Server{name: filepath.Base(path), path: path, log: log, metrics: m, limits: limits, l: l, id: id,
+		conns: map[*Conn]struct{}{}}
 	if f, err := os.Open(os.DevNull); err == nil {
 		s.reserve = f
 	}
@@ -159,7 +175,7 @@ func exhausted(err error) bool {
 // with back-off rather than returning them, so neither the CNI server nor
 // an HTTP server on the socket stops on one; it returns an error only
 // once the socket is stopped.
-func (s *sockServer) Accept() (net.Conn, error) {
+func (s *Server) Accept() (net.Conn, error) {
 	backoff := time.Duration(0)
 	for {
 		c, err := s.l.AcceptUnix()
@@ -184,13 +200,13 @@ func (s *sockServer) Accept() (net.Conn, error) {
 	}
 }
 
-func (s *sockServer) isStopped() bool {
+func (s *Server) isStopped() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.stopped
 }
 
-func (s *sockServer) acceptFailed(err error) {
+func (s *Server) acceptFailed(err error) {
 	if s.metrics != nil {
 		s.metrics.AcceptErrors.WithLabelValues(s.name).Inc()
 	}
@@ -213,7 +229,7 @@ func (s *sockServer) acceptFailed(err error) {
 	s.shed()
 }
 
-func (s *sockServer) acceptOK() {
+func (s *Server) acceptOK() {
 	s.mu.Lock()
 	recovered := !s.failFrom.IsZero()
 	s.failFrom, s.failErr = time.Time{}, nil
@@ -228,7 +244,7 @@ func (s *sockServer) acceptOK() {
 // instead of waiting for its deadline. The connection, shut down, becomes
 // the next reserve, so the slot just freed is never lost to another
 // thread of the process.
-func (s *sockServer) shed() {
+func (s *Server) shed() {
 	s.mu.Lock()
 	r := s.reserve
 	s.reserve = nil
@@ -259,7 +275,7 @@ func (s *sockServer) shed() {
 	s.setReserve(c)
 }
 
-func (s *sockServer) setReserve(f io.Closer) {
+func (s *Server) setReserve(f io.Closer) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.stopped || s.reserve != nil {
@@ -269,7 +285,7 @@ func (s *sockServer) setReserve(f io.Closer) {
 	s.reserve = f
 }
 
-func (s *sockServer) reject(c *net.UnixConn, reason string, err error) {
+func (s *Server) reject(c *net.UnixConn, reason string, err error) {
 	_ = c.Close()
 	if s.metrics != nil {
 		s.metrics.Rejected.WithLabelValues(s.name, reason).Inc()
@@ -292,11 +308,11 @@ func (s *sockServer) reject(c *net.UnixConn, reason string, err error) {
 // admit makes room for c: past the limit the oldest connection that has
 // not sent a complete request is evicted, so silent clients cannot keep
 // working ones out; when every connection is busy, c is refused.
-func (s *sockServer) admit(c *net.UnixConn) *sockConn {
-	sc := &sockConn{UnixConn: c, s: s, accepted: time.Now()}
+func (s *Server) admit(c *net.UnixConn) *Conn {
+	sc := &Conn{UnixConn: c, s: s, accepted: time.Now()}
 	s.mu.Lock()
-	var victim *sockConn
-	if len(s.conns) >= s.limits.maxConns {
+	var victim *Conn
+	if len(s.conns) >= s.limits.MaxConns {
 		for o := range s.conns {
 			if !o.busy.Load() && (victim == nil || o.accepted.Before(victim.accepted)) {
 				victim = o
@@ -304,7 +320,7 @@ func (s *sockServer) admit(c *net.UnixConn) *sockConn {
 		}
 		if victim == nil {
 			s.mu.Unlock()
-			s.reject(c, "limit", fmt.Errorf("%d connections open, all busy", s.limits.maxConns))
+			s.reject(c, "limit", fmt.Errorf("%d connections open, all busy", s.limits.MaxConns))
 			return nil
 		}
 		delete(s.conns, victim)
@@ -320,8 +336,8 @@ func (s *sockServer) admit(c *net.UnixConn) *sockConn {
 	return sc
 }
 
-// timedOut counts a connection closed for not sending its request in time.
-func (s *sockServer) timedOut() {
+// TimedOut counts a connection closed for not sending its request in time.
+func (s *Server) TimedOut() {
 	if s.metrics != nil {
 		s.metrics.Rejected.WithLabelValues(s.name, "timeout").Inc()
 	}
@@ -329,7 +345,7 @@ func (s *sockServer) timedOut() {
 
 // Close stops the socket: the path goes first (while it is still ours),
 // so no client connects to a closing server; then the listener closes.
-func (s *sockServer) Close() error {
+func (s *Server) Close() error {
 	s.mu.Lock()
 	if s.stopped {
 		s.mu.Unlock()
@@ -348,10 +364,10 @@ func (s *sockServer) Close() error {
 	return s.l.Close()
 }
 
-// closeConns closes every open connection.
-func (s *sockServer) closeConns() {
+// CloseConns closes every open connection.
+func (s *Server) CloseConns() {
 	s.mu.Lock()
-	conns := make([]*sockConn, 0, len(s.conns))
+	conns := make([]*Conn, 0, len(s.conns))
 	for c := range s.conns {
 		conns = append(conns, c)
 	}
@@ -362,12 +378,12 @@ func (s *sockServer) closeConns() {
 }
 
 // Addr implements net.Listener.
-func (s *sockServer) Addr() net.Addr { return &net.UnixAddr{Name: s.path, Net: "unix"} }
+func (s *Server) Addr() net.Addr { return &net.UnixAddr{Name: s.path, Net: "unix"} }
 
-// health is nil while the socket accepts, else why it cannot and since
+// Health is nil while the socket accepts, else why it cannot and since
 // when. Running out of descriptors ends when one can be had again, even
 // before the next client connects.
-func (s *sockServer) health() (time.Time, error) {
+func (s *Server) Health() (time.Time, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.failFrom.IsZero() {
@@ -378,7 +394,7 @@ func (s *sockServer) health() (time.Time, error) {
 		s.failFrom, s.failErr = time.Time{}, nil
 		return time.Time{}, nil
 	}
-	return s.failFrom, fmt.Errorf("%s cannot accept connections since %s: %v", s.name, s.failFrom.UTC().Format(time.RFC3339), s.failErr)
+	return s.failFrom, fmt.Errorf("%s cannot accept connections since %s: %w", s.name, s.failFrom.UTC().Format(time.RFC3339), s.failErr)
 }
 
 // checkPeer lets root and the agent's own user in.

@@ -1,4 +1,13 @@
-package agent
+// Package cniserver runs the plugin's CNI commands inside the node agent
+// for the relay (the istio-cni binary) on the CNI socket (cni.sock): the
+// pod comes from the node's pod cache and the rules are programmed
+// in-process, so a pod start costs one small process instead of a complete
+// plugin, an API request and a firewall binary.
+//
+// The decisions are the plugin's own code (internal/plugin); this package
+// only frames the relay's requests, looks pods up and serialises commands
+// per network namespace. It does not install anything or watch files.
+package cniserver
 
 import (
 	"bytes"
@@ -20,7 +29,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/prometheus/client_golang/prometheus"
-	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -29,14 +37,13 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
 
-// CNIServer runs the plugin's commands inside the agent for the relay
-// (the istio-cni binary): the pod comes from the node's pod cache and the
-// rules are programmed in-process, so a pod start costs one small process
-// instead of a complete plugin, an API request and a firewall binary.
-type CNIServer struct {
+// Server runs the plugin's commands for the relay.
+type Server struct {
 	// Log receives the plugin's lines (scope cni-plugin); SocketLog, when
 	// set, the socket's own (refused peers, accept errors).
 	Log       *slog.Logger
@@ -45,7 +52,7 @@ type CNIServer struct {
 	NFTables  plugin.Rules
 	// Pods may be nil (no API access): every pod is then read from the
 	// API with the plugin's kubeconfig, as the fallback plugin does.
-	Pods      *PodCache
+	Pods      *podcache.Cache
 	Clientset kubernetes.Interface
 	// ReadyReason, when set, answers STATUS: not "" means the agent cannot
 	// serve ADD. Unset, STATUS succeeds whenever the agent answers.
@@ -60,19 +67,19 @@ type CNIServer struct {
 	Lookups *prometheus.CounterVec
 	// Panics counts commands that panicked, by component ("cni").
 	Panics  *prometheus.CounterVec
-	Sockets *SocketMetrics
+	Sockets *sockserve.Metrics
 
 	wg       sync.WaitGroup
 	mu       sync.Mutex
 	draining bool
-	srv      *sockServer
+	srv      *sockserve.Server
 	api      apiClients
 	lockOnce sync.Once
 }
 
-// NewCNIMetrics returns the command counter, latency histogram and
+// NewMetrics returns the command counter, latency histogram and
 // lookup counter.
-func NewCNIMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometheus.CounterVec) {
+func NewMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometheus.CounterVec) {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_commands_total",
 			Help: "CNI commands the agent ran for the istio-cni plugin, by command and result (ok or the CNI error code)."},
 			[]string{"command", "result"}),
@@ -93,19 +100,19 @@ func NewPanicMetric() *prometheus.CounterVec {
 
 // Limits of the CNI socket: a burst of pod starts on a node is tens of
 // relays at once, and each sends its request as soon as it connects.
-var cniSocketLimits = sockLimits{maxConns: 128, readTimeout: 5 * time.Second}
+var socketLimits = sockserve.Limits{MaxConns: 128, ReadTimeout: 5 * time.Second}
 
 // Serve listens on path until ctx ends; then it stops taking commands,
 // removes the socket (so relays run the fallback) and waits up to grace
 // for the commands under way.
-func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration) (done <-chan struct{}, err error) {
+func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (done <-chan struct{}, err error) {
 	log := s.SocketLog
 	if log == nil {
 		log = s.Log
 	}
 	// Whoever can connect can have rules programmed in a namespace it
 	// holds open: root only, as on every agent socket.
-	srv, err := newSockServer(path, cniSocketLimits, log, s.Sockets)
+	srv, err := sockserve.Listen(path, socketLimits, log, s.Sockets)
 	if err != nil {
 		return nil, err
 	}
@@ -131,7 +138,8 @@ func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration)
 			s.mu.Unlock()
 			go func() {
 				defer s.wg.Done()
-				s.serveConn(c.(*sockConn))
+				sc := c.(*sockserve.Conn)
+				s.serveConn(sc.UnixConn, sc)
 			}()
 		}
 	}()
@@ -148,7 +156,7 @@ func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration)
 		case <-waited:
 		case <-time.After(grace):
 			s.Log.Warn("CNI commands still running at shutdown; their relays will retry with the fallback plugin")
-			srv.closeConns()
+			srv.CloseConns()
 		}
 		close(finished)
 	}()
@@ -157,29 +165,36 @@ func (s *CNIServer) Serve(ctx context.Context, path string, grace time.Duration)
 
 // Health is nil while the CNI socket accepts connections, else why not
 // and since when.
-func (s *CNIServer) Health() (time.Time, error) {
+func (s *Server) Health() (time.Time, error) {
 	s.mu.Lock()
 	srv := s.srv
 	s.mu.Unlock()
 	if srv == nil {
 		return time.Time{}, nil
 	}
-	return srv.health()
+	return srv.Health()
 }
 
-func (s *CNIServer) serveConn(conn *sockConn) {
+// connState is what the socket tracks of a connection: whether a request
+// is being served (so it is not evicted) and timeouts, for the metrics.
+type connState interface {
+	SetBusy(busy bool)
+	TimedOut()
+}
+
+func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	defer conn.Close()
-	_ = conn.SetReadDeadline(time.Now().Add(cniSocketLimits.readTimeout))
-	req, netns, err := readRequest(conn.UnixConn)
+	_ = conn.SetReadDeadline(time.Now().Add(socketLimits.ReadTimeout))
+	req, netns, err := readRequest(conn)
 	if netns != nil {
 		defer netns.Close()
 	}
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
-		conn.s.timedOut()
+		st.TimedOut()
 		return
 	}
-	conn.busy.Store(true)
+	st.SetBusy(true)
 	_ = conn.SetReadDeadline(time.Time{})
 	var resp *cnirelay.Response
 	switch {
@@ -286,7 +301,7 @@ func podOf(args string) string {
 	return ns + "/" + name
 }
 
-func (s *CNIServer) locker() *nslock.Locker {
+func (s *Server) locker() *nslock.Locker {
 	s.lockOnce.Do(func() {
 		if s.Locker == nil {
 			s.Locker = nslock.New()
@@ -298,7 +313,7 @@ func (s *CNIServer) locker() *nslock.Locker {
 // Handle runs one command with the plugin's own code, as the plugin
 // process would, and returns what it would have printed. ADD and CHECK
 // hold their namespace's lock; a panic fails this command only.
-func (s *CNIServer) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.Response) {
+func (s *Server) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.Response) {
 	s.mu.Lock()
 	draining := s.draining
 	s.mu.Unlock()
@@ -434,7 +449,7 @@ func (a *apiClients) get(path, runDir string) (*podinfo.APIClient, error) {
 // source reads the pod from the node's cache (checking the UID, so a
 // recreated pod of the same name is not mistaken for the old one), then
 // from the API server within the config's timeout and budget.
-func (s *CNIServer) source(conf *plugin.Config, uid string) (podinfo.Source, error) {
+func (s *Server) source(conf *plugin.Config, uid string) (podinfo.Source, error) {
 	f := &podinfo.Fallback{API: func() (podinfo.Source, error) {
 		if s.Lookups != nil {
 			s.Lookups.WithLabelValues("api").Inc()
@@ -466,22 +481,19 @@ func (s *CNIServer) source(conf *plugin.Config, uid string) (podinfo.Source, err
 }
 
 type cacheSource struct {
-	pc  *PodCache
+	pc  *podcache.Cache
 	uid string
 }
 
 func (c cacheSource) GetPod(_ context.Context, namespace, name string) (*podinfo.Pod, error) {
-	if !c.pc.synced() {
+	if !c.pc.Synced() {
 		return nil, errors.New("pod cache not synced")
 	}
-	pod, err := c.pc.lister.Pods(namespace).Get(name)
+	pod, err := c.pc.Pod(namespace, name, c.uid)
 	if err != nil {
-		return nil, podinfo.ErrNotFound
+		return nil, err
 	}
-	if c.uid != "" && string(pod.UID) != c.uid {
-		return nil, podinfo.ErrNotFound
-	}
-	return PodFromCore(pod), nil
+	return podcache.PodFromCore(pod), nil
 }
 
 type apiSource struct{ cs kubernetes.Interface }
@@ -496,42 +508,5 @@ func (a apiSource) GetPod(ctx context.Context, namespace, name string) (*podinfo
 	case err != nil:
 		return nil, err
 	}
-	return PodFromCore(pod), nil
-}
-
-// PodFromCore reduces a pod to what selection reads, with the same result
-// as decoding its JSON (podinfo.DecodeJSON): an env var with an empty or
-// referenced value is left out, as the JSON omits empty values.
-func PodFromCore(p *corev1.Pod) *podinfo.Pod {
-	out := &podinfo.Pod{
-		Namespace: p.Namespace, Name: p.Name, UID: string(p.UID),
-		Labels: p.Labels, Annotations: p.Annotations,
-		InitContainers: containersFromCore(p.Spec.InitContainers),
-		Containers:     containersFromCore(p.Spec.Containers),
-	}
-	for _, ip := range p.Status.PodIPs {
-		out.PodIPs = append(out.PodIPs, ip.IP)
-	}
-	return out
-}
-
-func containersFromCore(in []corev1.Container) []podinfo.Container {
-	out := make([]podinfo.Container, 0, len(in))
-	for _, c := range in {
-		pc := podinfo.Container{Name: c.Name, Args: c.Args}
-		for _, e := range c.Env {
-			if e.Value == "" {
-				continue
-			}
-			if pc.Env == nil {
-				pc.Env = map[string]string{}
-			}
-			pc.Env[e.Name] = e.Value
-		}
-		if sc := c.SecurityContext; sc != nil {
-			pc.RunAsUser, pc.RunAsGroup = sc.RunAsUser, sc.RunAsGroup
-		}
-		out = append(out, pc)
-	}
-	return out
+	return podcache.PodFromCore(pod), nil
 }

@@ -1,4 +1,11 @@
-package agent
+// Package pluginlog receives the plugin's log lines on the agent's log
+// socket (log.sock) and re-emits them in the agent's cni-plugin scope, so
+// plugin activity shows in `kubectl logs` of the agent. A line comes from
+// another process and is never trusted to shape the agent's output.
+//
+// It does not decide the plugin's level (the agent writes that into the
+// plugin's config) and does not own the socket mechanics (sockserve).
+package pluginlog
 
 import (
 	"bytes"
@@ -6,23 +13,23 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	stdlog "log"
 	"log/slog"
-	"net"
 	"net/http"
 	"path/filepath"
 	"sort"
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
 
-// LogSocketName is the socket plugin processes send their log lines to.
-const LogSocketName = "log.sock"
+// SocketName is the socket plugin processes send their log lines to.
+const SocketName = "log.sock"
 
 // Limits of the log socket: the fallback plugin posts its lines once, at
 // exit, in one request of a few kilobytes.
-var logSocketLimits = sockLimits{maxConns: 32, readTimeout: 5 * time.Second}
+var socketLimits = sockserve.Limits{MaxConns: 32, ReadTimeout: 5 * time.Second}
 
 // Bounds on what one request may make the agent log.
 const (
@@ -33,29 +40,12 @@ const (
 	maxLabelKey    = 64
 )
 
-// serveHTTPSocket serves h on srv with timeouts that a silent or slow
-// client cannot stretch; the returned server's Close stops the socket
-// (removing its path) and closes every connection.
-func serveHTTPSocket(srv *sockServer, h http.Handler) *http.Server {
-	hs := &http.Server{Handler: h,
-		ReadHeaderTimeout: srv.limits.readTimeout, ReadTimeout: srv.limits.readTimeout,
-		WriteTimeout: 10 * time.Second, IdleTimeout: srv.limits.readTimeout, MaxHeaderBytes: 16 << 10,
-		// What a bad client makes net/http say is of no use in the logs.
-		ErrorLog: stdlog.New(io.Discard, "", 0),
-		ConnState: func(c net.Conn, st http.ConnState) {
-			if sc, ok := c.(*sockConn); ok {
-				sc.busy.Store(st == http.StateActive)
-			}
-		}}
-	go func() { _ = hs.Serve(srv) }()
-	return hs
-}
-
-// serveLogSocket receives plugin log lines (POST /log, a JSON array of
-// JSON lines) and re-emits each through log (the agent's cni-plugin
-// scope), so plugin activity shows in `kubectl logs` of the agent.
-func serveLogSocket(runDir string, log *slog.Logger, m *SocketMetrics) (io.Closer, error) {
-	srv, err := newSockServer(filepath.Join(runDir, LogSocketName), logSocketLimits, log, m)
+// Serve receives plugin log lines on runDir's log socket (POST /log, a
+// JSON array of JSON lines) and re-emits each through log until ctx ends.
+// The returned channel is closed once the socket is gone and the server
+// has stopped.
+func Serve(ctx context.Context, runDir string, log *slog.Logger, m *sockserve.Metrics) (<-chan struct{}, error) {
+	srv, err := sockserve.Listen(filepath.Join(runDir, SocketName), socketLimits, log, m)
 	if err != nil {
 		return nil, err
 	}
@@ -83,7 +73,7 @@ func serveLogSocket(runDir string, log *slog.Logger, m *SocketMetrics) (io.Close
 			emitPluginLine(log, line)
 		}
 	})
-	return serveHTTPSocket(srv, mux), nil
+	return sockserve.ServeSocket(ctx, srv, mux), nil
 }
 
 // emitPluginLine re-emits one plugin line. It comes from another process,
@@ -166,8 +156,7 @@ func labelKey(k string) string {
 // labelValue keeps strings on one line; numbers stay as written, and
 // other values are re-encoded as JSON, which escapes what needs escaping.
 func labelValue(v any) any {
-	switch x := v.(type) {
-	case string:
+	if x, ok := v.(string); ok {
 		return oneLine(x)
 	}
 	return v

@@ -1,4 +1,4 @@
-package agent
+package podcache
 
 import (
 	"encoding/json"

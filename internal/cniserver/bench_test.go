@@ -1,4 +1,4 @@
-package agent_test
+package cniserver_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
@@ -18,10 +19,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/istio-cni-go/istio-cni/internal/agent"
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -45,13 +47,13 @@ func BenchmarkAgentADD(b *testing.B) {
 	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
 		b.Fatal(err)
 	}
-	cache := agent.StartPodCache(ctx, cs, testenv.NodeName)
+	cache := podcache.Start(ctx, cs, testenv.NodeName)
 	if err := cache.WaitSynced(ctx); err != nil {
 		b.Fatal(err)
 	}
 	for _, backend := range []string{"iptables", "nftables"} {
 		b.Run(backend, func(b *testing.B) {
-			s := &agent.CNIServer{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
+			s := &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
 				Rules: &iptables.Applier{Force: iptables.VariantNFT}, NFTables: &nftables.Applier{},
 				Pods: cache, ReadyReason: func() string { return "" }}
 			conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","native_nftables":%t,
@@ -89,7 +91,7 @@ func podNamespace(b *testing.B) (ns.NetNS, *os.File) {
 		b.Fatal(err)
 	}
 	err = n.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}
@@ -99,7 +101,7 @@ func podNamespace(b *testing.B) (ns.NetNS, *os.File) {
 		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "peer0"}); err != nil {
 			return err
 		}
-		eth, err := netlink.LinkByName("eth0")
+		eth, err := netlinksafe.LinkByName("eth0")
 		if err != nil {
 			return err
 		}

@@ -1,0 +1,378 @@
+package cnirelay
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
+)
+
+// agent is a stand-in node agent on a temp run dir: it reads one request
+// as the real one does (length, JSON, a descriptor on the first bytes)
+// and answers with reply.
+type agent struct {
+	runDir string
+	got    chan received
+}
+
+type received struct {
+	req   Request
+	gotFD bool
+	err   error
+}
+
+// startAgent serves one connection per reply given; reply nil closes the
+// connection without an answer, and a reply "hang" never answers.
+func startAgent(t *testing.T, replies ...[]byte) *agent {
+	t.Helper()
+	a := &agent{runDir: t.TempDir(), got: make(chan received, len(replies))}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(a.runDir, SocketName), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, release := make(chan struct{}), make(chan struct{})
+	t.Cleanup(func() {
+		close(release)
+		_ = l.Close()
+		<-done
+	})
+	go func() {
+		defer close(done)
+		for _, reply := range replies {
+			c, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			a.got <- readRequest(c)
+			switch {
+			case string(reply) == "hang":
+				// Hold the connection open until the test ends.
+				<-release
+			case reply != nil:
+				_, _ = c.Write(reply)
+			}
+			_ = c.Close()
+		}
+	}()
+	return a
+}
+
+func readRequest(c *net.UnixConn) received {
+	var hdr [4]byte
+	oob := make([]byte, syscall.CmsgSpace(4))
+	n, oobn, _, _, err := c.ReadMsgUnix(hdr[:], oob)
+	if err != nil {
+		return received{err: err}
+	}
+	gotFD := false
+	if oobn > 0 {
+		msgs, err := syscall.ParseSocketControlMessage(oob[:oobn])
+		if err == nil && len(msgs) == 1 {
+			if fds, err := syscall.ParseUnixRights(&msgs[0]); err == nil {
+				gotFD = len(fds) == 1
+				for _, fd := range fds {
+					_ = syscall.Close(fd)
+				}
+			}
+		}
+	}
+	if _, err := io.ReadFull(c, hdr[n:]); err != nil {
+		return received{err: err}
+	}
+	body := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+	if _, err := io.ReadFull(c, body); err != nil {
+		return received{err: err}
+	}
+	var r received
+	r.gotFD = gotFD
+	r.err = json.Unmarshal(body, &r.req)
+	return r
+}
+
+func answer(t *testing.T, r Response) []byte {
+	t.Helper()
+	b, err := json.Marshal(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// recorder is a Runner that records the fallback's command and answers
+// as told.
+type recorder struct {
+	cmds []*execrun.Cmd
+	res  execrun.Result
+	err  error
+}
+
+func (r *recorder) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) {
+	r.cmds = append(r.cmds, c)
+	return r.res, r.err
+}
+
+func conf(runDir string) []byte {
+	return []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + runDir + `"}`)
+}
+
+// TestProtocol: what the relay sends the agent, and what it makes of each
+// kind of answer, through a real socket.
+func TestProtocol(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		command string
+		netns   string
+		reply   func(t *testing.T) []byte
+		// Exactly one of these is checked: the relay's output, its CNI
+		// error code, or that the fallback ran with this reason.
+		wantOut      string
+		wantCode     uint
+		wantFallback string
+		wantFD       bool
+	}{
+		{name: "result passed on", command: "ADD", netns: "/proc/self/ns/net", wantFD: true,
+			reply:   func(t *testing.T) []byte { return answer(t, Response{Stdout: []byte(`{"cniVersion":"1.0.0"}`)}) },
+			wantOut: `{"cniVersion":"1.0.0"}`},
+		{name: "the plugin's error passed on", command: "ADD",
+			reply: func(t *testing.T) []byte {
+				return answer(t, Response{Error: types.NewError(types.ErrInvalidNetworkConfig, "bad config", "details")})
+			},
+			wantCode: types.ErrInvalidNetworkConfig},
+		{name: "agent shutting down: fallback", command: "DEL",
+			reply:        func(t *testing.T) []byte { return answer(t, Response{Unavailable: "shutting down"}) },
+			wantFallback: "node agent unavailable: shutting down"},
+		{name: "closed without an answer: fallback", command: "ADD",
+			reply:        func(*testing.T) []byte { return nil },
+			wantFallback: "no node agent: no answer on"},
+		{name: "an answer that does not decode", command: "CHECK",
+			reply:    func(*testing.T) []byte { return []byte("{not json") },
+			wantCode: types.ErrInternal},
+		{name: "no answer in time", command: "ADD",
+			reply:    func(*testing.T) []byte { return []byte("hang") },
+			wantCode: types.ErrTryAgainLater},
+		{name: "a DEL whose namespace is gone goes without a descriptor", command: "DEL", netns: "/nonexistent/netns",
+			reply:   func(t *testing.T) []byte { return answer(t, Response{}) },
+			wantOut: ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a := startAgent(t, c.reply(t))
+			var out bytes.Buffer
+			rec := &recorder{res: execrun.Result{Stdout: []byte("from the fallback")}}
+			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: 200 * time.Millisecond, Runner: rec}
+			args := &skel.CmdArgs{ContainerID: "c1", Netns: c.netns, IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
+				Path: "/opt/cni/bin", StdinData: conf(a.runDir)}
+			err := r.Run(c.command, args)
+			got := <-a.got
+			if got.err != nil {
+				t.Fatalf("the agent could not read the request: %v", got.err)
+			}
+			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
+				Args: args.Args, Path: args.Path, Stdin: args.StdinData}
+			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
+				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
+			}
+			switch {
+			case c.wantCode != 0:
+				var te *types.Error
+				if !errors.As(err, &te) || te.Code != c.wantCode {
+					t.Fatalf("error %v, want code %d", err, c.wantCode)
+				}
+				if len(rec.cmds) != 0 {
+					t.Fatal("the fallback ran although the agent answered")
+				}
+			case c.wantFallback != "":
+				if err != nil || out.String() != "from the fallback" || len(rec.cmds) != 1 {
+					t.Fatalf("fallback: %v, output %q, %d runs", err, out.String(), len(rec.cmds))
+				}
+				env := rec.cmds[0].Env
+				if last := env[len(env)-1]; !strings.HasPrefix(last, FallbackReasonEnv+"="+c.wantFallback) {
+					t.Fatalf("reason given to the fallback: %q", last)
+				}
+			default:
+				if err != nil || out.String() != c.wantOut || len(rec.cmds) != 0 {
+					t.Fatalf("got %v, output %q, %d fallback runs", err, out.String(), len(rec.cmds))
+				}
+			}
+		})
+	}
+}
+
+func jsonEqual(t *testing.T, a, b any) bool {
+	t.Helper()
+	x, err := json.Marshal(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := json.Marshal(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bytes.Equal(x, y)
+}
+
+// TestRequestEncoding: the field names are the protocol between two
+// binaries of possibly different versions (a relay from before an
+// upgrade talks to the new agent), so they are pinned here.
+func TestRequestEncoding(t *testing.T) {
+	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30="}`
+	if string(b) != want {
+		t.Fatalf("request:\n got %s\nwant %s", b, want)
+	}
+	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u"}`
+	if string(b) != want {
+		t.Fatalf("response:\n got %s\nwant %s", b, want)
+	}
+	var r Response
+	if err := json.Unmarshal([]byte(`{}`), &r); err != nil || r.Error != nil || r.Unavailable != "" || r.Stdout != nil {
+		t.Fatalf("an empty response is a success with no output: %+v %v", r, err)
+	}
+}
+
+// TestNoAgent: with no socket the command goes to the fallback, and a
+// STATUS succeeds exactly when the fallback could run.
+func TestNoAgent(t *testing.T) {
+	dir := t.TempDir()
+	exe := filepath.Join(dir, "istio-cni-fallback")
+	if err := os.WriteFile(exe, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	notExe := filepath.Join(dir, "not-executable")
+	if err := os.WriteFile(notExe, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", StdinData: conf(t.TempDir())}
+	for _, c := range []struct {
+		fallback string
+		wantOK   bool
+	}{{exe, true}, {notExe, false}, {filepath.Join(dir, "missing"), false}, {dir, false}} {
+		rec := &recorder{}
+		r := &Relay{Fallback: c.fallback, Stdout: io.Discard, Stderr: io.Discard, Runner: rec}
+		err := r.Run("STATUS", args)
+		var te *types.Error
+		switch {
+		case c.wantOK && err != nil:
+			t.Errorf("%s: STATUS %v", c.fallback, err)
+		case !c.wantOK && (!errors.As(err, &te) || te.Code != errPluginNotAvailable):
+			t.Errorf("%s: STATUS %v, want code %d", c.fallback, err, errPluginNotAvailable)
+		}
+		if len(rec.cmds) != 0 {
+			t.Errorf("%s: STATUS ran the fallback", c.fallback)
+		}
+	}
+	rec := &recorder{res: execrun.Result{Stdout: []byte("ok")}}
+	var out bytes.Buffer
+	r := &Relay{Fallback: exe, Environ: []string{"CNI_COMMAND=ADD", "PATH=/opt/cni/bin"}, Stdout: &out, Stderr: io.Discard, Runner: rec}
+	if err := r.Run("ADD", args); err != nil || out.String() != "ok" || len(rec.cmds) != 1 {
+		t.Fatalf("ADD without an agent: %v %q %d", err, out.String(), len(rec.cmds))
+	}
+	if env := strings.Join(rec.cmds[0].Env, "\n"); !strings.HasPrefix(env, "CNI_COMMAND=ADD\nPATH=/opt/cni/bin\n"+FallbackReasonEnv+"=no node agent") {
+		t.Fatalf("the fallback's environment:\n%s", env)
+	}
+}
+
+// TestFallback: how the fallback is started, and what its answer becomes.
+func TestFallback(t *testing.T) {
+	stdin := []byte(`{"cniVersion":"1.0.0","type":"istio-cni"}`)
+	for _, c := range []struct {
+		name     string
+		res      execrun.Result
+		err      error
+		wantOut  string
+		wantCode uint
+		wantMsg  string
+	}{
+		{name: "success: its output is the result", res: execrun.Result{Stdout: []byte(`{"cniVersion":"1.0.0"}`)}, wantOut: `{"cniVersion":"1.0.0"}`},
+		{name: "its CNI error is passed on", res: execrun.Result{Stdout: []byte(`{"code":11,"msg":"pod lookup failed","details":"d"}`)},
+			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: 11, wantMsg: "pod lookup failed"},
+		{name: "a failure without a CNI error", res: execrun.Result{Stdout: []byte("panic: x")},
+			err: &execrun.ExitError{Cmd: "/f", Code: 2}, wantCode: types.ErrInternal, wantMsg: `/f failed (exit status 2) with output "panic: x"`},
+		{name: "an error without a message", res: execrun.Result{Stdout: []byte(`{"code":11}`)},
+			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: types.ErrInternal, wantMsg: "with output"},
+		{name: "it cannot start", err: os.ErrPermission, wantCode: types.ErrInternal,
+			wantMsg: "agent away; and the plugin that works without it cannot run: permission denied"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rec := &recorder{res: c.res, err: c.err}
+			var out, stderr bytes.Buffer
+			r := &Relay{Fallback: "/f", Environ: []string{"A=1"}, Stdout: &out, Stderr: &stderr, Runner: rec}
+			err := r.fallback("agent away", &skel.CmdArgs{StdinData: stdin})
+			if len(rec.cmds) != 1 {
+				t.Fatalf("%d runs", len(rec.cmds))
+			}
+			cmd := rec.cmds[0]
+			if cmd.Path != "/f" || len(cmd.Args) != 0 || !bytes.Equal(cmd.Stdin, stdin) || cmd.Stderr != &stderr || cmd.Stdout != nil ||
+				strings.Join(cmd.Env, ",") != "A=1,"+FallbackReasonEnv+"=agent away" {
+				t.Fatalf("command: %+v", cmd)
+			}
+			if c.wantCode == 0 {
+				if err != nil || out.String() != c.wantOut {
+					t.Fatalf("%v %q", err, out.String())
+				}
+				return
+			}
+			var te *types.Error
+			if !errors.As(err, &te) || te.Code != c.wantCode || !strings.Contains(te.Msg, c.wantMsg) {
+				t.Fatalf("error %v, want code %d with %q", err, c.wantCode, c.wantMsg)
+			}
+			if out.Len() != 0 {
+				t.Fatalf("output on failure: %q", out.String())
+			}
+		})
+	}
+}
+
+// TestRealFallbackRuns: the default runner starts the fallback for real,
+// with the config on its stdin.
+func TestRealFallbackRuns(t *testing.T) {
+	sh, err := lookPath("sh")
+	if err != nil {
+		t.Skip("no sh")
+	}
+	dir := t.TempDir()
+	f := filepath.Join(dir, "fallback")
+	if err := os.WriteFile(f, []byte("#!"+sh+"\ncat\necho \"$"+FallbackReasonEnv+"\" >&2\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var out, stderr bytes.Buffer
+	r := &Relay{Fallback: f, Stdout: &out, Stderr: &stderr}
+	if err := r.fallback("why", &skel.CmdArgs{StdinData: []byte("config")}); err != nil {
+		t.Fatal(err)
+	}
+	if out.String() != "config" || stderr.String() != "why\n" {
+		t.Fatalf("stdout %q, stderr %q", out.String(), stderr.String())
+	}
+}
+
+// lookPath finds a program on PATH without os/exec, which the relay's
+// own code leaves to execrun.
+func lookPath(name string) (string, error) {
+	for _, dir := range filepath.SplitList(os.Getenv("PATH")) {
+		p := filepath.Join(dir, name)
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", os.ErrNotExist
+}

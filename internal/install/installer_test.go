@@ -1,0 +1,255 @@
+package install
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// calico is another plugin's entry with settings of its own, which must
+// come through every insertion and removal byte for byte.
+const calico = `{"type":"calico","log_level":"info","datastore_type":"kubernetes","mtu":0,"ipam":{"type":"calico-ipam"},"policy":{"type":"k8s"},"kubernetes":{"kubeconfig":"/etc/cni/net.d/calico-kubeconfig"}}`
+
+// node is a temp node: a config dir, binaries to install, a service
+// account, and an installer for it.
+type node struct {
+	netDir, bin, run string
+	in               *Installer
+}
+
+func newNode(t *testing.T, chained bool, files map[string]string) *node {
+	t.Helper()
+	dir := t.TempDir()
+	mk := func(name string) string {
+		p := filepath.Join(dir, name)
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	n := &node{netDir: mk("net.d"), bin: mk("bin"), run: filepath.Join(dir, "run")}
+	src, sa := mk("src"), mk("sa")
+	all := map[string]string{filepath.Join(src, PluginType): "relay", filepath.Join(src, FallbackBinary): "fallback",
+		filepath.Join(sa, "token"): "token", filepath.Join(sa, "ca.crt"): "ca"}
+	for name, c := range files {
+		all[filepath.Join(n.netDir, name)] = c
+	}
+	for p, c := range all {
+		if err := os.WriteFile(p, []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.in = New(Config{MountedCNINetDir: n.netDir, Chained: chained, RunDir: n.run, BinSourceDir: src, BinTargetDirs: []string{n.bin},
+		KubeconfigMode: 0o600, Kubeconfig: KubeconfigSettings{Host: "10.0.0.1", Port: "443", ServiceAccountDir: sa},
+		Entry: EntrySettings{RunDir: n.run, PodNamespace: "istio-system", ExcludeNamespaces: []string{"kube-system"}}},
+		slog.New(slog.NewTextHandler(io.Discard, nil)))
+	return n
+}
+
+// plugins are a conflist's entries, compacted.
+func plugins(t *testing.T, data []byte) []string {
+	t.Helper()
+	var l struct {
+		Plugins []json.RawMessage `json:"plugins"`
+	}
+	if err := json.Unmarshal(data, &l); err != nil {
+		t.Fatalf("not a conflist: %v\n%s", err, data)
+	}
+	out := make([]string, 0, len(l.Plugins))
+	for _, p := range l.Plugins {
+		var b bytes.Buffer
+		if err := json.Compact(&b, p); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, b.String())
+	}
+	return out
+}
+
+func read(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+func conflist(name string, plugins ...string) string {
+	return `{"cniVersion":"1.0.0","name":"` + name + `","plugins":[` + strings.Join(plugins, ",") + `]}`
+}
+
+// TestInstallerOnTempDir: one pass of every step on a node's files, the
+// readiness it leads to, and the clean-up.
+func TestInstallerOnTempDir(t *testing.T) {
+	staleEntry := string(Entry(EntrySettings{RunDir: "/old/run", PodNamespace: "istio-system"}))
+	for _, c := range []struct {
+		name    string
+		chained bool
+		files   map[string]string
+		// wantErr is the pass's error; then nothing else is checked.
+		wantErr   error
+		wantPath  string
+		wantWrote bool
+		// others are the other plugins wanted before ours, compacted.
+		others []string
+		// gone are files the pass must have removed.
+		gone []string
+	}{
+		{name: "fresh dir: wait for the primary", chained: true, wantErr: ErrNoPrimary},
+		{name: "existing conflist: our entry appended, the rest kept", chained: true,
+			files:    map[string]string{"10-calico.conflist": conflist("k8s-pod-network", calico, `{"type":"bandwidth","capabilities":{"bandwidth":true}}`)},
+			wantPath: "10-calico.conflist", wantWrote: true,
+			others: []string{calico, `{"type":"bandwidth","capabilities":{"bandwidth":true}}`}},
+		{name: "our entry stale: rewritten in place", chained: true,
+			files:    map[string]string{"10-calico.conflist": conflist("k8s-pod-network", calico, staleEntry)},
+			wantPath: "10-calico.conflist", wantWrote: true, others: []string{calico}},
+		{name: "a .conf: wrapped into a .conflist", chained: true,
+			files:    map[string]string{"10-ptp.conf": `{"cniVersion":"0.3.1","name":"k8s-pod-network","type":"ptp","mtu":1460}`},
+			wantPath: "10-ptp.conflist", wantWrote: true, others: []string{`{"name":"k8s-pod-network","type":"ptp","mtu":1460}`}, gone: []string{"10-ptp.conf"}},
+		{name: "the first config by name is the primary", chained: true,
+			files: map[string]string{"20-other.conflist": conflist("other", `{"type":"ptp"}`),
+				"10-calico.conflist": conflist("k8s-pod-network", calico)},
+			wantPath: "10-calico.conflist", wantWrote: true, others: []string{calico}},
+		{name: "standalone: a config of our own", chained: false,
+			files:    map[string]string{"10-calico.conflist": conflist("k8s-pod-network", calico)},
+			wantPath: StandaloneConfName, wantWrote: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := newNode(t, c.chained, c.files)
+			if err := n.in.InstallBinaries(); err != nil {
+				t.Fatal(err)
+			}
+			if changed, err := n.in.WriteKubeconfig(); err != nil || !changed {
+				t.Fatalf("kubeconfig: %v %v", changed, err)
+			}
+			placed, err := n.in.EnsureConf()
+			if c.wantErr != nil {
+				if !errors.Is(err, c.wantErr) || placed != (Placed{}) {
+					t.Fatalf("pass: %+v %v, want %v", placed, err, c.wantErr)
+				}
+				if n.in.Ready(placed.Path) == nil {
+					t.Fatal("ready without a config")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := Placed{Path: filepath.Join(n.netDir, c.wantPath), Wrote: c.wantWrote}
+			if placed != want {
+				t.Fatalf("placed %+v, want %+v", placed, want)
+			}
+			if err := n.in.Ready(placed.Path); err != nil {
+				t.Fatalf("not ready after the pass: %v", err)
+			}
+			for _, g := range c.gone {
+				if _, err := os.Lstat(filepath.Join(n.netDir, g)); !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("%s still there: %v", g, err)
+				}
+			}
+			data := read(t, placed.Path)
+			if c.chained {
+				got := plugins(t, data)
+				if len(got) != len(c.others)+1 || got[len(got)-1] != string(compact(n.in.entry)) {
+					t.Fatalf("plugins:\n%s", strings.Join(got, "\n"))
+				}
+				for i, o := range c.others {
+					if got[i] != o {
+						t.Errorf("plugin %d changed:\n got %s\nwant %s", i, got[i], o)
+					}
+				}
+			} else if !SameJSON(data, StandaloneConf(n.in.cfg.Entry)) {
+				t.Fatalf("standalone config:\n%s", data)
+			}
+			if fi, err := os.Stat(filepath.Join(n.run, KubeconfigName)); err != nil || fi.Mode().Perm() != 0o600 {
+				t.Fatalf("kubeconfig mode: %v %v", fi, err)
+			}
+
+			// A second pass finds everything in place and writes nothing.
+			again, err := n.in.EnsureConf()
+			if err != nil || again != (Placed{Path: placed.Path}) {
+				t.Fatalf("second pass: %+v %v", again, err)
+			}
+			if !bytes.Equal(read(t, placed.Path), data) {
+				t.Fatal("a pass with nothing to do changed the file")
+			}
+
+			// Removal: our entry, the kubeconfig and the binaries go;
+			// everything else stays as it was.
+			if err := n.in.Cleanup(); err != nil {
+				t.Fatal(err)
+			}
+			if c.chained {
+				got := plugins(t, read(t, placed.Path))
+				if strings.Join(got, "\n") != strings.Join(c.others, "\n") {
+					t.Fatalf("after removal:\n%s", strings.Join(got, "\n"))
+				}
+			} else if _, err := os.Lstat(placed.Path); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("standalone config left: %v", err)
+			}
+			for name, content := range c.files {
+				if filepath.Join(n.netDir, name) == placed.Path || slicesContain(c.gone, name) {
+					continue
+				}
+				if got := string(read(t, filepath.Join(n.netDir, name))); got != content {
+					t.Errorf("%s changed:\n%s", name, got)
+				}
+			}
+			for _, p := range []string{filepath.Join(n.run, KubeconfigName), filepath.Join(n.bin, PluginType), filepath.Join(n.bin, FallbackBinary)} {
+				if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("%s left after clean-up: %v", p, err)
+				}
+			}
+			if n.in.Ready(placed.Path) == nil {
+				t.Fatal("ready after clean-up")
+			}
+		})
+	}
+}
+
+func slicesContain(s []string, v string) bool {
+	for _, x := range s {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
+
+// TestReadyFollowsThePrimary: Ready judges the file it is given, so a
+// config that is no longer the primary, or lost our entry, is not ready.
+func TestReadyFollowsThePrimary(t *testing.T) {
+	n := newNode(t, true, map[string]string{"10-calico.conflist": conflist("k8s-pod-network", calico)})
+	if err := n.in.InstallBinaries(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.in.WriteKubeconfig(); err != nil {
+		t.Fatal(err)
+	}
+	placed, err := n.in.EnsureConf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Ready(""); err == nil || !strings.Contains(err.Error(), "not written yet") {
+		t.Fatalf("ready with no config: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(n.netDir, "05-first.conflist"), []byte(conflist("first", `{"type":"ptp"}`)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Ready(placed.Path); err == nil || !strings.Contains(err.Error(), "no longer the node's primary") {
+		t.Fatalf("ready with another primary: %v", err)
+	}
+	if err := os.WriteFile(placed.Path, []byte(conflist("k8s-pod-network", calico)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Ready(placed.Path); err == nil || !strings.Contains(err.Error(), "missing or stale") {
+		t.Fatalf("ready without our entry: %v", err)
+	}
+}

@@ -1,0 +1,209 @@
+package installloop
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/istio-cni-go/istio-cni/internal/install"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// TestRelevantEvents: which file events in the watched directories call
+// for an install pass. Our own temp files and mode changes never do
+// (every write of ours makes them); in the config dir only CNI config
+// names do; in the service account dir everything does (the token and CA
+// rotate through links); in a bin dir only our two binaries do.
+func TestRelevantEvents(t *testing.T) {
+	l := New(Config{Install: install.Config{MountedCNINetDir: "/host/etc/cni/net.d/",
+		Kubeconfig: install.KubeconfigSettings{ServiceAccountDir: "/sa"}, BinTargetDirs: []string{"/host/opt/cni/bin"}}}, quiet, NewMetrics())
+	for _, c := range []struct {
+		name string
+		op   fsnotify.Op
+		want bool
+	}{
+		{"/host/etc/cni/net.d/10-calico.conflist", fsnotify.Write, true},
+		{"/host/etc/cni/net.d/10-calico.conflist", fsnotify.Create, true},
+		{"/host/etc/cni/net.d/10-calico.conflist", fsnotify.Remove, true},
+		{"/host/etc/cni/net.d/10-calico.conflist", fsnotify.Rename, true},
+		{"/host/etc/cni/net.d/10-calico.conf", fsnotify.Write, true},
+		{"/host/etc/cni/net.d/10-calico.json", fsnotify.Write, true},
+		{"/host/etc/cni/net.d/10-calico.conflist", fsnotify.Chmod, false},
+		{"/host/etc/cni/net.d/.10-calico.conflist.istio-cni-tmp-0a1b.tmp", fsnotify.Create, false},
+		{"/host/etc/cni/net.d/.10-calico.conflist.istio-cni-tmp-0a1b.tmp", fsnotify.Rename, false},
+		{"/host/etc/cni/net.d/calico-kubeconfig", fsnotify.Write, false},
+		{"/host/etc/cni/net.d/10-calico.conflist.bak", fsnotify.Create, false},
+		{"/sa/token", fsnotify.Create, true},
+		{"/sa/..2026_01_01_00_00_00.123", fsnotify.Create, true},
+		{"/sa/token", fsnotify.Chmod, false},
+		{"/host/opt/cni/bin/istio-cni", fsnotify.Remove, true},
+		{"/host/opt/cni/bin/istio-cni-fallback", fsnotify.Write, true},
+		{"/host/opt/cni/bin/calico", fsnotify.Write, false},
+		{"/host/opt/cni/bin/.istio-cni.istio-cni-tmp-ff.tmp", fsnotify.Create, false},
+	} {
+		if got := l.relevant(fsnotify.Event{Name: c.name, Op: c.op}); got != c.want {
+			t.Errorf("%s %s: relevant %t, want %t", c.op, c.name, got, c.want)
+		}
+	}
+}
+
+// TestWakes: besides relevant files, a pass follows an event about one of
+// the watched directories itself (deleted, moved, created again, seen
+// from its parent) and a config change beside a primary config that is a
+// link into another directory.
+func TestWakes(t *testing.T) {
+	netDir, sa, bin, linked := "/host/etc/cni/net.d", "/sa", "/host/opt/cni/bin", "/var/lib/cni-linked"
+	l := New(Config{Install: install.Config{MountedCNINetDir: netDir,
+		Kubeconfig: install.KubeconfigSettings{ServiceAccountDir: sa}, BinTargetDirs: []string{bin}}}, quiet, NewMetrics())
+	ws := &watchSet{dirs: []string{netDir, sa, bin}, extra: linked}
+	for _, c := range []struct {
+		name string
+		op   fsnotify.Op
+		want bool
+	}{
+		{netDir, fsnotify.Remove, true},
+		{netDir, fsnotify.Create, true},
+		{netDir + "/", fsnotify.Rename, true},
+		{bin, fsnotify.Remove, true},
+		{"/host/etc/cni", fsnotify.Create, false},
+		{"/host/etc/cni/other.d", fsnotify.Create, false},
+		{linked + "/10-ptp.conflist", fsnotify.Write, true},
+		{linked + "/.10-ptp.conflist.istio-cni-tmp-00.tmp", fsnotify.Create, false},
+		{linked + "/notes.txt", fsnotify.Write, false},
+		{"/elsewhere/10-ptp.conflist", fsnotify.Write, false},
+		{netDir + "/05-first.conflist", fsnotify.Create, true},
+	} {
+		if got := l.wakes(ws, fsnotify.Event{Name: c.name, Op: c.op}); got != c.want {
+			t.Errorf("%s %s: wakes %t, want %t", c.op, c.name, got, c.want)
+		}
+	}
+}
+
+// TestNoteRewrite: re-insertions up to the limit within the window cost
+// nothing; past it the back-off starts at a second and doubles to 30 s;
+// once rewrites slow down below the limit it is forgotten.
+func TestNoteRewrite(t *testing.T) {
+	l := New(Config{ConflictWindow: 10 * time.Second, ConflictLimit: 3}, quiet, NewMetrics())
+	t0 := time.Unix(1_000_000, 0)
+	steps := []struct {
+		after time.Duration
+		want  time.Duration
+	}{
+		{0, 0}, {time.Second, 0}, {2 * time.Second, 0},
+		{3 * time.Second, time.Second},     // a fourth within 10 s
+		{4 * time.Second, 2 * time.Second}, // doubling
+		{5 * time.Second, 4 * time.Second},
+		{6 * time.Second, 8 * time.Second},
+		{7 * time.Second, 16 * time.Second},
+		{8 * time.Second, 30 * time.Second}, // capped
+		{9 * time.Second, 30 * time.Second},
+		// Long after: the window holds one rewrite again.
+		{60 * time.Second, 0},
+		{61 * time.Second, 0}, {62 * time.Second, 0},
+		{63 * time.Second, time.Second}, // a new conflict starts at a second again
+	}
+	for i, s := range steps {
+		if got := l.noteRewrite(t0.Add(s.after)); got != s.want {
+			t.Fatalf("step %d (+%s): back-off %s, want %s", i, s.after, got, s.want)
+		}
+	}
+}
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
+
+// eventually polls cond until it holds or 20 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond) // polling files the loop writes
+	}
+}
+
+// TestLoopPutsEntryBack: on a temp node, the loop installs, becomes
+// ready, and puts its entry back after another component rewrites the
+// config without it, counting one re-insertion; Run closes its watcher
+// and reports shutting down when its context ends.
+func TestLoopPutsEntryBack(t *testing.T) {
+	dir := t.TempDir()
+	mk := func(name string) string {
+		p := filepath.Join(dir, name)
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	netDir, src, bin, run, sa := mk("net.d"), mk("src"), mk("bin"), mk("run"), mk("sa")
+	primary := filepath.Join(netDir, "10-ptp.conflist")
+	bare := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp"}]}`
+	for p, c := range map[string]string{primary: bare, filepath.Join(src, "istio-cni"): "relay", filepath.Join(src, "istio-cni-fallback"): "fallback",
+		filepath.Join(sa, "token"): "token", filepath.Join(sa, "ca.crt"): "ca"} {
+		if err := os.WriteFile(p, []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m := NewMetrics()
+	l := New(Config{Install: install.Config{MountedCNINetDir: netDir, Chained: true, RunDir: run, BinSourceDir: src, BinTargetDirs: []string{bin},
+		KubeconfigMode: 0o600, Kubeconfig: install.KubeconfigSettings{Host: "127.0.0.1", Port: "6443", ServiceAccountDir: sa},
+		Entry: install.EntrySettings{RunDir: run}}, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}, quiet, m)
+	if r := l.NotReady(); r != "starting" {
+		t.Fatalf("before Run: %q", r)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var runErr error
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		runErr = l.Run(ctx)
+	}()
+	defer func() {
+		cancel()
+		<-stopped
+	}()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	if got := counterValue(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
+		t.Fatalf("installs after the first pass: %v", got)
+	}
+	if fi, err := os.Stat(filepath.Join(run, install.KubeconfigName)); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("kubeconfig: %v %v", fi, err)
+	}
+	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the entry back", func() bool {
+		data, err := os.ReadFile(primary)
+		return err == nil && strings.Contains(string(data), `"istio-cni"`)
+	})
+	eventually(t, "the re-insertion counted", func() bool { return counterValue(m.Reinsertions) == 1 })
+	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
+	cancel()
+	<-stopped
+	if runErr != nil {
+		t.Fatal(runErr)
+	}
+	if r := l.NotReady(); r != "shutting down" {
+		t.Fatalf("after Run: %q", r)
+	}
+	if counterValue(m.Conflicts) != 0 {
+		t.Fatal("one rewrite counted as a conflict")
+	}
+}

@@ -1,0 +1,82 @@
+package sockserve
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
+
+// TestSocketEvictsSilentClients: at the connection limit the oldest client
+// that has not sent a request makes room; busy ones are never evicted.
+func TestSocketEvictsSilentClients(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.sock")
+	m := NewMetrics()
+	s, err := Listen(path, Limits{MaxConns: 2, ReadTimeout: time.Second}, quiet, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode: %v %v", fi, err)
+	}
+	dial := func() net.Conn {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	accept := func() *Conn {
+		c, err := s.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*Conn)
+	}
+	first, second := dial(), dial()
+	accept()
+	s2 := accept()
+	dial()
+	accept()
+	// The oldest silent one was closed.
+	_ = first.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := first.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the oldest silent client is still connected: %v", err)
+	}
+	if got := counterValue(m.Rejected.WithLabelValues("s.sock", "evicted")); got != 1 {
+		t.Fatalf("evictions counted: %v", got)
+	}
+	// With every connection busy, a new one is refused, not served.
+	s.mu.Lock()
+	for c := range s.conns {
+		c.SetBusy(true)
+	}
+	s.mu.Unlock()
+	late := dial()
+	go func() { _, _ = s.Accept() }()
+	_ = late.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := late.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("a client past the limit was not refused: %v", err)
+	}
+	_ = second
+	_ = s2
+}
