@@ -7,6 +7,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -28,7 +29,7 @@ func (r *lockedRules) lock(netnsPath string) func() {
 	return r.locker.Lock(key)
 }
 
-func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (iptables.Report, error) {
+func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
 	defer r.lock(netnsPath)()
 	return r.Rules.Apply(netnsPath, plan)
 }

@@ -199,7 +199,7 @@ func (r *Relay) fallback(reason string, args *skel.CmdArgs) error {
 	case errors.As(err, &exit):
 		e := &types.Error{}
 		if jerr := json.Unmarshal(res.Stdout, e); jerr != nil || e.Msg == "" {
-			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (exit status %d) with output %q", r.Fallback, exit.Code, res.Stdout), "")
+			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (%s) with output %q", r.Fallback, exit.State(), res.Stdout), "")
 		}
 		return e
 	}

@@ -308,6 +308,8 @@ func TestFallback(t *testing.T) {
 			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: 11, wantMsg: "pod lookup failed"},
 		{name: "a failure without a CNI error", res: execrun.Result{Stdout: []byte("panic: x")},
 			err: &execrun.ExitError{Cmd: "/f", Code: 2}, wantCode: types.ErrInternal, wantMsg: `/f failed (exit status 2) with output "panic: x"`},
+		{name: "killed by a signal", err: &execrun.ExitError{Cmd: "/f", Code: -1, Status: "signal: killed"},
+			wantCode: types.ErrInternal, wantMsg: `/f failed (signal: killed) with output ""`},
 		{name: "an error without a message", res: execrun.Result{Stdout: []byte(`{"code":11}`)},
 			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: types.ErrInternal, wantMsg: "with output"},
 		{name: "it cannot start", err: os.ErrPermission, wantCode: types.ErrInternal,

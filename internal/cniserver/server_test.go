@@ -25,9 +25,9 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
@@ -53,8 +53,8 @@ func counterValue(c prometheus.Counter) float64 {
 // socket framing, not the kernel.
 type noRules struct{}
 
-func (noRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
-	return iptables.Report{}, fmt.Errorf("no kernel here")
+func (noRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	return podnet.Report{}, fmt.Errorf("no kernel here")
 }
 func (noRules) Check(string, *ruleset.Plan) error     { return fmt.Errorf("no kernel here") }
 func (noRules) PodAddrs(string) ([]netip.Addr, error) { return nil, fmt.Errorf("no kernel here") }
@@ -154,8 +154,8 @@ func FuzzCNISocketFraming(f *testing.F) {
 // panickyRules panics for one pod's namespace path, as a bug would.
 type panickyRules struct{}
 
-func (panickyRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
-	return iptables.Report{}, nil
+func (panickyRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	return podnet.Report{}, nil
 }
 func (panickyRules) Check(string, *ruleset.Plan) error { return nil }
 func (panickyRules) PodAddrs(string) ([]netip.Addr, error) {

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // TestInsertKeepsEveryOtherByte: tabs, escapes, number spellings and
@@ -66,6 +68,7 @@ func TestInsertKeepsEveryOtherByte(t *testing.T) {
 // swap is detected and kept, never overwritten; an undisturbed file is
 // replaced with its mode and owner.
 func TestReplaceIfUnchanged(t *testing.T) {
+	testutil.RequireRoot(t) // the file is given to another owner, whom the write must keep
 	dir := t.TempDir()
 	p := filepath.Join(dir, "10-x.conflist")
 	if err := os.WriteFile(p, []byte("v1"), 0o640); err != nil {

@@ -17,7 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
@@ -34,8 +34,8 @@ func counterValue(c prometheus.Counter) float64 {
 // panickyRules panics for one pod's namespace path, as a bug would.
 type panickyRules struct{}
 
-func (panickyRules) Apply(string, *ruleset.Plan) (iptables.Report, error) {
-	return iptables.Report{}, nil
+func (panickyRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	return podnet.Report{}, nil
 }
 func (panickyRules) Check(string, *ruleset.Plan) error { return nil }
 func (panickyRules) PodAddrs(string) ([]netip.Addr, error) {
