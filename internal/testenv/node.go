@@ -83,6 +83,15 @@ func setupNode() error {
 			return fmt.Errorf("mounting tmpfs on %s: %w", d, err)
 		}
 	}
+	// No duplicate address detection on the node's side of the pods'
+	// links either: a gateway address still tentative answers no neighbour
+	// solicitation, so a pod's first IPv6 connection could wait out its
+	// SYN retries (seen once under CI load as a 3 s dial timeout).
+	for _, conf := range []string{"all", "default"} {
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+conf+"/accept_dad", []byte("0"), 0o644); err != nil {
+			return err
+		}
+	}
 	for _, c := range [][]string{
 		{"link", "set", "lo", "up"},
 		{"addr", "add", RemoteV4 + "/32", "dev", "lo"},
