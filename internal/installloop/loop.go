@@ -187,6 +187,7 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 		ws.sync()
 		wrote, err := l.installOnce()
 		conf := l.confPath()
+		l.log.Debug("install pass", "wrote", wrote, "error", err)
 		// A primary config that is a link into another directory is
 		// watched there too.
 		if f := l.in.ConfFile(conf); f != "" {
@@ -269,6 +270,7 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 					ws.reset()
 					pending = true
 				case l.wakes(ws, ev):
+					l.log.Debug("file event", "file", ev.Name, "op", ev.Op.String())
 					if changedAt.IsZero() {
 						changedAt = time.Now()
 					}

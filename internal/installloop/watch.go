@@ -76,6 +76,7 @@ func (s *watchSet) sync() {
 		for _, d := range dirs {
 			id, ok := dirID(d)
 			if cur, watched := s.ids[d]; ok && (!watched || cur != id) {
+				s.log.Debug("a watched directory is back under its path; replacing the file watcher", "dir", d)
 				s.reset()
 				break
 			}

@@ -275,7 +275,7 @@ func TestHardeningRecreatedConfigDir(t *testing.T) {
 	h := newHost(t)
 	calico := filepath.Join(h.NetDir, "10-calico.conflist")
 	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
-	h.start("--resync-interval", "1h")
+	h.start("--resync-interval", "1h", "--log_output_level=default:debug")
 	h.waitReadyz(200, 20*time.Second)
 	if err := os.RemoveAll(h.NetDir); err != nil {
 		t.Fatal(err)
@@ -291,10 +291,21 @@ func TestHardeningRecreatedConfigDir(t *testing.T) {
 		if i > 0 {
 			copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
 		}
-		waitDir(t, h.NetDir, 10*time.Second, func() bool {
+		if !waitDirFor(t, h.NetDir, 10*time.Second, func() bool {
 			n, last := entryCount(t, calico)
 			return n == 1 && last
-		})
+		}) {
+			// Seen once under CI load and not since: the agent's own log
+			// (at debug, with every file event and pass) and its goroutines
+			// say whether it missed the event or was stuck.
+			code, body := h.ReadyZ()
+			h.Signal(syscall.SIGQUIT)
+			select {
+			case <-h.Done():
+			case <-time.After(5 * time.Second):
+			}
+			t.Fatalf("rewrite %d: the entry was not put back within 10s (readyz %d %q)", i, code, body)
+		}
 	}
 	h.waitReadyz(200, 10*time.Second)
 }
