@@ -176,14 +176,20 @@ func (s *Server) Health() (time.Time, error) {
 }
 
 // connState is what the socket tracks of a connection: whether a request
-// is being served (so it is not evicted) and timeouts, for the metrics.
+// is being served (so it is not evicted), timeouts, for the metrics, and
+// its end.
 type connState interface {
 	SetBusy(busy bool)
 	TimedOut()
+	// Close closes the connection and gives its slot back: a connection
+	// closed any other way stays counted, busy, and once the limit's
+	// worth of commands had gone by every relay was refused and ran the
+	// fallback.
+	Close() error
 }
 
 func (s *Server) serveConn(conn *net.UnixConn, st connState) {
-	defer conn.Close()
+	defer st.Close()
 	_ = conn.SetReadDeadline(time.Now().Add(socketLimits.ReadTimeout))
 	req, netns, err := readRequest(conn)
 	if netns != nil {

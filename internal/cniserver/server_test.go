@@ -35,11 +35,13 @@ import (
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // nopConnState stands for the socket's bookkeeping of a connection that
-// was not accepted through a sockserve.Server.
-type nopConnState struct{}
+// was not accepted through a sockserve.Server: there is none to keep, and
+// closing it closes the connection.
+type nopConnState struct{ conn *net.UnixConn }
 
-func (nopConnState) SetBusy(bool) {}
-func (nopConnState) TimedOut()    {}
+func (nopConnState) SetBusy(bool)   {}
+func (nopConnState) TimedOut()      {}
+func (n nopConnState) Close() error { return n.conn.Close() }
 
 func counterValue(c prometheus.Counter) float64 {
 	var m dto.Metric
@@ -125,7 +127,7 @@ func FuzzCNISocketFraming(f *testing.F) {
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			s.serveConn(server, nopConnState{})
+			s.serveConn(server, nopConnState{server})
 		}()
 		var oob []byte
 		if withFD {
@@ -204,5 +206,30 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	// The agent still serves.
 	if err := relay.Run("DEL", &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: add.Args, StdinData: []byte(conf)}); err != nil {
 		t.Fatalf("DEL after the panic: %v", err)
+	}
+}
+
+// TestCNISocketServesPastItsConnectionLimit: every command's connection
+// gives its slot back, so the agent serves more commands in a row than
+// the socket holds connections at once (it used to refuse every relay
+// after the 128th, and pods went through the fallback from then on).
+func TestCNISocketServesPastItsConnectionLimit(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Clientset: fake.NewClientset()}
+	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
+	done, err := s.Serve(ctx, sock, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); <-done }()
+	// No fallback to run: a relay refused by the agent fails.
+	relay := &cnirelay.Relay{Fallback: "/nonexistent/fallback", Stdout: io.Discard, Stderr: io.Discard, Timeout: 10 * time.Second}
+	conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":%q}`, filepath.Dir(sock))
+	del := &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", StdinData: []byte(conf)}
+	for i := 0; i < socketLimits.MaxConns+2; i++ {
+		if err := relay.Run("DEL", del); err != nil {
+			t.Fatalf("DEL %d: %v", i+1, err)
+		}
 	}
 }
