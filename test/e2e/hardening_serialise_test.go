@@ -123,6 +123,29 @@ func TestHardeningConcurrentADDs(t *testing.T) {
 	}
 }
 
+// TestHardeningAgentServesPastConnectionLimit: more commands in a row than
+// the CNI socket takes connections at once (128) all reach the agent:
+// each connection gives its slot back. Nothing else would notice if they
+// did not, since the relay then runs the fallback, which does the same
+// work only slower (the agent's split once lost the slot's release, and
+// only the bench saw it).
+func TestHardeningAgentServesPastConnectionLimit(t *testing.T) {
+	ensureDaemonSet(t, false)
+	n := startAgentNode(t, "10.241.12.0/24")
+	pod := n.sandbox(testenv.PodSpec{Sidecar: true})
+	in := n.pluginInput(pod)
+	before := n.served("ADD")
+	const count = 200
+	for i := 0; i < count; i++ {
+		if err := n.runRelay("ADD", pod, in); err != nil {
+			t.Fatalf("ADD %d: %v", i+1, err)
+		}
+	}
+	if got := n.served("ADD"); got != before+count {
+		t.Fatalf("the agent served %d of %d ADDs in a row; the rest went through the fallback", got-before, count)
+	}
+}
+
 // TestHardeningStartupScanRacesADD: at start-up the repair scan finds a
 // pod without rules while ADDs for that pod arrive: neither fails.
 func TestHardeningStartupScanRacesADD(t *testing.T) {
