@@ -42,6 +42,8 @@ type config struct {
 	// clusterAgentCPU is the agent's CPU request there; empty keeps the
 	// chart's.
 	clusterAgentCPU string
+	// flat is the pods-on-the-node series' (flat.go).
+	flat flatConfig
 }
 
 // parseFlags reads the command line into a config; fs exits on -h or a
@@ -56,6 +58,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.clusterAgentCPU, "cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
 	fs.IntVar(&c.clusterRounds, "cluster-rounds", 3, "rounds of each side in the cluster series")
 	fs.IntVar(&c.clusterPods, "cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, without and with the plugin")
+	c.flat.register(fs)
 	err := fs.Parse(args)
 	return c, err
 }
@@ -94,6 +97,14 @@ func run(cfg config) error {
 		return err
 	}
 	defer stop()
+	if cfg.flat.only {
+		res, err := b.flatOnly(ctx, cfg)
+		if err != nil {
+			return err
+		}
+		reportFlat(res)
+		return nil
+	}
 	if cfg.listsOnly {
 		res, err := b.listsOnly(ctx, cfg)
 		if err != nil {
@@ -210,6 +221,10 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 	}
 	res.add(s)
 	if s, err = b.lists(ctx, cfg.listPods, "agent"); err != nil {
+		return nil, err
+	}
+	res.add(s)
+	if s, err = b.podsOnNode(ctx, cfg.flat); err != nil {
 		return nil, err
 	}
 	res.add(s)

@@ -18,13 +18,15 @@ func TestParseFlags(t *testing.T) {
 		}
 		return c
 	}
-	want := config{seqPods: 40, parallel: 20, rounds: 3, listPods: 15, clusterRounds: 3}
+	want := config{seqPods: 40, parallel: 20, rounds: 3, listPods: 15, clusterRounds: 3, flat: flatConfig{rounds: 4, pods: 5}}
 	if got := parse(); got != want {
 		t.Errorf("defaults: got %+v, want %+v", got, want)
 	}
-	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true, clusterPods: 6, clusterRounds: 7, clusterAgentCPU: "250m"}
+	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true, clusterPods: 6, clusterRounds: 7, clusterAgentCPU: "250m",
+		flat: flatConfig{rounds: 8, pods: 9, only: true}}
 	if got := parse("-pods", "1", "-parallel", "2", "-rounds", "4", "-list-pods", "5", "-lists-only",
-		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m"); got != want {
+		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m",
+		"-flat-rounds", "8", "-flat-pods", "9", "-flat-only"); got != want {
 		t.Errorf("every flag set: got %+v, want %+v", got, want)
 	}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)

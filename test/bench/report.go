@@ -85,6 +85,7 @@ func report(cfg config, r *results) {
 	}
 	reportCPUFloor(cfg, r)
 	reportLists(r)
+	reportFlat(r)
 }
 
 // reportCPU prints CPU per pod for the parallel ADDs: what a burst of pod

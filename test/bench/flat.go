@@ -1,0 +1,221 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+// The pod start-up issue's flatness target: a pod's ADD costs the same
+// whatever else is on the node, so with 1, 110 (the kubelet's default
+// maximum) and 250 pods already running its p50 stays within 10% of the
+// 1-pod figure, and likewise between 10 and 1,000 excluded outbound CIDRs
+// and ports.
+const flatTarget = 1.10
+
+// flatSizes are the pods already running on the node while further pods
+// are timed.
+var flatSizes = []int{1, 110, 250}
+
+// flatConfig is the pods-on-the-node series' share of the command line.
+type flatConfig struct {
+	// rounds is how often every size is visited; sizes alternate within a
+	// round, so a machine's drift falls on all of them alike.
+	rounds int
+	// pods is pods timed per size, backend and round.
+	pods int
+	// only runs this series and the list series through the agent alone.
+	only bool
+}
+
+func (c *flatConfig) register(fs *flag.FlagSet) {
+	fs.IntVar(&c.rounds, "flat-rounds", 4, "rounds of the pods-on-the-node series (each visits 1, 110 and 250 pods)")
+	fs.IntVar(&c.pods, "flat-pods", 5, "pods timed per size, backend and round in the pods-on-the-node series")
+	fs.BoolVar(&c.only, "flat-only", false, "run only the pods-on-the-node series and the list series, through the agent")
+}
+
+// flatBackends are the chains the series times: iptables (the node's
+// default, iptables-nft) and native nftables.
+func (b *bench) flatBackends() []series {
+	return []series{{"iptables", b.node.Chained}, {"nftables", b.chainedNFT}}
+}
+
+func flatSeries(pods int, backend string) string {
+	return fmt.Sprintf("flat/pods=%d/%s", pods, backend)
+}
+
+// flatOnly starts the agent and runs the pods-on-the-node series, then the
+// list series through the agent: every flatness figure from one run.
+func (b *bench) flatOnly(ctx context.Context, cfg config) (*results, error) {
+	stop, err := b.startAgent(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer stop()
+	res := newResults()
+	s, err := b.podsOnNode(ctx, cfg.flat)
+	if err != nil {
+		return nil, err
+	}
+	res.add(s)
+	if s, err = b.lists(ctx, cfg.listPods, "agent"); err != nil {
+		return nil, err
+	}
+	res.add(s)
+	return res, nil
+}
+
+// podsOnNode times ADD (and DEL) of sidecar pods through the agent with 1,
+// 110 and 250 pods already running on the node: each of those was started
+// through the chain, keeps its namespace and link, and is a pod object
+// bound to the node, so the agent's cache, the node's links and routes and
+// host-local's allocations all hold them. Sizes go up in one round and
+// down in the next, so growing and shrinking cost only the difference.
+// The agent must be running.
+func (b *bench) podsOnNode(ctx context.Context, cfg flatConfig) (*samples, error) {
+	// Earlier series leave their pod objects behind; the node holds only
+	// what this series starts.
+	if err := b.deleteBenchPods(ctx); err != nil {
+		return nil, err
+	}
+	bg := &background{b: b}
+	// Best effort on the way out: the node namespace goes with the run.
+	defer func() { _ = bg.resize(context.WithoutCancel(ctx), 0) }()
+	s := newSamples()
+	for r := 0; r < cfg.rounds; r++ {
+		for i := range flatSizes {
+			size := flatSizes[i]
+			if r%2 == 1 {
+				size = flatSizes[len(flatSizes)-1-i]
+			}
+			if err := bg.resize(ctx, size); err != nil {
+				return nil, err
+			}
+			for j := 0; j < cfg.pods; j++ {
+				for _, se := range b.flatBackends() {
+					if err := b.flatPod(ctx, s, flatSeries(size, se.name), se.list); err != nil {
+						return nil, err
+					}
+				}
+			}
+		}
+	}
+	return s, nil
+}
+
+// flatPod is pod for this series: its object goes too once its sandbox
+// is gone, so that timed pods do not add up on the node.
+func (b *bench) flatPod(ctx context.Context, s *samples, name string, list *libcni.NetworkConfigList) error {
+	pod, err := b.prepare(ctx)
+	if err != nil {
+		return err
+	}
+	defer pod.Close()
+	if err := b.addDel(ctx, s, name, list, pod); err != nil {
+		return err
+	}
+	return b.deletePodObject(ctx, pod.Name)
+}
+
+// background are the pods running on the node while others are timed.
+type background struct {
+	b    *bench
+	pods []*testenv.Pod
+}
+
+// resize starts or stops pods, the latest first, until n run.
+func (g *background) resize(ctx context.Context, n int) error {
+	for len(g.pods) < n {
+		pod, err := g.b.prepare(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := g.b.node.Add(ctx, g.b.node.Chained, pod); err != nil {
+			pod.Close()
+			return fmt.Errorf("starting pod %d on the node: %w", len(g.pods)+1, err)
+		}
+		g.pods = append(g.pods, pod)
+	}
+	for len(g.pods) > n {
+		pod := g.pods[len(g.pods)-1]
+		g.pods = g.pods[:len(g.pods)-1]
+		err := g.b.node.Del(ctx, g.b.node.Chained, pod)
+		pod.Close()
+		if err != nil {
+			return fmt.Errorf("stopping a pod on the node: %w", err)
+		}
+		if err := g.b.deletePodObject(ctx, pod.Name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// deletePodObject removes a pod from the API at once, as the kubelet's
+// final delete does once a sandbox is gone.
+func (b *bench) deletePodObject(ctx context.Context, name string) error {
+	zero := int64(0)
+	return b.cluster.Client.CoreV1().Pods("bench").Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+}
+
+// deleteBenchPods removes every pod object of the bench namespace and
+// waits until the API no longer lists any.
+func (b *bench) deleteBenchPods(ctx context.Context) error {
+	zero := int64(0)
+	pods := b.cluster.Client.CoreV1().Pods("bench")
+	if err := pods.DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{}); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		list, err := pods.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		if len(list.Items) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d bench pods still listed after 30s", len(list.Items))
+		}
+		time.Sleep(50 * time.Millisecond) // polling the API server, untimed
+	}
+}
+
+// reportFlat prints the flatness figures: ADD p50/p99 through the agent
+// per pods on the node and backend, with the ratio to the 1-pod figure,
+// then the list series' 1,000/10 ratios, each with its target.
+func reportFlat(r *results) {
+	p50 := func(k string) time.Duration { return pct(r.samples[k], .5) }
+	p99 := func(k string) time.Duration { return pct(r.samples[k], .99) }
+	if len(r.samples[flatSeries(flatSizes[0], "iptables")+" ADD"]) == 0 {
+		return
+	}
+	fmt.Println()
+	fmt.Println("ADD through the agent vs pods already running on the node (chained ADD; istio-cni's own process in brackets), p50 / p99:")
+	for _, be := range []string{"iptables", "nftables"} {
+		base, baseOwn := p50(flatSeries(flatSizes[0], be)+" ADD"), p50(flatSeries(flatSizes[0], be)+" istio-cni ADD")
+		for _, n := range flatSizes {
+			k := flatSeries(n, be)
+			fmt.Printf("  %-8s %3d pods (n=%d): %s / %s (%s / %s)  vs 1 pod: %.2fx (%.2fx), target <= %.2fx\n", be, n, len(r.samples[k+" ADD"]),
+				ms(p50(k+" ADD")), ms(p99(k+" ADD")), ms(p50(k+" istio-cni ADD")), ms(p99(k+" istio-cni ADD")),
+				ratioOf(p50(k+" ADD"), base), ratioOf(p50(k+" istio-cni ADD"), baseOwn), flatTarget)
+		}
+	}
+	if len(r.samples["lists/agent/primary ADD"]) == 0 {
+		return
+	}
+	fmt.Println("ADD through the agent, 1,000 vs 10 excluded outbound CIDRs and ports (istio-cni's own process; the chain's share over the primary alone), p50:")
+	for _, be := range listBackends {
+		lo, hi := listSeries("agent", listLengths[0], be), listSeries("agent", 1000, be)
+		fmt.Printf("  %-16s %s -> %s: %.2fx (share %.2f -> %.2f ms: %.2fx), target <= %.2fx\n", be.name,
+			ms(p50(lo+" istio-cni ADD")), ms(p50(hi+" istio-cni ADD")), ratioOf(p50(hi+" istio-cni ADD"), p50(lo+" istio-cni ADD")),
+			msf(p50(lo+" share")), msf(p50(hi+" share")), ratioOf(p50(hi+" share"), p50(lo+" share")), flatTarget)
+	}
+}
