@@ -119,10 +119,23 @@ func waitAgentKnows(ctx context.Context, a *podinfo.AgentClient, ns, name string
 	}
 }
 
-// addDel times ADD, then DEL, and istio-cni's own process inside each.
+// addDel times ADD, then DEL, and istio-cni's own process inside each,
+// and counts the agent's CPU in the ADD: its own work per pod, which the
+// machine's other load leaves as it is, unlike the time.
 func (b *bench) addDel(ctx context.Context, s *samples, series string, list *libcni.NetworkConfigList, pod *testenv.Pod) error {
+	before, err := b.agentUsage()
+	if err != nil {
+		return err
+	}
 	if err := b.step(ctx, s, series, "ADD", list, pod); err != nil {
 		return err
+	}
+	after, err := b.agentUsage()
+	if err != nil {
+		return err
+	}
+	if b.agentCPU != nil {
+		s.record(series+" agent CPU ADD", after-before)
 	}
 	return b.step(ctx, s, series, "DEL", list, pod)
 }
