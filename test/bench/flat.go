@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
@@ -68,7 +69,7 @@ func (b *bench) flatOnly(ctx context.Context, cfg config) (*results, error) {
 		return nil, err
 	}
 	res.add(s)
-	return res, nil
+	return res, b.agentServedAll()
 }
 
 // podsOnNode times ADD (and DEL) of sidecar pods through the agent with 1,
@@ -110,7 +111,25 @@ func (b *bench) podsOnNode(ctx context.Context, cfg flatConfig) (*samples, error
 			}
 		}
 	}
-	return s, nil
+	return s, b.agentServedAll()
+}
+
+// agentServedAll fails when the agent refused any relay: that relay ran
+// the fallback, and a figure meant to be the agent's would not be.
+func (b *bench) agentServedAll() error {
+	lines, err := b.agentHost.Metrics("istio_cni_socket_connections_rejected_total{")
+	if err != nil {
+		return err
+	}
+	for _, l := range lines {
+		if !strings.Contains(l, `socket="cni.sock"`) {
+			continue
+		}
+		if f := strings.Fields(l); len(f) == 2 && f[1] != "0" {
+			return fmt.Errorf("the agent refused relays, which then ran the fallback: %s", l)
+		}
+	}
+	return nil
 }
 
 // flatPod is pod for this series: its object goes too once its sandbox

@@ -32,8 +32,10 @@ type bench struct {
 	confDir string
 	// agentCPU holds the agent and its children, when cgroup v2 is there.
 	agentCPU *cpuGroup
-	mu       sync.Mutex
-	seq      int
+	// agentHost is the running agent.
+	agentHost *testenv.AgentHost
+	mu        sync.Mutex
+	seq       int
 }
 
 // samples are durations by series name, recorded by concurrent pods.

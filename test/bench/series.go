@@ -147,6 +147,7 @@ func (b *bench) startAgent(ctx context.Context) (func(), error) {
 		return nil, err
 	}
 	h.RunDir = b.node.RunDir
+	b.agentHost = h
 	b.confDir = h.NetDir
 	if err := os.WriteFile(filepath.Join(b.confDir, "10-calico.conflist"), calicoConf, 0o644); err != nil {
 		return nil, err
