@@ -42,9 +42,10 @@ func (c *flatConfig) register(fs *flag.FlagSet) {
 }
 
 // flatBackends are the chains the series times: iptables (the node's
-// default, iptables-nft) and native nftables.
+// default, iptables-nft) and native nftables, and the primary plugin
+// alone, whose own growth with the node's pods is not istio-cni's.
 func (b *bench) flatBackends() []series {
-	return []series{{"iptables", b.node.Chained}, {"nftables", b.chainedNFT}}
+	return []series{{"primary", b.node.Primary}, {"iptables", b.node.Chained}, {"nftables", b.chainedNFT}}
 }
 
 func flatSeries(pods int, backend string) string {
@@ -258,6 +259,12 @@ func reportFlat(r *results) {
 				ms(p50(k+" agent CPU ADD")), ratioOf(p50(k+" agent CPU ADD"), baseCPU))
 		}
 	}
+	primary := func(n int) time.Duration { return p50(flatSeries(n, "primary") + " ADD") }
+	fmt.Printf("  the primary plugin alone (ptp, host-local), ADD p50:")
+	for _, n := range flatSizes {
+		fmt.Printf(" %d pods %s (%.2fx)", n, ms(primary(n)), ratioOf(primary(n), primary(flatSizes[0])))
+	}
+	fmt.Println()
 	if len(r.samples["lists/agent/primary ADD"]) == 0 {
 		return
 	}
