@@ -16,7 +16,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	k8stypes "k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -26,6 +25,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
@@ -104,20 +104,22 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 	}()
 	informer := c.Informer
 	if informer == nil {
-		factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
-			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-				o.FieldSelector = "spec.nodeName=" + node
-				if c.cfg.FieldSelectors != "" {
-					o.FieldSelector += "," + c.cfg.FieldSelectors
-				}
-				o.LabelSelector = c.cfg.LabelSelectors
-			}))
-		informer = factory.Core().V1().Pods().Informer()
+		// The node's pods still, narrowed by the selectors, and trimmed
+		// as the pod cache trims them.
+		fieldSelector := "spec.nodeName=" + node
+		if c.cfg.FieldSelectors != "" {
+			fieldSelector += "," + c.cfg.FieldSelectors
+		}
+		informer = podcache.NewPodInformer(c.cs, fieldSelector, c.cfg.LabelSelectors)
+		_ = informer.SetTransform(podcache.Trim)
 		informerCtx, stopInformer := context.WithCancel(ctx)
-		factory.Start(informerCtx.Done())
-		// Shutdown waits for the informer, so it is stopped first (defers
-		// run last first), whatever way Run returns.
-		defer factory.Shutdown()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			informer.RunWithContext(informerCtx)
+		}()
+		// The informer is stopped, whatever way Run returns, before the
+		// wait for it.
 		defer stopInformer()
 	}
 	lister := listersv1.NewPodLister(informer.GetIndexer())
