@@ -95,5 +95,5 @@ func clientset(cfg *Config) (kubernetes.Interface, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kubernetes.NewForConfig(rc)
+	return newGroupsClient(rc)
 }
