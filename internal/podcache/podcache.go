@@ -20,10 +20,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
@@ -43,7 +43,7 @@ func (pc *Cache) Informer() cache.SharedIndexInformer { return pc.informer }
 // Start starts the informer until ctx ends. It does not wait for the
 // sync: until then the socket answers "unknown" and the plugin asks the
 // API server. Done says when the informer's goroutines have all ended.
-func Start(ctx context.Context, cs kubernetes.Interface, node string) *Cache {
+func Start(ctx context.Context, cs kubeclient.Interface, node string) *Cache {
 	inf := NewPodInformer(cs, "spec.nodeName="+node, "")
 	// Keep only what pod selection and repair read.
 	_ = inf.SetTransform(Trim)
@@ -57,11 +57,11 @@ func Start(ctx context.Context, cs kubernetes.Interface, node string) *Cache {
 }
 
 // NewPodInformer is an informer on the pods the field and label selectors
-// select. It is built from the core group's client alone: the informer
-// factory of client-go would link every group's informers and listers
-// into the agent, for the one it uses.
-func NewPodInformer(cs kubernetes.Interface, fieldSelector, labelSelector string) cache.SharedIndexInformer {
-	pods := cs.CoreV1().Pods(metav1.NamespaceAll)
+// select. It is built by hand: the informer factory of client-go would
+// link every group's informers, listers and typed clients into the agent,
+// for the one it uses.
+func NewPodInformer(cs kubeclient.Interface, fieldSelector, labelSelector string) cache.SharedIndexInformer {
+	pods := cs.Pods(metav1.NamespaceAll)
 	narrow := func(o *metav1.ListOptions) { o.FieldSelector, o.LabelSelector = fieldSelector, labelSelector }
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
