@@ -61,7 +61,10 @@ func NewPodSet(ctx context.Context, c *Cluster, prefix string, total, onNode int
 		}
 		e.add(node)
 	}
-	return e, e.apply(ctx, e.pods)
+	if err := e.apply(ctx, e.pods); err != nil {
+		return nil, err
+	}
+	return e, nil
 }
 
 // add makes (but does not apply) one more pod on node.
