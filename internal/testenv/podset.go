@@ -21,22 +21,25 @@ import (
 // PodSet is the cluster's pods for the memory tests, by namespace and
 // name, and which are on the agent's node.
 type PodSet struct {
+	// Node is the agent's node.
+	Node   string
 	cs     kubernetes.Interface
 	prefix string
 	nss    []string
 	pods   []*corev1.Pod
 	// gone are the pods the last churn deleted.
 	gone []*corev1.Pod
-	node map[string]bool
+	// ours are the pods on Node, by namespace/name.
+	ours map[string]bool
 	seq  int
 }
 
 func podKey(p *corev1.Pod) string { return p.Namespace + "/" + p.Name }
 
 // NewPodSet applies total Istio-injected pods over ten namespaces, one in
-// total/onNode of them on the agent's node, the rest spread over other
+// total/onNode of them on node (the agent's), the rest spread over other
 // nodes, each with the status its kubelet would report.
-func NewPodSet(ctx context.Context, c *Cluster, prefix string, total, onNode int) (*PodSet, error) {
+func NewPodSet(ctx context.Context, c *Cluster, prefix, node string, total, onNode int) (*PodSet, error) {
 	// Protobuf, as controllers talk: thousands of creates cost the API
 	// server less to decode.
 	rc := rest.CopyConfig(c.Config)
@@ -45,7 +48,7 @@ func NewPodSet(ctx context.Context, c *Cluster, prefix string, total, onNode int
 	if err != nil {
 		return nil, err
 	}
-	e := &PodSet{cs: cs, prefix: prefix, node: map[string]bool{}}
+	e := &PodSet{Node: node, cs: cs, prefix: prefix, ours: map[string]bool{}}
 	for i := 0; i < 10; i++ {
 		ns := fmt.Sprintf("%s-%d", prefix, i)
 		if err := EnsureNamespace(ctx, c.Client, ns); err != nil {
@@ -55,11 +58,11 @@ func NewPodSet(ctx context.Context, c *Cluster, prefix string, total, onNode int
 	}
 	every := total / onNode
 	for i := 0; i < total; i++ {
-		node := fmt.Sprintf("node-%d", i%97)
+		on := fmt.Sprintf("node-%d", i%97)
 		if i%every == 0 {
-			node = NodeName
+			on = node
 		}
-		e.add(node)
+		e.add(on)
 	}
 	if err := e.apply(ctx, e.pods); err != nil {
 		return nil, err
@@ -73,8 +76,8 @@ func (e *PodSet) add(node string) *corev1.Pod {
 	e.seq++
 	p := InjectedPod(e.nss[i%len(e.nss)], fmt.Sprintf("%s-%d", e.prefix, i), node, i)
 	e.pods = append(e.pods, p)
-	if node == NodeName {
-		e.node[podKey(p)] = true
+	if node == e.Node {
+		e.ours[podKey(p)] = true
 	}
 	return p
 }
@@ -84,7 +87,7 @@ func (e *PodSet) add(node string) *corev1.Pod {
 // quicker and all a node-scoped agent could see of them anyway: nothing.
 func (e *PodSet) apply(ctx context.Context, pods []*corev1.Pod) error {
 	return ApplyPods(ctx, e.cs, pods, func(i int) *corev1.PodStatus {
-		if pods[i].Spec.NodeName != NodeName {
+		if pods[i].Spec.NodeName != e.Node {
 			return nil
 		}
 		s := InjectedPodStatus(i)
@@ -95,7 +98,7 @@ func (e *PodSet) apply(ctx context.Context, pods []*corev1.Pod) error {
 func (e *PodSet) OnNode() []*corev1.Pod {
 	var out []*corev1.Pod
 	for _, p := range e.pods {
-		if e.node[podKey(p)] {
+		if e.ours[podKey(p)] {
 			out = append(out, p)
 		}
 	}
@@ -107,7 +110,7 @@ func (e *PodSet) Churn(ctx context.Context, n int) error {
 	gone := e.OnNode()[:n]
 	var fresh []*corev1.Pod
 	for range n {
-		fresh = append(fresh, e.add(NodeName))
+		fresh = append(fresh, e.add(e.Node))
 	}
 	zero := int64(0)
 	for _, p := range gone {
@@ -115,7 +118,7 @@ func (e *PodSet) Churn(ctx context.Context, n int) error {
 		if err := e.cs.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
 			return err
 		}
-		delete(e.node, podKey(p))
+		delete(e.ours, podKey(p))
 	}
 	kept := e.pods[:0]
 	for _, p := range e.pods {
@@ -187,7 +190,7 @@ func (e *PodSet) Held(sock *SockClient) ([]string, error) {
 			return nil, err
 		}
 		if code == http.StatusOK {
-			if !e.node[podKey(p)] {
+			if !e.ours[podKey(p)] {
 				return nil, fmt.Errorf("the agent serves %s, which is on %s", podKey(p), p.Spec.NodeName)
 			}
 			out = append(out, podKey(p))

@@ -40,7 +40,7 @@ const (
 func TestAgentMemory(t *testing.T) {
 	ctx := context.Background()
 	began := time.Now()
-	env, err := testenv.NewPodSet(ctx, cluster, "mem", memClusterPods, memNodePods)
+	env, err := testenv.NewPodSet(ctx, cluster, "mem", testenv.NodeName, memClusterPods, memNodePods)
 	if err != nil {
 		t.Fatal(err)
 	}
