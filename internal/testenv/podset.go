@@ -139,15 +139,6 @@ func slicesContain(ps []*corev1.Pod, p *corev1.Pod) bool {
 	return false
 }
 
-// Cleanup deletes the node's pods, so that a soak run after the test in
-// this cluster has its agent cache none of them.
-func (e *PodSet) Cleanup() {
-	zero := int64(0)
-	for _, ns := range e.nss {
-		_ = e.cs.CoreV1().Pods(ns).DeleteCollection(context.Background(), metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{})
-	}
-}
-
 // WaitServed polls the agent socket until every pod on the node is
 // served and none of those the last churn deleted is.
 func (e *PodSet) WaitServed(sock *SockClient, timeout time.Duration) error {
@@ -267,4 +258,24 @@ func StableRSS(pid int, timeout time.Duration) (int, error) {
 		}
 		time.Sleep(200 * time.Millisecond) // sampling the process's memory
 	}
+}
+
+// MemoryBreakdown is where an agent's memory is: the binary's
+// pages against anonymous memory, and the Go heap's share of the latter.
+func MemoryBreakdown(h *AgentHost) string {
+	var out []string
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", h.Pid())); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "Rss:") || strings.HasPrefix(l, "Pss_Anon:") || strings.HasPrefix(l, "Pss_File:") {
+				out = append(out, strings.Join(strings.Fields(l), " "))
+			}
+		}
+	}
+	for _, m := range []string{"go_memstats_heap_inuse_bytes ", "go_memstats_heap_alloc_bytes ", "go_memstats_stack_inuse_bytes ",
+		"go_memstats_gc_sys_bytes ", "go_memstats_heap_idle_bytes ", "go_memstats_heap_released_bytes "} {
+		if l, err := h.Metrics(m); err == nil && len(l) > 0 {
+			out = append(out, l[0])
+		}
+	}
+	return strings.Join(out, "\n")
 }

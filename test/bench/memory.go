@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
@@ -35,12 +36,14 @@ type memoryResult struct {
 	// after each churn cycle.
 	syncedKB int
 	churnKB  []int
+	// breakdown is where the synced agent's memory was.
+	breakdown string
 }
 
 // memory starts an agent of its own, for a node of its own (the other
 // series' agent stays up, idle), once the cluster holds the pods, and
 // reads its resident memory, stable, after its cache synced and after
-// each churn cycle. The node's pods are deleted when it returns.
+// each churn cycle. Its pods stay: no other series runs after it.
 func (b *bench) memory(ctx context.Context) (*memoryResult, error) {
 	res := &memoryResult{}
 	began := time.Now()
@@ -48,7 +51,6 @@ func (b *bench) memory(ctx context.Context) (*memoryResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer set.Cleanup()
 	res.applied = time.Since(began)
 	agentBin, err := testenv.BuildCommand(b.dir, "install-cni")
 	if err != nil {
@@ -82,6 +84,7 @@ func (b *bench) memory(ctx context.Context) (*memoryResult, error) {
 	if res.syncedKB, err = testenv.StableRSS(h.Pid(), 30*time.Second); err != nil {
 		return nil, err
 	}
+	res.breakdown = testenv.MemoryBreakdown(h)
 	for range memoryCycles {
 		if err := set.Churn(ctx, memoryChurn); err != nil {
 			return nil, err
@@ -111,4 +114,5 @@ func reportMemory(r *memoryResult) {
 		fmt.Printf(" %s", mb(kb))
 	}
 	fmt.Println(" (target: no growth)")
+	fmt.Printf("  synced: %s\n", strings.ReplaceAll(r.breakdown, "\n", ", "))
 }
