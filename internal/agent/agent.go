@@ -13,11 +13,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/installloop"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/pluginlog"
@@ -37,7 +37,7 @@ type Agent struct {
 	DaemonSetPresent func(ctx context.Context) (bool, error)
 	// Clientset, when set, feeds the node-local pod cache, the repair
 	// controller and the DaemonSet watch.
-	Clientset kubernetes.Interface
+	Clientset kubeclient.Interface
 	// PluginLog receives the plugin's lines (scope cni-plugin), at its
 	// scope's level; nil means the agent's logger.
 	PluginLog *slog.Logger

@@ -12,7 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 )
 
 // daemonSetWatch follows the agent's own DaemonSet while the agent runs.
@@ -23,7 +24,7 @@ import (
 // gets one too): it counts as an uninstall only when the watch saw the
 // DaemonSet go first.
 type daemonSetWatch struct {
-	cs       kubernetes.Interface
+	cs       kubeclient.Interface
 	ns, name string
 	log      *slog.Logger
 
@@ -34,7 +35,7 @@ type daemonSetWatch struct {
 	gone bool
 }
 
-func watchDaemonSet(ctx context.Context, cs kubernetes.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
+func watchDaemonSet(ctx context.Context, cs kubeclient.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
 	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log, done: make(chan struct{})}
 	go func() {
 		defer close(d.done)
@@ -49,13 +50,13 @@ func (d *daemonSetWatch) run(ctx context.Context) {
 	for ctx.Err() == nil {
 		// A watch reports what exists when it starts, not what is gone:
 		// a read first says whether it is gone.
-		_, err := d.cs.AppsV1().DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
+		_, err := d.cs.DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			d.set(true)
 		}
 		// From the API server's cache as it is ("0"): asking for its
 		// newest version can wait on a cache that lags a quiet resource.
-		w, err := d.cs.AppsV1().DaemonSets(d.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: "0",
+		w, err := d.cs.DaemonSets(d.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: "0",
 			FieldSelector: fields.OneTermEqualSelector("metadata.name", d.name).String()})
 		if err != nil {
 			if !complained && ctx.Err() == nil {
@@ -135,7 +136,7 @@ func (d *daemonSetWatch) seenGone() bool {
 // present says, at termination, whether the DaemonSet still exists (and
 // is not being deleted).
 func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
-	ds, err := d.cs.AppsV1().DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
+	ds, err := d.cs.DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
 		return false, nil

@@ -8,10 +8,10 @@ import (
 	"os/signal"
 	"syscall"
 
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/version"
 )
@@ -72,7 +72,7 @@ func Main(args []string) int {
 	defer stop()
 	// With API access, Run also watches the DaemonSet to tell an upgrade
 	// from an uninstall at termination.
-	if cs, err := clientset(cfg); err != nil {
+	if cs, err := apiClient(cfg); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {
 		a.Clientset = cs
@@ -84,7 +84,7 @@ func Main(args []string) int {
 	return ExitOK
 }
 
-func clientset(cfg *Config) (kubernetes.Interface, error) {
+func apiClient(cfg *Config) (kubeclient.Interface, error) {
 	var rc *rest.Config
 	var err error
 	if cfg.Kubeconfig != "" {
@@ -95,5 +95,5 @@ func clientset(cfg *Config) (kubernetes.Interface, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kubernetes.NewForConfig(rc)
+	return kubeclient.New(rc)
 }

@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
 
@@ -101,7 +102,7 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 	defer cancel()
 	before := goroutines()
 	a := New(cfg, quiet)
-	a.Clientset = cs
+	a.Clientset = clientset.Of(cs)
 	var atCleanup map[string]goroutine
 	a.stopped = func() { atCleanup = goroutines() }
 	ports := make(chan string, 2)

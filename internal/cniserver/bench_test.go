@@ -22,6 +22,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -47,7 +48,7 @@ func BenchmarkAgentADD(b *testing.B) {
 	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
 		b.Fatal(err)
 	}
-	cache := podcache.Start(ctx, cs, testenv.NodeName)
+	cache := podcache.Start(ctx, clientset.Of(cs), testenv.NodeName)
 	if err := cache.WaitSynced(ctx); err != nil {
 		b.Fatal(err)
 	}

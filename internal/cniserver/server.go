@@ -31,9 +31,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
@@ -53,7 +53,7 @@ type Server struct {
 	// Pods may be nil (no API access): every pod is then read from the
 	// API with the plugin's kubeconfig, as the fallback plugin does.
 	Pods      *podcache.Cache
-	Clientset kubernetes.Interface
+	Clientset kubeclient.Interface
 	// ReadyReason, when set, answers STATUS: not "" means the agent cannot
 	// serve ADD. Unset, STATUS succeeds whenever the agent answers.
 	ReadyReason func() string
@@ -502,10 +502,10 @@ func (c cacheSource) GetPod(_ context.Context, namespace, name string) (*podinfo
 	return podcache.PodFromCore(pod), nil
 }
 
-type apiSource struct{ cs kubernetes.Interface }
+type apiSource struct{ cs kubeclient.Interface }
 
 func (a apiSource) GetPod(ctx context.Context, namespace, name string) (*podinfo.Pod, error) {
-	pod, err := a.cs.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+	pod, err := a.cs.Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
 		return nil, podinfo.ErrNotFound

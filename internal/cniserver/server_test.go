@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
@@ -92,7 +93,7 @@ func unixRights(f *os.File) []byte { return syscall.UnixRights(int(f.Fd())) }
 func fuzzPods(ctx context.Context, t testing.TB) *podcache.Cache {
 	cs := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u"},
 		Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "app"}}}})
-	pc := podcache.Start(ctx, cs, "n")
+	pc := podcache.Start(ctx, clientset.Of(cs), "n")
 	if err := pc.WaitSynced(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -116,7 +117,7 @@ func FuzzCNISocketFraming(f *testing.F) {
 	f.Add([]byte{}, false)
 	ctx, cancel := context.WithCancel(context.Background())
 	f.Cleanup(cancel)
-	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Pods: fuzzPods(ctx, f), Clientset: fake.NewClientset()}
+	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Pods: fuzzPods(ctx, f), Clientset: clientset.Of(fake.NewClientset())}
 	self, err := os.Open(os.DevNull)
 	if err != nil {
 		f.Fatal(err)
@@ -173,7 +174,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	cs := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "bad", UID: "u1",
 		Annotations: map[string]string{"sidecar.istio.io/status": "{}"}},
 		Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "istio-proxy", Args: []string{"proxy", "sidecar"}}}}})
-	pods := podcache.Start(ctx, cs, "n")
+	pods := podcache.Start(ctx, clientset.Of(cs), "n")
 	if err := pods.WaitSynced(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +184,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	panics := NewPanicMetric()
-	s := &Server{Log: root.Logger(logging.ScopePlugin), Rules: panickyRules{}, NFTables: panickyRules{}, Pods: pods, Clientset: cs, Panics: panics}
+	s := &Server{Log: root.Logger(logging.ScopePlugin), Rules: panickyRules{}, NFTables: panickyRules{}, Pods: pods, Clientset: clientset.Of(cs), Panics: panics}
 	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
 	done, err := s.Serve(ctx, sock, time.Second)
 	if err != nil {

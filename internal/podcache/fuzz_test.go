@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
@@ -23,7 +24,7 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 func fuzzPods(ctx context.Context, t testing.TB) *Cache {
 	cs := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u"},
 		Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "app"}}}})
-	pc := Start(ctx, cs, "n")
+	pc := Start(ctx, clientset.Of(cs), "n")
 	if err := pc.WaitSynced(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -18,11 +18,12 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
@@ -42,27 +43,37 @@ func (pc *Cache) Informer() cache.SharedIndexInformer { return pc.informer }
 // Start starts the informer until ctx ends. It does not wait for the
 // sync: until then the socket answers "unknown" and the plugin asks the
 // API server. Done says when the informer's goroutines have all ended.
-func Start(ctx context.Context, cs kubernetes.Interface, node string) *Cache {
-	factory := informers.NewSharedInformerFactoryWithOptions(cs, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.FieldSelector = "spec.nodeName=" + node }))
-	inf := factory.Core().V1().Pods()
-	// Keep only what pod selection reads; managed fields alone are often
-	// larger than the rest of a pod.
-	_ = inf.Informer().SetTransform(func(obj any) (any, error) {
-		if p, ok := obj.(*corev1.Pod); ok {
-			p.ManagedFields = nil
-		}
-		return obj, nil
-	})
-	pc := &Cache{lister: inf.Lister(), synced: inf.Informer().HasSynced, informer: inf.Informer(), done: make(chan struct{})}
-	factory.Start(ctx.Done())
+func Start(ctx context.Context, cs kubeclient.Interface, node string) *Cache {
+	inf := NewPodInformer(cs, "spec.nodeName="+node, "")
+	// Keep only what pod selection and repair read.
+	_ = inf.SetTransform(Trim)
+	pc := &Cache{lister: listersv1.NewPodLister(inf.GetIndexer()), synced: inf.HasSynced, informer: inf, done: make(chan struct{})}
 	go func() {
 		defer close(pc.done)
-		<-ctx.Done()
-		// Shutdown waits for the informer's goroutines, which end with ctx.
-		factory.Shutdown()
+		// Run returns once the informer's goroutines have ended, after ctx.
+		inf.RunWithContext(ctx)
 	}()
 	return pc
+}
+
+// NewPodInformer is an informer on the pods the field and label selectors
+// select. It is built by hand: the informer factory of client-go would
+// link every group's informers, listers and typed clients into the agent,
+// for the one it uses.
+func NewPodInformer(cs kubeclient.Interface, fieldSelector, labelSelector string) cache.SharedIndexInformer {
+	pods := cs.Pods(metav1.NamespaceAll)
+	narrow := func(o *metav1.ListOptions) { o.FieldSelector, o.LabelSelector = fieldSelector, labelSelector }
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			narrow(&o)
+			return pods.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			narrow(&o)
+			return pods.Watch(ctx, o)
+		},
+	}
+	return cache.NewSharedIndexInformer(lw, &corev1.Pod{}, 0, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
 }
 
 // Done is closed once the informer has stopped, after the context given

@@ -14,6 +14,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	k8stesting "k8s.io/client-go/testing"
 )
 
@@ -26,7 +28,7 @@ func TestBrokenSeenForgetsPodsNeverRepaired(t *testing.T) {
 	})
 	cfg := DefaultConfig()
 	cfg.RepairPods, cfg.LabelPods = false, true
-	c := New(cfg, cs, nil, "/proc", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	c := New(cfg, clientset.Of(cs), nil, "/proc", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
 	pods := map[string]*corev1.Pod{}
 	c.lister = func(ns, name string) (*corev1.Pod, error) {
 		if p, ok := pods[name]; ok {

@@ -16,16 +16,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	k8stypes "k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
@@ -41,7 +39,7 @@ const (
 // Controller watches the node's pods and acts on broken ones.
 type Controller struct {
 	cfg      Config
-	cs       kubernetes.Interface
+	cs       kubeclient.Interface
 	log      *slog.Logger
 	rules    plugin.Rules
 	procDir  string
@@ -80,10 +78,10 @@ func NewMetric() *prometheus.CounterVec {
 }
 
 // New returns a controller; rules is the backend repair programs with.
-func New(cfg Config, cs kubernetes.Interface, rules plugin.Rules, procDir string, counter *prometheus.CounterVec, log *slog.Logger) *Controller {
+func New(cfg Config, cs kubeclient.Interface, rules plugin.Rules, procDir string, counter *prometheus.CounterVec, log *slog.Logger) *Controller {
 	b := record.NewBroadcaster()
 	return &Controller{cfg: cfg, cs: cs, log: log.With("component", "repair"), rules: rules, procDir: procDir,
-		recorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "cni-repair"}), events: b,
+		recorder: b.NewRecorder(kubeclient.Scheme, corev1.EventSource{Component: "cni-repair"}), events: b,
 		counter: counter,
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[k8stypes.NamespacedName](
 			100*time.Millisecond, 10*time.Second)),
@@ -97,27 +95,29 @@ func New(cfg Config, cs kubernetes.Interface, rules plugin.Rules, procDir string
 func (c *Controller) Run(ctx context.Context, node string) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	sink := c.events.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: c.cs.CoreV1().Events("")})
+	sink := c.events.StartRecordingToSink(c.cs.Events())
 	defer func() {
 		sink.Stop()
 		c.events.Shutdown()
 	}()
 	informer := c.Informer
 	if informer == nil {
-		factory := informers.NewSharedInformerFactoryWithOptions(c.cs, 0,
-			informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-				o.FieldSelector = "spec.nodeName=" + node
-				if c.cfg.FieldSelectors != "" {
-					o.FieldSelector += "," + c.cfg.FieldSelectors
-				}
-				o.LabelSelector = c.cfg.LabelSelectors
-			}))
-		informer = factory.Core().V1().Pods().Informer()
+		// The node's pods still, narrowed by the selectors, and trimmed
+		// as the pod cache trims them.
+		fieldSelector := "spec.nodeName=" + node
+		if c.cfg.FieldSelectors != "" {
+			fieldSelector += "," + c.cfg.FieldSelectors
+		}
+		informer = podcache.NewPodInformer(c.cs, fieldSelector, c.cfg.LabelSelectors)
+		_ = informer.SetTransform(podcache.Trim)
 		informerCtx, stopInformer := context.WithCancel(ctx)
-		factory.Start(informerCtx.Done())
-		// Shutdown waits for the informer, so it is stopped first (defers
-		// run last first), whatever way Run returns.
-		defer factory.Shutdown()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			informer.RunWithContext(informerCtx)
+		}()
+		// The informer is stopped, whatever way Run returns, before the
+		// wait for it.
 		defer stopInformer()
 	}
 	lister := listersv1.NewPodLister(informer.GetIndexer())
@@ -364,7 +364,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 
 func (c *Controller) delete(ctx context.Context, pod *corev1.Pod, reason string) error {
 	uid, rv := pod.UID, pod.ResourceVersion
-	err := c.cs.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+	err := c.cs.Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
 		Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv}})
 	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
 		c.done("delete", "skip", pod)
@@ -387,7 +387,7 @@ func (c *Controller) label(ctx context.Context, pod *corev1.Pod, reason string) 
 		return nil
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{c.cfg.LabelKey: c.cfg.LabelValue}}})
-	_, err := c.cs.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, k8stypes.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	_, err := c.cs.Pods(pod.Namespace).Patch(ctx, pod.Name, k8stypes.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	if err != nil {
 		c.done("label", "fail", pod)
 		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonLabeled, "pod detected as broken (%s) but failed to label: %v", reason, err)

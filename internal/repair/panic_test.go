@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -70,7 +71,7 @@ func TestRepairPanicFailsOnlyThatPod(t *testing.T) {
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
 	counter := repair.NewMetric()
 	panics := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "panics_total"}, []string{"component"})
-	c := repair.New(cfg, cs, panickyRules{}, "/proc", counter, log)
+	c := repair.New(cfg, clientset.Of(cs), panickyRules{}, "/proc", counter, log)
 	c.Panics = panics.WithLabelValues("repair")
 	stopped := make(chan struct{})
 	go func() {

@@ -251,6 +251,9 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 	if res.binaries, err = binaryCosts(b.bin, 50); err != nil {
 		return nil, err
 	}
+	if res.memory, err = b.memory(ctx); err != nil {
+		return nil, err
+	}
 	return res, nil
 }
 
@@ -287,6 +290,8 @@ type results struct {
 	// binaries are the relay's and the fallback's size and VERSION
 	// start-up, the relay first.
 	binaries []binaryCost
+	// memory is the agent's resident memory under a node's pods.
+	memory *memoryResult
 }
 
 func newResults() *results {

@@ -84,6 +84,7 @@ func report(cfg config, r *results) {
 		fmt.Printf("VERSION start-up p50 / p99, %-18s %s / %s (CPU p50 %s)\n", c.name+":", ms(pct(c.wall, .5)), ms(pct(c.wall, .99)), ms(pct(c.cpu, .5)))
 	}
 	reportCPUFloor(cfg, r)
+	reportMemory(r.memory)
 	reportLists(r)
 	reportFlat(r)
 }

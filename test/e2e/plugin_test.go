@@ -24,6 +24,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -433,10 +434,15 @@ func (e *env) serveCNI(variant string) {
 	if variant == "nftables" {
 		force = ""
 	}
+	// The agent's own client, against the real API server.
+	api, err := kubeclient.New(cluster.Config)
+	if err != nil {
+		e.t.Fatal(err)
+	}
 	s := &cniserver.Server{
 		Log:   slog.New(slog.NewJSONHandler(os.Stderr, nil)).With("scope", "cni-plugin"),
 		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{},
-		Pods: podcache.Start(ctx, cluster.Client, testenv.NodeName), Clientset: cluster.Client,
+		Pods: podcache.Start(ctx, api, testenv.NodeName), Clientset: api,
 		ReadyReason: func() string { return "" },
 	}
 	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)

@@ -9,7 +9,7 @@
 //
 //	go test -run '^$' -bench Soak -benchtime 3000x ./test/soak/
 //
-// Without -bench it runs nothing (and starts nothing).
+// Without -bench it runs the memory test (memory_test.go) only.
 package soak
 
 import (
@@ -54,7 +54,8 @@ const soakNS = "soak"
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	if f := flag.Lookup("test.bench"); f == nil || f.Value.String() == "" {
+	// Listing starts nothing.
+	if f := flag.Lookup("test.list"); f != nil && f.Value.String() != "" {
 		os.Exit(m.Run())
 	}
 	testenv.EnterNodeNamespace()
