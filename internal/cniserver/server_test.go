@@ -217,7 +217,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 func TestCNISocketServesPastItsConnectionLimit(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Clientset: fake.NewClientset()}
+	s := &Server{Log: quiet, Rules: noRules{}, NFTables: noRules{}, Clientset: clientset.Of(fake.NewClientset())}
 	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
 	done, err := s.Serve(ctx, sock, time.Second)
 	if err != nil {
