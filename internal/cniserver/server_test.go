@@ -17,8 +17,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -43,14 +42,6 @@ type nopConnState struct{ conn *net.UnixConn }
 func (nopConnState) SetBusy(bool)   {}
 func (nopConnState) TimedOut()      {}
 func (n nopConnState) Close() error { return n.conn.Close() }
-
-func counterValue(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		return -1
-	}
-	return m.GetCounter().GetValue()
-}
 
 // noRules is a backend that refuses every namespace: the fuzzers drive the
 // socket framing, not the kernel.
@@ -198,7 +189,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "internal error handling ADD") {
 		t.Fatalf("ADD that panicked: %v", err)
 	}
-	if got := counterValue(panics.WithLabelValues("cni")); got != 1 {
+	if got := promtest.ToFloat64(panics.WithLabelValues("cni")); got != 1 {
 		t.Fatalf("panics counted: %v", got)
 	}
 	if !strings.Contains(logs.String(), `"pod":"ns/bad"`) || !strings.Contains(logs.String(), "a bug in the rule backend") {

@@ -11,8 +11,7 @@ import (
 	"time"
 
 	"github.com/fsnotify/fsnotify"
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/istio-cni-go/istio-cni/internal/install"
 )
@@ -119,14 +118,6 @@ func TestNoteRewrite(t *testing.T) {
 	}
 }
 
-func counterValue(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		return -1
-	}
-	return m.GetCounter().GetValue()
-}
-
 // eventually polls cond until it holds or 20 s pass.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -180,7 +171,7 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		<-stopped
 	}()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
-	if got := counterValue(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
+	if got := promtest.ToFloat64(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
 		t.Fatalf("installs after the first pass: %v", got)
 	}
 	if fi, err := os.Stat(filepath.Join(run, install.KubeconfigName)); err != nil || fi.Mode().Perm() != 0o600 {
@@ -193,7 +184,7 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		data, err := os.ReadFile(primary)
 		return err == nil && strings.Contains(string(data), `"istio-cni"`)
 	})
-	eventually(t, "the re-insertion counted", func() bool { return counterValue(m.Reinsertions) == 1 })
+	eventually(t, "the re-insertion counted", func() bool { return promtest.ToFloat64(m.Reinsertions) == 1 })
 	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
 	cancel()
 	<-stopped
@@ -203,7 +194,7 @@ func TestLoopPutsEntryBack(t *testing.T) {
 	if r := l.NotReady(); r != "shutting down" {
 		t.Fatalf("after Run: %q", r)
 	}
-	if counterValue(m.Conflicts) != 0 {
+	if promtest.ToFloat64(m.Conflicts) != 0 {
 		t.Fatal("one rewrite counted as a conflict")
 	}
 }

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -23,14 +23,6 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
-
-func counterValue(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		return -1
-	}
-	return m.GetCounter().GetValue()
-}
 
 // panickyRules panics for one pod's namespace path, as a bug would.
 type panickyRules struct{}
@@ -88,7 +80,7 @@ func TestRepairPanicFailsOnlyThatPod(t *testing.T) {
 		t.Fatalf("the controller stopped after a panic:\n%s", logs.String())
 	}
 	deadline := time.Now().Add(10 * time.Second)
-	for counterValue(panics.WithLabelValues("repair")) == 0 {
+	for promtest.ToFloat64(panics.WithLabelValues("repair")) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("panic not counted")
 		}

@@ -10,19 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
-
-func counterValue(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		return -1
-	}
-	return m.GetCounter().GetValue()
-}
 
 // TestSocketEvictsSilentClients: at the connection limit the oldest client
 // that has not sent a request makes room; busy ones are never evicted.
@@ -62,7 +53,7 @@ func TestSocketEvictsSilentClients(t *testing.T) {
 	if _, err := first.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the oldest silent client is still connected: %v", err)
 	}
-	if got := counterValue(m.Rejected.WithLabelValues("s.sock", "evicted")); got != 1 {
+	if got := promtest.ToFloat64(m.Rejected.WithLabelValues("s.sock", "evicted")); got != 1 {
 		t.Fatalf("evictions counted: %v", got)
 	}
 	// With every connection busy, a new one is refused, not served.
