@@ -248,6 +248,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		Log: pluginLog, SocketLog: a.log,
 		Rules: iptablesRules(cfg), NFTables: nftablesRules(),
 		Pods: pods, Clientset: a.Clientset, Locker: a.locker,
+		Committer: cfg.RulesCommitter, ForceIPTables: cfg.ForceIPTablesBinary,
 		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
 		Panics: a.metrics.Panics, Sockets: a.metrics.Sockets,
 	}

@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/installloop"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
@@ -52,6 +53,9 @@ type Config struct {
 	// ForceIPTablesBinary forces the iptables variant, as the plugin's
 	// FORCE_IPTABLES_BINARY does (environment only).
 	ForceIPTablesBinary string
+	// RulesCommitter is who writes a redirected pod's rules on ADD: the
+	// plugin process (cniserver.CommitterPlugin) or the agent.
+	RulesCommitter string
 	// DisableSafeUpgrade removes the plugin on every termination, even
 	// while the DaemonSet still exists (a rollout or a node reboot).
 	DisableSafeUpgrade bool
@@ -206,6 +210,14 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 				return nil
 			}
 			return boolean(&in.Entry.NativeNftables)(v)
+		}},
+		{name: "cni-rules-committer", help: "who writes a redirected pod's rules on ADD: plugin (the plugin process the runtime starts, in the runtime's cgroup, commits what the agent prepared) or agent (the agent's container does the work)", def: "plugin", set: func(v string) error {
+			switch v {
+			case cniserver.CommitterPlugin, cniserver.CommitterAgent:
+				o.RulesCommitter = v
+				return nil
+			}
+			return fmt.Errorf("want %s or %s", cniserver.CommitterPlugin, cniserver.CommitterAgent)
 		}},
 		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
 		{name: "ambient-enabled", help: "ambient mode flag passed to the plugin", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},

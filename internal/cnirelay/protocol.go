@@ -9,7 +9,11 @@
 // per command, and every package initialised is paid for on each start.
 package cnirelay
 
-import "github.com/containernetworking/cni/pkg/types"
+import (
+	"encoding/json"
+
+	"github.com/containernetworking/cni/pkg/types"
+)
 
 // SocketName is the agent's CNI socket in the plugin's run directory.
 const SocketName = "cni.sock"
@@ -33,6 +37,10 @@ type Request struct {
 	Args       string `json:"args"`
 	Path       string `json:"path"`
 	Stdin      []byte `json:"stdin"`
+	// Commit says the relay commits a redirected pod's rules itself when
+	// the agent prepares them (an older relay leaves it unset, and the
+	// agent applies them as before).
+	Commit bool `json:"commit,omitempty"`
 }
 
 // Response is what the plugin would have printed, or its error.
@@ -42,6 +50,11 @@ type Response struct {
 	// Unavailable, when set, says why the agent cannot serve the command
 	// (it is shutting down); the relay then runs the fallback.
 	Unavailable string `json:"unavailable,omitempty"`
+	// Prepared, when set, are the rules the relay commits before it
+	// prints Stdout; it then sends the agent its account of the commit,
+	// framed as the request (4-byte length, JSON), on the same connection,
+	// which the agent holds open, with the namespace's lock, until then.
+	Prepared json.RawMessage `json:"prepared,omitempty"`
 }
 
 // MaxMessage bounds a request or response: a CNI config with its

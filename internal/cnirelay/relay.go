@@ -40,15 +40,23 @@ type Relay struct {
 	Timeout time.Duration
 	// Runner starts the fallback; nil means execrun.OS.
 	Runner execrun.Runner
+	// Commit, when set, commits the rules the agent prepared to the pod's
+	// namespace in this process, returning the account to send back and
+	// the error that fails the ADD; nil leaves the work to the agent.
+	Commit Committer
 }
 
-// Main runs the relay as a runtime executes it and returns the exit code.
-func Main(about string) int {
+// Committer commits an agent's prepared rules (podrules.CommitJSON).
+type Committer func(prepared []byte, netnsPath string) (account []byte, err error)
+
+// Main runs the relay as a runtime executes it and returns the exit code;
+// commit, when not nil, commits rules the agent prepares.
+func Main(about string, commit Committer) int {
 	fallback := FallbackBinary
 	if exe, err := os.Executable(); err == nil {
 		fallback = filepath.Join(filepath.Dir(exe), FallbackBinary)
 	}
-	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout}
+	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout, Commit: commit}
 	cmd := func(name string) func(*skel.CmdArgs) error {
 		return func(args *skel.CmdArgs) error { return r.Run(name, args) }
 	}
@@ -79,7 +87,10 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 		conf.RunDir = DefaultRunDir
 	}
 	sock := filepath.Join(conf.RunDir, SocketName)
-	resp, err := r.ask(sock, command, args)
+	resp, conn, err := r.ask(sock, command, args)
+	if conn != nil {
+		defer conn.Close()
+	}
 	switch {
 	case errors.Is(err, errNoAgent) && command == "STATUS":
 		return r.status(err.Error())
@@ -93,14 +104,40 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 		return r.fallback("node agent unavailable: "+resp.Unavailable, args)
 	case resp.Error != nil:
 		return resp.Error
+	case resp.Prepared != nil:
+		if err := r.commit(conn, resp.Prepared, args); err != nil {
+			return err
+		}
 	}
 	_, err = r.Stdout.Write(resp.Stdout)
 	return err
 }
 
-func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error) {
+// commit applies the agent's prepared rules and tells the agent how it
+// went. A commit that fails fails the ADD whether or not the agent heard.
+func (r *Relay) commit(conn *net.UnixConn, prepared []byte, args *skel.CmdArgs) error {
+	if r.Commit == nil || args.Netns == "" {
+		// The agent prepares only for a relay that asked, with a namespace.
+		return types.NewError(types.ErrInternal, "the node agent sent rules to commit to a relay that cannot", "")
+	}
+	account, err := r.Commit(prepared, args.Netns)
+	if account != nil {
+		var hdr [4]byte
+		binary.BigEndian.PutUint32(hdr[:], uint32(len(account)))
+		// The agent logs and counts the pod from this; the pod's
+		// outcome does not depend on it.
+		_, _ = conn.Write(append(hdr[:], account...))
+		_ = conn.CloseWrite()
+	}
+	if err != nil {
+		return types.NewError(types.ErrInternal, err.Error(), "")
+	}
+	return nil
+}
+
+func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, *net.UnixConn, error) {
 	req := Request{Command: command, ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
-		Args: args.Args, Path: args.Path, Stdin: args.StdinData}
+		Args: args.Args, Path: args.Path, Stdin: args.StdinData, Commit: r.Commit != nil && command == "ADD"}
 	var oob []byte
 	if args.Netns != "" {
 		f, err := os.Open(args.Netns)
@@ -110,19 +147,26 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 			req.HasNetnsFD = true
 			oob = syscall.UnixRights(int(f.Fd()))
 		case command == "ADD" || command == "CHECK":
-			return nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
+			return nil, nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
 		}
 	}
 	body, err := json.Marshal(&req)
 	if err != nil {
-		return nil, types.NewError(types.ErrInternal, err.Error(), "")
+		return nil, nil, types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.
-		return nil, fmt.Errorf("%w: %w", errNoAgent, err)
+		return nil, nil, fmt.Errorf("%w: %w", errNoAgent, err)
 	}
-	defer conn.Close()
+	// Closed by the caller, which may still owe the agent a commit's
+	// account; closed here on every error.
+	keep := false
+	defer func() {
+		if !keep {
+			conn.Close()
+		}
+	}()
 	if r.Timeout > 0 {
 		_ = conn.SetDeadline(time.Now().Add(r.Timeout))
 	}
@@ -131,30 +175,35 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, error)
 	var hdr [4]byte
 	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
 	if _, _, err := conn.WriteMsgUnix(hdr[:], oob, nil); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
+		return nil, nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	if _, err := conn.Write(body); err != nil {
-		return nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
+		return nil, nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
-	_ = conn.CloseWrite()
+	if !req.Commit {
+		_ = conn.CloseWrite()
+	}
+	// The agent ends its answer by closing its side (for a commit, only
+	// its side: it then reads the account).
 	out, err := io.ReadAll(io.LimitReader(conn, MaxMessage))
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
-		return nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
+		return nil, nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
 	}
 	// The agent went away mid-command (a restart): the command is
 	// idempotent, so the fallback can do it.
 	if err != nil {
-		return nil, fmt.Errorf("%w: no answer on %s (%w)", errNoAgent, sock, err)
+		return nil, nil, fmt.Errorf("%w: no answer on %s (%w)", errNoAgent, sock, err)
 	}
 	if len(out) == 0 {
-		return nil, fmt.Errorf("%w: no answer on %s (<nil>)", errNoAgent, sock)
+		return nil, nil, fmt.Errorf("%w: no answer on %s (<nil>)", errNoAgent, sock)
 	}
 	resp := &Response{}
 	if err := json.Unmarshal(out, resp); err != nil {
-		return nil, types.NewError(types.ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
+		return nil, nil, types.NewError(types.ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
 	}
-	return resp, nil
+	keep = true
+	return resp, conn, nil
 }
 
 // errPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot

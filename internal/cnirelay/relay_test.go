@@ -228,25 +228,56 @@ func jsonEqual(t *testing.T, a, b any) bool {
 // binaries of possibly different versions (a relay from before an
 // upgrade talks to the new agent), so they are pinned here.
 func TestRequestEncoding(t *testing.T) {
-	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}")})
+	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"), Commit: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30="}`
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","commit":true}`
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
-	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u"})
+	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u", Prepared: []byte(`{"pod":"ns/p"}`)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u"}`
+	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u","prepared":{"pod":"ns/p"}}`
 	if string(b) != want {
 		t.Fatalf("response:\n got %s\nwant %s", b, want)
 	}
 	var r Response
 	if err := json.Unmarshal([]byte(`{}`), &r); err != nil || r.Error != nil || r.Unavailable != "" || r.Stdout != nil {
 		t.Fatalf("an empty response is a success with no output: %+v %v", r, err)
+	}
+}
+
+// TestCommitAgainstOlderAgent: a relay that can commit asks to, and an
+// agent that does not know the field answers as before, with the rules
+// applied itself: the relay passes the result on and commits nothing. An
+// agent that sends rules to a relay that did not ask fails the ADD
+// rather than leave the pod without them.
+func TestCommitAgainstOlderAgent(t *testing.T) {
+	a := startAgent(t, answer(t, Response{Stdout: []byte(`{"cniVersion":"1.0.0"}`)}))
+	committed := 0
+	var out bytes.Buffer
+	r := &Relay{Fallback: "/f", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second,
+		Commit: func([]byte, string) ([]byte, error) { committed++; return nil, nil }}
+	args := &skel.CmdArgs{ContainerID: "c1", Netns: "/proc/self/ns/net", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", StdinData: conf(a.runDir)}
+	if err := r.Run("ADD", args); err != nil || out.String() != `{"cniVersion":"1.0.0"}` || committed != 0 {
+		t.Fatalf("ADD against an agent that applies: %v, output %q, %d commits", err, out.String(), committed)
+	}
+	if got := <-a.got; got.err != nil || !got.req.Commit {
+		t.Fatalf("the relay did not ask to commit: %+v", got)
+	}
+
+	a = startAgent(t, answer(t, Response{Prepared: []byte(`{"pod":"ns/p"}`), Stdout: []byte(`{}`)}))
+	r = &Relay{Fallback: "/f", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second}
+	args.StdinData = conf(a.runDir)
+	err := r.Run("ADD", args)
+	if err == nil || !strings.Contains(err.Error(), "cannot") {
+		t.Fatalf("prepared rules to a relay that cannot commit: %v", err)
+	}
+	if got := <-a.got; got.err != nil || got.req.Commit {
+		t.Fatalf("a relay without a committer asked to commit: %+v", got)
 	}
 }
 

@@ -39,6 +39,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
 
@@ -60,6 +61,11 @@ type Server struct {
 	// Locker serialises ADD and CHECK per network namespace, with the
 	// repair controller's rule writes; nil means a locker of its own.
 	Locker *nslock.Locker
+	// Committer is who writes a redirected pod's rules on ADD:
+	// CommitterPlugin (the default) or CommitterAgent.
+	Committer string
+	// ForceIPTables is FORCE_IPTABLES_BINARY, passed to the committer.
+	ForceIPTables string
 
 	Commands *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
@@ -76,6 +82,18 @@ type Server struct {
 	api      apiClients
 	lockOnce sync.Once
 }
+
+// Who commits a redirected pod's rules on ADD (CNI_RULES_COMMITTER).
+const (
+	// CommitterPlugin: the agent decides and prepares; the relay, which
+	// the runtime started in its own cgroup, plans and applies. A burst's
+	// rule work is then weighted as the runtime's own per-pod work, not as
+	// the agent container's small CPU request.
+	CommitterPlugin = "plugin"
+	// CommitterAgent: the agent applies the rules itself, as it does for
+	// a relay too old to commit.
+	CommitterAgent = "agent"
+)
 
 // NewMetrics returns the command counter, latency histogram and
 // lookup counter.
@@ -211,6 +229,12 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
+	case req.Commit && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
+		rc := &relayCommit{conn: conn}
+		resp = s.handle(req, netns, rc.commit)
+		if rc.sent {
+			return
+		}
 	default:
 		resp = s.Handle(req, netns)
 	}
@@ -220,6 +244,53 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	}
 	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	_, _ = conn.Write(out)
+}
+
+// relayCommit hands a pod's prepared rules to the relay on conn and reads
+// its account of the commit.
+type relayCommit struct {
+	conn *net.UnixConn
+	// sent: the answer went out with the prepared rules.
+	sent bool
+}
+
+func (rc *relayCommit) commit(p *podrules.Prepared, result []byte) (podrules.Committed, error) {
+	var c podrules.Committed
+	prepared, err := json.Marshal(p)
+	if err != nil {
+		return c, err
+	}
+	out, err := json.Marshal(&cnirelay.Response{Prepared: prepared, Stdout: result})
+	if err != nil {
+		return c, err
+	}
+	rc.sent = true
+	_ = rc.conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	if _, err := rc.conn.Write(out); err != nil {
+		return c, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+	}
+	// The relay reads the answer to its end; the connection stays open
+	// for its account, and the namespace's lock stays held until then.
+	if err := rc.conn.CloseWrite(); err != nil {
+		return c, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+	}
+	_ = rc.conn.SetReadDeadline(time.Now().Add(cnirelay.Timeout))
+	var hdr [4]byte
+	if _, err := io.ReadFull(rc.conn, hdr[:]); err != nil {
+		return c, fmt.Errorf("reading the relay's account of its commit: %w", err)
+	}
+	size := binary.BigEndian.Uint32(hdr[:])
+	if size > cnirelay.MaxMessage {
+		return c, fmt.Errorf("the relay's account of its commit is %d bytes", size)
+	}
+	body := make([]byte, size)
+	if _, err := io.ReadFull(rc.conn, body); err != nil {
+		return c, fmt.Errorf("reading the relay's account of its commit: %w", err)
+	}
+	if err := json.Unmarshal(body, &c); err != nil {
+		return c, fmt.Errorf("decoding the relay's account of its commit: %w", err)
+	}
+	return c, nil
 }
 
 // errNoDescriptor: a descriptor sent with the request was dropped by the
@@ -320,6 +391,13 @@ func (s *Server) locker() *nslock.Locker {
 // process would, and returns what it would have printed. ADD and CHECK
 // hold their namespace's lock; a panic fails this command only.
 func (s *Server) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.Response) {
+	return s.handle(req, netns, nil)
+}
+
+// handle is Handle with commit, when not nil, committing an ADD's rules
+// (the relay's, through relayCommit).
+func (s *Server) handle(req *cnirelay.Request, netns *os.File,
+	commit func(*podrules.Prepared, []byte) (podrules.Committed, error)) (resp *cnirelay.Response) {
 	s.mu.Lock()
 	draining := s.draining
 	s.mu.Unlock()
@@ -364,6 +442,7 @@ func (s *Server) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.R
 		Rules:     s.Rules,
 		NFTables:  s.NFTables,
 		NewSource: s.source,
+		Commit:    commit, ForceIPTables: s.ForceIPTables,
 		// The agent answers, so it can serve an ADD: STATUS succeeds
 		// unless told otherwise.
 		Ready: func() error {

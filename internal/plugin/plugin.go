@@ -1,12 +1,12 @@
 package plugin
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"net/netip"
 	"os"
 	"slices"
 	"strconv"
@@ -17,29 +17,15 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
-	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
-	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // Rules is what the plugin needs from a rule backend.
-type Rules interface {
-	Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error)
-	Check(netnsPath string, plan *ruleset.Plan) error
-	PodAddrs(netnsPath string) ([]netip.Addr, error)
-}
-
-// Both backends must serve as Rules: a method of one drifting from the
-// interface fails the build here, beside the interface, not in whichever
-// caller (agent, repair, diag) wires that backend first.
-var (
-	_ Rules = (*iptables.Applier)(nil)
-	_ Rules = (*nftables.Applier)(nil)
-)
+type Rules = podrules.Rules
 
 // Plugin carries the plugin's dependencies; the cmd wires real ones.
 type Plugin struct {
@@ -57,6 +43,12 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
+	// Commit, when set, hands a redirected pod's rules to whoever commits
+	// them (the relay, for the agent), with the result to print once they
+	// are in; nil applies them here with Rules.
+	Commit func(p *podrules.Prepared, result []byte) (podrules.Committed, error)
+	// ForceIPTables is FORCE_IPTABLES_BINARY, for a Commit elsewhere.
+	ForceIPTables string
 
 	// logSocket is the agent's log socket of the config last loaded, where
 	// the lines of this run are forwarded at exit.
@@ -235,6 +227,15 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 }
 
 func (p *Plugin) printResult(conf *Config) error {
+	out, err := result(conf)
+	if err != nil {
+		return err
+	}
+	return out.PrintTo(p.Stdout)
+}
+
+// result is the previous result passed through, in the config's version.
+func result(conf *Config) (types.Result, error) {
 	var res types.Result
 	if conf.PrevResult != nil {
 		res = conf.PrevResult
@@ -243,9 +244,9 @@ func (p *Plugin) printResult(conf *Config) error {
 	}
 	out, err := res.GetAsVersion(conf.CNIVersion)
 	if err != nil {
-		return types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("converting result to %s: %v", conf.CNIVersion, err), "")
+		return nil, types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("converting result to %s: %v", conf.CNIVersion, err), "")
 	}
-	return out.PrintTo(p.Stdout)
+	return out, nil
 }
 
 // Add decides and programs; on every success path the previous result is
@@ -269,6 +270,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
 		return p.printResult(req.conf)
 	}
+	if p.Commit != nil {
+		return p.commitElsewhere(req, d, start, decided)
+	}
 	plan, err := BuildPlan(req.rules, args.Netns, d.Params)
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
@@ -286,24 +290,39 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	return p.printResult(req.conf)
 }
 
-// BuildPlan computes the rules for a pod in a namespace: the same function
-// serves the plugin, the repair controller and diagnostics, so all of them
-// mean the same rules.
-func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
-	addrs, err := rules.PodAddrs(netnsPath)
+// commitElsewhere hands the decided pod to p.Commit and logs what the
+// committer reports, as Add logs its own apply.
+func (p *Plugin) commitElsewhere(req *request, d *Decision, start, decided time.Time) error {
+	res, err := result(req.conf)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	global := false
-	for _, a := range addrs {
-		if !a.IsLoopback() && !a.IsLinkLocalUnicast() {
-			global = true
-		}
+	var out bytes.Buffer
+	if err := res.PrintTo(&out); err != nil {
+		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
-	if !global {
-		return nil, fmt.Errorf("the pod network namespace has no address yet: is istio-cni chained after the primary plugin?")
+	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
+	c, err := p.Commit(&podrules.Prepared{Pod: pod, NativeNftables: req.conf.NativeNftables && p.NFTables != nil,
+		ForceIPTables: p.ForceIPTables, Params: d.Params}, out.Bytes())
+	if err != nil {
+		req.log.Error("the plugin process did not report its commit of the redirect rules", "error", err.Error(),
+			"duration", time.Since(start).String())
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
-	return ruleset.Build(params, ruleset.NeedsIPv6(addrs, params.DualStack)), nil
+	if c.Error != "" {
+		req.log.Error("programming redirect rules failed", "error", c.Error, "committed_by", "plugin")
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %s", pod, c.Error), "")
+	}
+	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", c.IPv6,
+		"result", c.Result, "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
+		"plan", c.Plan.String(), "apply", c.Apply.String(), "committed_by", "plugin")
+	return nil
+}
+
+// BuildPlan computes the rules for a pod in a namespace (podrules'; here
+// for the callers that hold a plugin's Rules).
+func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
+	return podrules.BuildPlan(rules, netnsPath, params)
 }
 
 // Del succeeds without touching the namespace, as Istio's plugin does:

@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podspec"
 )
 
 // Annotation keys read from the pod, the same as Istio's.
@@ -102,7 +102,7 @@ func (e *InvalidAnnotationError) Error() string {
 
 // FromPod derives the parameters. Warnings are returned for values that are
 // ignored with a fallback (proxy env flags that do not parse), as Istio does.
-func FromPod(pod *podinfo.Pod) (Params, []string, error) {
+func FromPod(pod *podspec.Pod) (Params, []string, error) {
 	var p Params
 	var warnings []string
 	a := pod.Annotations

@@ -6,16 +6,16 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podspec"
 )
 
-func pod(ann map[string]string, proxy podinfo.Container) *podinfo.Pod {
+func pod(ann map[string]string, proxy podspec.Container) *podspec.Pod {
 	proxy.Name = ProxyContainerName
-	return &podinfo.Pod{Annotations: ann, Containers: []podinfo.Container{{Name: "app"}, proxy}}
+	return &podspec.Pod{Annotations: ann, Containers: []podspec.Container{{Name: "app"}, proxy}}
 }
 
 func TestDefaults(t *testing.T) {
-	p, warns, err := FromPod(pod(map[string]string{AnnotationStatus: "x"}, podinfo.Container{}))
+	p, warns, err := FromPod(pod(map[string]string{AnnotationStatus: "x"}, podspec.Container{}))
 	if err != nil || len(warns) > 0 {
 		t.Fatal(err, warns)
 	}
@@ -31,7 +31,7 @@ func TestDefaults(t *testing.T) {
 }
 
 func TestExcludeInboundDedup(t *testing.T) {
-	p, _, err := FromPod(pod(map[string]string{AnnotationExcludeInboundPorts: "3306, 15021,3306"}, podinfo.Container{}))
+	p, _, err := FromPod(pod(map[string]string{AnnotationExcludeInboundPorts: "3306, 15021,3306"}, podspec.Container{}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,7 +41,7 @@ func TestExcludeInboundDedup(t *testing.T) {
 }
 
 func TestExplicitOutboundExcludeReplacesDefault(t *testing.T) {
-	p, _, err := FromPod(pod(map[string]string{AnnotationExcludeOutboundPorts: "5555"}, podinfo.Container{}))
+	p, _, err := FromPod(pod(map[string]string{AnnotationExcludeOutboundPorts: "5555"}, podspec.Container{}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,11 +51,11 @@ func TestExplicitOutboundExcludeReplacesDefault(t *testing.T) {
 }
 
 func TestRerouteOverridesKubevirt(t *testing.T) {
-	p, _, err := FromPod(pod(map[string]string{AnnotationRerouteVirtualIfaces: "a0", AnnotationKubevirtInterfaces: "b0"}, podinfo.Container{}))
+	p, _, err := FromPod(pod(map[string]string{AnnotationRerouteVirtualIfaces: "a0", AnnotationKubevirtInterfaces: "b0"}, podspec.Container{}))
 	if err != nil || !reflect.DeepEqual(p.RerouteInterfaces, []string{"a0"}) {
 		t.Fatal(err, p.RerouteInterfaces)
 	}
-	p, _, err = FromPod(pod(map[string]string{AnnotationKubevirtInterfaces: "b0"}, podinfo.Container{}))
+	p, _, err = FromPod(pod(map[string]string{AnnotationKubevirtInterfaces: "b0"}, podspec.Container{}))
 	if err != nil || !reflect.DeepEqual(p.RerouteInterfaces, []string{"b0"}) {
 		t.Fatal(err, p.RerouteInterfaces)
 	}
@@ -63,7 +63,7 @@ func TestRerouteOverridesKubevirt(t *testing.T) {
 
 func TestProxyIDsAndEnv(t *testing.T) {
 	u, g := int64(1000), int64(0)
-	p, warns, err := FromPod(pod(nil, podinfo.Container{RunAsUser: &u, RunAsGroup: &g,
+	p, warns, err := FromPod(pod(nil, podspec.Container{RunAsUser: &u, RunAsGroup: &g,
 		Env: map[string]string{EnvDNSCapture: "true", EnvDualStack: "maybe", EnvInvalidDrop: "1"}}))
 	if err != nil {
 		t.Fatal(err)
@@ -99,7 +99,7 @@ func TestInvalidAnnotations(t *testing.T) {
 		{AnnotationKubevirtInterfaces, "eth\n0"},
 	}
 	for _, c := range cases {
-		_, _, err := FromPod(pod(map[string]string{c.key: c.value}, podinfo.Container{}))
+		_, _, err := FromPod(pod(map[string]string{c.key: c.value}, podspec.Container{}))
 		var ia *InvalidAnnotationError
 		if !errors.As(err, &ia) {
 			t.Errorf("%s=%q: want InvalidAnnotationError, got %v", c.key, c.value, err)
@@ -125,7 +125,7 @@ func FuzzFromPod(f *testing.F) {
 			AnnotationIncludeInboundPorts:  inPorts,
 			AnnotationExcludeOutboundPorts: outPorts,
 			AnnotationExcludeInterfaces:    ifaces,
-		}, podinfo.Container{}))
+		}, podspec.Container{}))
 		if err != nil {
 			return
 		}

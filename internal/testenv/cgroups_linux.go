@@ -6,12 +6,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
 )
 
 // cgroupMount is where the machine's cgroup hierarchies are.
@@ -227,4 +230,37 @@ func mkCgroup(h, rel string) error {
 		}
 	}
 	return nil
+}
+
+// CPUUsage returns the CPU time used so far by everything under rel (a
+// path below the node's root, "" for the whole node), from the cpuacct
+// hierarchy: what the bench splits a burst's CPU by.
+func (g *NodeCgroups) CPUUsage(rel string) (time.Duration, error) {
+	for _, h := range g.dirs {
+		if !slices.Contains(strings.Split(filepath.Base(h), ","), "cpuacct") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(h, g.Root, rel, "cpuacct.usage"))
+		if err != nil {
+			return 0, err
+		}
+		ns, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("cpuacct.usage of %s: %w", rel, err)
+		}
+		return time.Duration(ns), nil
+	}
+	return 0, errors.New("no cpuacct hierarchy")
+}
+
+// PodCgroupRel is a pod's cgroup below the node's root, by its QoS class,
+// as the kubelet lays it out.
+func PodCgroupRel(uid string, qos corev1.PodQOSClass) string {
+	switch qos {
+	case corev1.PodQOSGuaranteed:
+		return filepath.Join("kubepods", "pod"+uid)
+	case corev1.PodQOSBurstable:
+		return filepath.Join("kubepods", "burstable", "pod"+uid)
+	}
+	return filepath.Join("kubepods", "besteffort", "pod"+uid)
 }

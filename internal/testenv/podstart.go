@@ -17,6 +17,37 @@ import (
 // from its creation request to the moment a watch saw it Ready. The pods
 // are deleted afterwards.
 func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) ([]time.Duration, error) {
+	out, err := StartPods(ctx, c, ns, pods, limit)
+	if err != nil {
+		return nil, err
+	}
+	// A graceful delete: the API object stays until the kubelet has torn the
+	// pod down, so the next round does not share the node with this one's
+	// teardown.
+	for _, p := range pods {
+		_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{})
+	}
+	gone := time.Now().Add(limit)
+	for {
+		list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if len(list.Items) == 0 {
+			break
+		}
+		if time.Now().After(gone) {
+			return nil, fmt.Errorf("%d pods still there after deletion", len(list.Items))
+		}
+		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
+	}
+	return out, nil
+}
+
+// StartPods creates the pods at once and returns, sorted, each one's time
+// from its creation request to the moment a watch saw it Ready; the pods
+// stay.
+func StartPods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) ([]time.Duration, error) {
 	w, err := c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, err
@@ -83,26 +114,6 @@ func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Po
 		case <-deadline:
 			return nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
 		}
-	}
-	// A graceful delete: the API object stays until the kubelet has torn the
-	// pod down, so the next round does not share the node with this one's
-	// teardown.
-	for _, p := range pods {
-		_ = c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{})
-	}
-	gone := time.Now().Add(limit)
-	for {
-		list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return nil, err
-		}
-		if len(list.Items) == 0 {
-			break
-		}
-		if time.Now().After(gone) {
-			return nil, fmt.Errorf("%d pods still there after deletion", len(list.Items))
-		}
-		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
 	}
 	out := make([]time.Duration, 0, len(ready))
 	for _, d := range ready {

@@ -2,87 +2,238 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
-	"sort"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
-// clusterResult is the cluster series' creation-to-Ready times, each side
-// sorted.
-type clusterResult struct {
-	without, with []time.Duration
+// clusterConfig is the cluster series' part of the command line.
+type clusterConfig struct {
+	// pods is the burst: sidecar pods created at once; 0 skips the series.
+	pods int
+	// rounds of each arm per node size.
+	rounds int
+	// agentCPU is the agent's CPU request; empty keeps the chart's.
+	agentCPU string
+	// busy pods each keep one CPU thread spinning with busyCPU requested:
+	// the node's own workload, against which the pods start.
+	busy    int
+	busyCPU string
+	// full also measures the burst on a node filled up to maxPods (110)
+	// with idle pods, besides the burst on a node with only the busy pods.
+	full bool
+	// arms are the ways the node runs, comma-separated names of
+	// clusterArms.
+	arms string
 }
 
-// clusterStartup measures pod start-up at the cluster level on a real
-// kubelet+containerd node: cfg.clusterPods sidecar pods created at once,
-// time from creation to Ready, without and then with the plugin in the
-// chain (installed by the chart with the project's image).
-func clusterStartup(ctx context.Context, cfg config) (clusterResult, error) {
+func (c *clusterConfig) register(fs *flag.FlagSet) {
+	fs.IntVar(&c.pods, "cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, in each arm")
+	fs.IntVar(&c.rounds, "cluster-rounds", 3, "rounds of each arm per node size in the cluster series")
+	fs.StringVar(&c.agentCPU, "cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
+	fs.IntVar(&c.busy, "cluster-busy", 2, "pods spinning one CPU thread each while the pods start")
+	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
+	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,agent", "the ways the node runs, rotated round by round: without, plugin, agent")
+}
+
+// maxPods is the kubelet's default limit of pods on a node.
+const maxPods = 110
+
+// clusterArm is one way of running the node: without the plugin, or with
+// the chart and some values.
+type clusterArm struct {
+	name, about string
+	// values adds to the chart's values; nil runs without the plugin.
+	values func(map[string]any)
+}
+
+// clusterArms are the arms the series knows. Each with-plugin arm is the
+// chart at its defaults but for what the arm is about.
+var clusterArms = map[string]clusterArm{
+	"without": {name: "without", about: "no istio-cni"},
+	"plugin": {name: "plugin", about: "istio-cni, chart defaults: the plugin process commits the rules the agent prepared",
+		values: func(map[string]any) {}},
+	"agent": {name: "agent", about: "istio-cni, the agent applies every pod's rules in its own container (CNI_RULES_COMMITTER=agent)",
+		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
+}
+
+// burstFigures are one burst's: each pod's creation to Ready, sorted, and
+// the node's CPU over the burst by cgroup.
+type burstFigures struct {
+	startup []time.Duration
+	cpu     nodeCPU
+}
+
+// nodeCPU is CPU time over a burst: the whole node, the runtime's
+// cgroup (containerd, kubelet, runc, the CNI plugins they start), the
+// agent's pod, and everything in kubepods besides the agent.
+type nodeCPU struct {
+	node, runtime, agent, pods time.Duration
+}
+
+// clusterResult holds every burst by node size (pods on the node with the
+// burst) and arm, in the order measured.
+type clusterResult struct {
+	sizes  []int
+	arms   []clusterArm
+	bursts map[int]map[string][]burstFigures
+	// busyPods and idle are what shared the node with each burst.
+	busyPods int
+	idle     map[int]int
+}
+
+// clusterStartup measures pod start-up on a real kubelet+containerd node
+// laid out in cgroups as a node is: a burst of sidecar pods created at
+// once, time from creation to Ready, in rounds that rotate the arms, on a
+// node loaded by busy pods and, with full, filled with idle pods up to
+// maxPods.
+func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, error) {
+	res := &clusterResult{bursts: map[int]map[string][]burstFigures{}, busyPods: cfg.busy, idle: map[int]int{}}
+	for _, name := range parseArms(cfg.arms) {
+		arm, ok := clusterArms[name]
+		if !ok {
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent)", name)
+		}
+		res.arms = append(res.arms, arm)
+	}
 	one, err := testenv.StartOneNodeIn(ctx, "istio-cni-bench-cluster-",
 		testenv.NodeSetup{AgentImage: true, Namespaces: []string{"istio-system", "bench"}})
 	if err != nil {
-		return clusterResult{}, err
+		return nil, err
 	}
 	defer one.Stop()
-	cluster, node := one.Cluster, one.Node
-	// Each round's pods are deleted before the next round, so every round
-	// starts on the same node state.
-	measure := func(round string) ([]time.Duration, error) {
-		ps := sidecarPods(round, cfg.clusterPods)
-		d, err := testenv.PodStartTimes(ctx, cluster, "bench", ps, 3*time.Minute)
-		if err != nil {
-			return nil, err
-		}
-		return d, testenv.DeletePods(ctx, cluster, "bench", ps, 3*time.Minute)
-	}
-	// A warm-up round: images unpacked, caches filled.
-	if _, err := measure("warm"); err != nil {
-		return clusterResult{}, err
-	}
-	// Rounds alternate, without and with the plugin, so that effects of
-	// order (caches, state the node accumulates) fall on both sides.
-	var res clusterResult
-	for round := 0; round < cfg.clusterRounds; round++ {
-		d, err := measure(fmt.Sprintf("without%d", round))
-		if err != nil {
-			return clusterResult{}, err
-		}
-		res.without = append(res.without, d...)
-		values := testenv.NodeChartValues(cluster, node, false)
-		if cfg.clusterAgentCPU != "" {
-			values["resources"] = map[string]any{"requests": map[string]any{"cpu": cfg.clusterAgentCPU, "memory": "100Mi"}}
-		}
-		rel, err := testenv.InstallChart(cluster, values)
-		if err != nil {
-			return clusterResult{}, err
-		}
-		if err := waitAgentPodReady(ctx, cluster); err != nil {
-			return clusterResult{}, err
-		}
-		d, err = measure(fmt.Sprintf("with%d", round))
-		if err != nil {
-			return clusterResult{}, err
-		}
-		res.with = append(res.with, d...)
-		if err := rel.Uninstall(); err != nil {
-			return clusterResult{}, err
-		}
-		if err := waitAgentPodGone(ctx, cluster); err != nil {
-			return clusterResult{}, err
+	cluster := one.Cluster
+	busy := busyPods(cfg.busy, cfg.busyCPU)
+	if len(busy) > 0 {
+		if _, err := testenv.StartPods(ctx, cluster, "bench", busy, 3*time.Minute); err != nil {
+			return nil, fmt.Errorf("busy pods: %w", err)
 		}
 	}
-	sort.Slice(res.without, func(i, j int) bool { return res.without[i] < res.without[j] })
-	sort.Slice(res.with, func(i, j int) bool { return res.with[i] < res.with[j] })
+	// A warm-up burst: images unpacked, caches filled.
+	if _, err := burst(ctx, one, "warm", cfg.pods, ""); err != nil {
+		return nil, err
+	}
+	// One burst's pods plus the agent and the busy pods; full fills the
+	// node to maxPods with idle pods around the burst.
+	sizes := []int{0}
+	if cfg.full {
+		sizes = append(sizes, maxPods-cfg.pods-cfg.busy-1)
+	}
+	for _, idle := range sizes {
+		size := idle + cfg.pods + cfg.busy + 1
+		res.sizes = append(res.sizes, size)
+		res.idle[size] = idle
+		res.bursts[size] = map[string][]burstFigures{}
+		idlePods := idleSidecarPods(idle)
+		if len(idlePods) > 0 {
+			if _, err := testenv.StartPods(ctx, cluster, "bench", idlePods, 5*time.Minute); err != nil {
+				return nil, fmt.Errorf("idle pods: %w", err)
+			}
+		}
+		for round := 0; round < cfg.rounds; round++ {
+			// Rotated, so no arm always follows the same one.
+			for i := range res.arms {
+				arm := res.arms[(i+round)%len(res.arms)]
+				f, err := armBurst(ctx, one, cfg, arm, fmt.Sprintf("%s-%d-%d", arm.name, size, round))
+				if err != nil {
+					return nil, fmt.Errorf("%s, %d pods on the node, round %d: %w", arm.name, size, round, err)
+				}
+				res.bursts[size][arm.name] = append(res.bursts[size][arm.name], f)
+			}
+		}
+		if len(idlePods) > 0 {
+			if err := testenv.DeletePods(ctx, cluster, "bench", idlePods, 5*time.Minute); err != nil {
+				return nil, err
+			}
+		}
+	}
 	return res, nil
 }
 
+// armBurst runs one burst with the node as arm has it: the chart installed
+// with the arm's values for the burst and removed after it.
+func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm clusterArm, round string) (burstFigures, error) {
+	if arm.values == nil {
+		return burst(ctx, one, round, cfg.pods, "")
+	}
+	values := testenv.NodeChartValues(one.Cluster, one.Node, false)
+	if cfg.agentCPU != "" {
+		values["resources"] = map[string]any{"requests": map[string]any{"cpu": cfg.agentCPU, "memory": "100Mi"}}
+	}
+	arm.values(values)
+	rel, err := testenv.InstallChart(one.Cluster, values)
+	if err != nil {
+		return burstFigures{}, err
+	}
+	agent, err := waitAgentPodReady(ctx, one.Cluster)
+	if err != nil {
+		return burstFigures{}, err
+	}
+	f, err := burst(ctx, one, round, cfg.pods, testenv.PodCgroupRel(string(agent.UID), agent.Status.QOSClass))
+	if err != nil {
+		return burstFigures{}, err
+	}
+	if err := rel.Uninstall(); err != nil {
+		return burstFigures{}, err
+	}
+	return f, waitAgentPodGone(ctx, one.Cluster)
+}
+
+// burst creates n sidecar pods at once and measures each one's creation
+// to Ready and the node's CPU meanwhile, agentCgroup being the agent's
+// pod ("" when there is none); the pods are deleted before it returns.
+func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agentCgroup string) (burstFigures, error) {
+	cg := one.Node.Cgroups
+	read := func() (nodeCPU, error) {
+		var s nodeCPU
+		var err error
+		if s.node, err = cg.CPUUsage(""); err != nil {
+			return s, err
+		}
+		if s.runtime, err = cg.CPUUsage("runtime"); err != nil {
+			return s, err
+		}
+		if s.pods, err = cg.CPUUsage("kubepods"); err != nil {
+			return s, err
+		}
+		if agentCgroup != "" {
+			if s.agent, err = cg.CPUUsage(agentCgroup); err != nil {
+				return s, err
+			}
+		}
+		return s, nil
+	}
+	before, err := read()
+	if err != nil {
+		return burstFigures{}, err
+	}
+	ps := sidecarPods(round, n)
+	d, err := testenv.StartPods(ctx, one.Cluster, "bench", ps, 5*time.Minute)
+	if err != nil {
+		return burstFigures{}, err
+	}
+	after, err := read()
+	if err != nil {
+		return burstFigures{}, err
+	}
+	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
+		agent: after.agent - before.agent}
+	split.pods = after.pods - before.pods - split.agent
+	return burstFigures{startup: d, cpu: split}, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
+}
+
 // sidecarPods are n pods shaped as Istio's injector shapes a sidecar pod,
-// named after the round.
+// named after the round. The proxy requests a tenth of Istio's default
+// (100m CPU, 128Mi) so that a burst plus a full node fits the 2-core
+// machine's allocatable: Burstable pods, as injected pods are.
 func sidecarPods(round string, n int) []*corev1.Pod {
 	never := corev1.PullNever
 	f := false
@@ -96,8 +247,41 @@ func sidecarPods(round string, n int) []*corev1.Pod {
 				Containers: []corev1.Container{
 					{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
 					{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
-						SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}},
+						SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid},
+						Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+							corev1.ResourceCPU: resource.MustParse("10m"), corev1.ResourceMemory: resource.MustParse("13Mi")}}},
 				}},
+		})
+	}
+	return out
+}
+
+// idleSidecarPods are the pods a node already runs when the burst comes.
+func idleSidecarPods(n int) []*corev1.Pod {
+	ps := sidecarPods("idle", n)
+	for _, p := range ps {
+		// Requests of their own would leave no allocatable CPU for the
+		// burst on this machine: BestEffort.
+		for i := range p.Spec.Containers {
+			p.Spec.Containers[i].Resources = corev1.ResourceRequirements{}
+		}
+	}
+	return ps
+}
+
+// busyPods keep the node's CPU busy as its workload does, each with one
+// spinning thread and cpu requested: Burstable pods whose weight is what
+// the agent's competes with.
+func busyPods(n int, cpu string) []*corev1.Pod {
+	never := corev1.PullNever
+	f := false
+	var out []*corev1.Pod
+	for i := 0; i < n; i++ {
+		out = append(out, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("busy-%d", i)},
+			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+				Containers: []corev1.Container{{Name: "spin", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"spin", "1"},
+					Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse(cpu)}}}}},
 		})
 	}
 	return out
@@ -115,18 +299,29 @@ func waitAgentPodGone(ctx context.Context, c *testenv.Cluster) error {
 	return fmt.Errorf("agent pod still there 2m after uninstall")
 }
 
-func waitAgentPodReady(ctx context.Context, c *testenv.Cluster) error {
+func waitAgentPodReady(ctx context.Context, c *testenv.Cluster) (*corev1.Pod, error) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
 		pods, err := c.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
 		if err == nil && len(pods.Items) == 1 {
 			for _, cond := range pods.Items[0].Status.Conditions {
 				if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
-					return nil
+					return &pods.Items[0], nil
 				}
 			}
 		}
 		time.Sleep(200 * time.Millisecond) // polling the API server, untimed
 	}
-	return fmt.Errorf("agent pod not Ready within 2m")
+	return nil, fmt.Errorf("agent pod not Ready within 2m")
+}
+
+// parseArms reads -cluster-arms.
+func parseArms(s string) []string {
+	var out []string
+	for _, a := range strings.Split(s, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			out = append(out, a)
+		}
+	}
+	return out
 }

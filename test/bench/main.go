@@ -35,13 +35,9 @@ type config struct {
 	listPods int
 	// listsOnly runs the list series alone.
 	listsOnly bool
-	// clusterPods, when above zero, runs the cluster series instead.
-	clusterPods int
-	// clusterRounds is rounds of each side in the cluster series.
-	clusterRounds int
-	// clusterAgentCPU is the agent's CPU request there; empty keeps the
-	// chart's.
-	clusterAgentCPU string
+	// cluster, when its pods are above zero, runs the cluster series
+	// instead (cluster.go).
+	cluster clusterConfig
 	// flat is the pods-on-the-node series' (flat.go).
 	flat flatConfig
 }
@@ -55,9 +51,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.IntVar(&c.rounds, "rounds", 3, "rounds of the parallel series")
 	fs.IntVar(&c.listPods, "list-pods", 15, "pods per list length and backend in the list series")
 	fs.BoolVar(&c.listsOnly, "lists-only", false, "run only the list series (and the primary plugin alone, alternated with it)")
-	fs.StringVar(&c.clusterAgentCPU, "cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
-	fs.IntVar(&c.clusterRounds, "cluster-rounds", 3, "rounds of each side in the cluster series")
-	fs.IntVar(&c.clusterPods, "cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, without and with the plugin")
+	c.cluster.register(fs)
 	c.flat.register(fs)
 	err := fs.Parse(args)
 	return c, err
@@ -79,12 +73,12 @@ func main() {
 // run picks what cfg asks for, measures it, then reports it.
 func run(cfg config) error {
 	ctx := context.Background()
-	if cfg.clusterPods > 0 {
-		res, err := clusterStartup(ctx, cfg)
+	if cfg.cluster.pods > 0 {
+		res, err := clusterStartup(ctx, cfg.cluster)
 		if err != nil {
 			return err
 		}
-		reportCluster(cfg, res)
+		reportCluster(cfg.cluster, res)
 		return nil
 	}
 	dir, err := os.MkdirTemp("", "istio-cni-bench-")

@@ -167,13 +167,64 @@ func reportLists(r *results) {
 	}
 }
 
-// reportCluster prints the cluster series: creation to Ready without and
-// with the plugin, and what the plugin adds.
-func reportCluster(cfg config, r clusterResult) {
-	without, with := r.without, r.with
-	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node, creation to Ready (%d alternating rounds each, agent CPU request %s):\n", cfg.clusterPods, cfg.clusterRounds, cmp.Or(cfg.clusterAgentCPU, "100m (chart default)"))
-	fmt.Printf("  without istio-cni: p50 %s  p99 %s  last %s\n", ms(pct(without, .5)), ms(pct(without, .99)), ms(without[len(without)-1]))
-	fmt.Printf("  with istio-cni:    p50 %s  p99 %s  last %s\n", ms(pct(with, .5)), ms(pct(with, .99)), ms(with[len(with)-1]))
-	fmt.Printf("  added by the plugin: p50 %+.1f%%, last pod %+.1f%% (goal < 5%%)\n",
-		100*(float64(pct(with, .5))/float64(pct(without, .5))-1), 100*(float64(with[len(with)-1])/float64(without[len(without)-1])-1))
+// reportCluster prints the cluster series: per node size and arm, the
+// burst's creation to Ready (pooled p50 and p99, the median over rounds
+// of each burst's last pod, each round's p50), the node's CPU per started
+// pod by cgroup, and each arm against the node without the plugin.
+func reportCluster(cfg clusterConfig, r *clusterResult) {
+	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node with a node's cgroups (QoS tree, runtime in its own cgroup),\n", cfg.pods)
+	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm, arms rotated:\n",
+		r.busyPods, cfg.busyCPU, cmp.Or(cfg.agentCPU, "100m (chart default)"), cfg.rounds)
+	for _, a := range r.arms {
+		fmt.Printf("  %-8s %s\n", a.name, a.about)
+	}
+	for _, size := range r.sizes {
+		fmt.Printf("\n%d pods on the node with the burst (%d idle, %d busy, the agent, the burst):\n", size, r.idle[size], r.busyPods)
+		fmt.Printf("  %-8s %10s %10s %10s   %-30s %s\n", "arm", "p50", "p99", "last", "round p50s, s", "CPU per pod: node = runtime + agent + pods")
+		base := r.bursts[size]["without"]
+		for _, a := range r.arms {
+			bs := r.bursts[size][a.name]
+			all, lasts, rounds := burstStats(bs)
+			var cpu nodeCPU
+			n := 0
+			for _, b := range bs {
+				cpu.node += b.cpu.node
+				cpu.runtime += b.cpu.runtime
+				cpu.agent += b.cpu.agent
+				cpu.pods += b.cpu.pods
+				n += len(b.startup)
+			}
+			n = max(n, 1)
+			fmt.Printf("  %-8s %s %s %s   %-30s %.1f = %.1f + %.1f + %.1f ms\n", a.name, ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds,
+				msf(cpu.node)/float64(n), msf(cpu.runtime)/float64(n), msf(cpu.agent)/float64(n), msf(cpu.pods)/float64(n))
+		}
+		if len(base) == 0 {
+			continue
+		}
+		baseAll, baseLasts, _ := burstStats(base)
+		for _, a := range r.arms {
+			if a.values == nil {
+				continue
+			}
+			all, lasts, _ := burstStats(r.bursts[size][a.name])
+			fmt.Printf("  %-8s against without: p50 %+.1f%%, last pod %+.1f%% (target: each within 5%%)\n", a.name,
+				100*(ratioOf(pct(all, .5), pct(baseAll, .5))-1), 100*(ratioOf(pct(lasts, .5), pct(baseLasts, .5))-1))
+		}
+	}
+}
+
+// burstStats pools a series' start-up times, collects each burst's last
+// pod, and renders each round's p50 in seconds.
+func burstStats(bs []burstFigures) (all, lasts []time.Duration, rounds string) {
+	for i, b := range bs {
+		all = append(all, b.startup...)
+		if len(b.startup) > 0 {
+			lasts = append(lasts, b.startup[len(b.startup)-1])
+		}
+		if i > 0 {
+			rounds += " "
+		}
+		rounds += fmt.Sprintf("%.2f", pct(b.startup, .5).Seconds())
+	}
+	return all, lasts, rounds
 }

@@ -441,7 +441,7 @@ func (e *env) serveCNI(variant string) {
 	}
 	s := &cniserver.Server{
 		Log:   slog.New(slog.NewJSONHandler(os.Stderr, nil)).With("scope", "cni-plugin"),
-		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{},
+		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{}, ForceIPTables: force,
 		Pods: podcache.Start(ctx, api, testenv.NodeName), Clientset: api,
 		ReadyReason: func() string { return "" },
 	}

@@ -5,6 +5,7 @@
 //	                        Istio's proxy's do): answer with the original
 //	                        destination (SO_ORIGINAL_DST) of each connection
 //	app dial-loop ADDR      connect twice a second and print the answer
+//	app spin N              keep N threads busy: a pod loading its node
 package main
 
 import (
@@ -12,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/origdst"
@@ -19,7 +21,7 @@ import (
 
 func main() {
 	if len(os.Args) < 3 {
-		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app proxy ADDR... | app dial-loop ADDR")
+		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app proxy ADDR... | app dial-loop ADDR | app spin N")
 		os.Exit(2)
 	}
 	switch os.Args[1] {
@@ -43,6 +45,16 @@ func main() {
 				fmt.Println(line)
 				return line
 			})
+		}
+		select {}
+	case "spin":
+		n, err := strconv.Atoi(os.Args[2])
+		if err != nil || n < 1 {
+			fmt.Fprintln(os.Stderr, "spin: want a thread count, got", os.Args[2])
+			os.Exit(2)
+		}
+		for i := 0; i < n; i++ {
+			go spin()
 		}
 		select {}
 	case "dial-loop":
@@ -79,4 +91,16 @@ func listen(addr string, answer func(net.Conn) string) {
 			}(c)
 		}
 	}()
+}
+
+// spin burns CPU until the process is killed; the counter keeps the
+// compiler from removing the loop.
+func spin() {
+	var x uint64
+	for {
+		x = x*6364136223846793005 + 1442695040888963407
+		if x == 0 {
+			fmt.Println(x)
+		}
+	}
 }
