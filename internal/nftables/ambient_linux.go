@@ -88,6 +88,8 @@ func (a *Applier) EnsureHost(netnsPath string, p ruleset.HostParams) (bool, erro
 	changed := false
 	err = a.withOurTables(netnsPath, AmbientNATTable, rs, func(conn *nftables.Conn, existing []*nftables.Table) error {
 		if len(existing) > 0 {
+			// A table that cannot be read back is rewritten, as one that
+			// differs.
 			diffs, err := diff(conn, existing, rs)
 			if err == nil && len(diffs) == 0 {
 				return nil
@@ -195,9 +197,9 @@ func probeSet(conn *nftables.Conn, name string) (*nftables.Set, map[netip.Addr]s
 		return nil, nil, fmt.Errorf("reading the elements of set %s: %w", name, err)
 	}
 	out := map[netip.Addr]string{}
-	for _, e := range elems {
-		if ip, ok := netip.AddrFromSlice(e.Key); ok {
-			out[ip] = e.Comment
+	for i := range elems {
+		if ip, ok := netip.AddrFromSlice(elems[i].Key); ok {
+			out[ip] = elems[i].Comment
 		}
 	}
 	return set, out, nil

@@ -650,7 +650,7 @@ func (b *builder) target(t string, rest []string) error {
 		}
 		b.add("counter snat to "+v, counter,
 			&expr.Immediate{Register: 1, Data: addr.AsSlice()},
-			&expr.NAT{Type: expr.NATTypeSourceNAT, Family: fam, RegAddrMin: 1, RegAddrMax: 1, Specified: true})
+			&expr.NAT{Type: expr.NATTypeSourceNAT, Family: fam, RegAddrMin: 1, RegAddrMax: 1})
 	case "CT":
 		v, ok := opt("--zone")
 		z, err := strconv.ParseUint(v, 10, 16)

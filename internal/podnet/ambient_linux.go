@@ -114,9 +114,9 @@ func SyncAmbientRouting(want, v6 bool) error {
 		if err != nil {
 			return err
 		}
-		for _, r := range have {
-			if err := netlink.RouteDel(&r); err != nil && !errors.Is(err, syscall.ESRCH) && !errors.Is(err, syscall.ENOENT) {
-				return fmt.Errorf("deleting route %s of table %d: %w", r.Dst, ruleset.InboundRouteTable, err)
+		for i := range have {
+			if err := netlink.RouteDel(&have[i]); err != nil && !errors.Is(err, syscall.ESRCH) && !errors.Is(err, syscall.ENOENT) {
+				return fmt.Errorf("deleting route %s of table %d: %w", have[i].Dst, ruleset.InboundRouteTable, err)
 			}
 		}
 	}
@@ -146,7 +146,8 @@ func AmbientRoutingMismatch(v6 bool) ([]string, error) {
 			return nil, err
 		}
 		found := false
-		for _, r := range have {
+		for i := range have {
+			r := &have[i]
 			deflt := r.Dst == nil
 			if !deflt {
 				ones, _ := r.Dst.Mask.Size()
