@@ -37,44 +37,55 @@ func (a *Applier) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, er
 	if err != nil {
 		return rep, err
 	}
-	err = a.withOurTables(netnsPath, rs, func(conn *nftables.Conn, existing []*nftables.Table) error {
-		action, note := "applied", ""
-		if len(existing) > 0 {
-			diffs, err := diff(conn, existing, rs)
-			if err != nil {
-				// A rule that cannot even be read back is not ours: the
-				// tables are replaced whole, as for any difference.
-				diffs = []string{"unreadable: " + err.Error()}
-			}
-			action = "replaced"
-			if len(diffs) == 0 {
-				action = "unchanged"
-			}
-		}
-		if len(rs.Rules) == 0 && len(existing) == 0 {
-			action = "none"
-		}
-		if action != "unchanged" && action != "none" {
-			for _, t := range existing {
-				conn.DelTable(t)
-			}
-			if err := program(conn, rs); err != nil {
-				return err
-			}
-			if err := conn.Flush(); err != nil {
-				if landed(rs, err) {
-					// The replies overflowed the socket but the batch went
-					// through: the namespace holds exactly the plan.
-					note = "kernel replies lost, rules verified"
-				} else {
-					return refusal(rs, err)
-				}
-			}
+	err = a.withOurTables(netnsPath, TablePrefix, rs, func(conn *nftables.Conn, existing []*nftables.Table) error {
+		action, note, err := replace(conn, existing, rs)
+		if err != nil {
+			return err
 		}
 		rep.Families = append(rep.Families, podnet.FamilyReport{Family: ruleset.IPv4, Variant: VariantName, Action: action, Duration: time.Since(start), Note: note})
 		return podnet.SyncRouting(plan)
 	})
 	return rep, err
+}
+
+// replace makes the namespace's tables of ours (existing) exactly the
+// ruleset's, in one transaction, unless they already are. It says what it
+// did: "applied", "replaced", "unchanged" or "none", and a note.
+func replace(conn *nftables.Conn, existing []*nftables.Table, rs *Ruleset) (action, note string, err error) {
+	action = "applied"
+	if len(existing) > 0 {
+		diffs, err := diff(conn, existing, rs)
+		if err != nil {
+			// A rule that cannot even be read back is not ours: the
+			// tables are replaced whole, as for any difference.
+			diffs = []string{"unreadable: " + err.Error()}
+		}
+		action = "replaced"
+		if len(diffs) == 0 {
+			action = "unchanged"
+		}
+	}
+	if len(rs.Rules) == 0 && len(existing) == 0 {
+		action = "none"
+	}
+	if action == "unchanged" || action == "none" {
+		return action, "", nil
+	}
+	for _, t := range existing {
+		conn.DelTable(t)
+	}
+	if err := program(conn, rs); err != nil {
+		return "", "", err
+	}
+	if err := conn.Flush(); err != nil {
+		if !landed(rs, err) {
+			return "", "", refusal(rs, err)
+		}
+		// The replies overflowed the socket but the batch went
+		// through: the namespace holds exactly the plan.
+		note = "kernel replies lost, rules verified"
+	}
+	return action, note, nil
 }
 
 // Remove deletes our tables and the TPROXY policy route.
@@ -88,7 +99,7 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 	if err != nil {
 		return err
 	}
-	return a.withOurTables(netnsPath, nil, func(conn *nftables.Conn, existing []*nftables.Table) error {
+	return a.withOurTables(netnsPath, TablePrefix, nil, func(conn *nftables.Conn, existing []*nftables.Table) error {
 		diffs, err := diff(conn, existing, rs)
 		if err != nil {
 			return err
@@ -99,8 +110,8 @@ func (a *Applier) Check(netnsPath string, plan *ruleset.Plan) error {
 
 // withOurTables runs fn inside the pod's namespace with a netlink
 // connection there, its buffers sized for rs (nil: defaults), and the
-// tables of ours it holds.
-func (a *Applier) withOurTables(netnsPath string, rs *Ruleset, fn func(*nftables.Conn, []*nftables.Table) error) error {
+// tables of ours (named with prefix) it holds.
+func (a *Applier) withOurTables(netnsPath, prefix string, rs *Ruleset, fn func(*nftables.Conn, []*nftables.Table) error) error {
 	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
 		// One socket for the whole call, bound to this thread's namespace
 		// when it is made.
@@ -114,7 +125,7 @@ func (a *Applier) withOurTables(netnsPath string, rs *Ruleset, fn func(*nftables
 		}
 		// Closing only releases the socket: the call's outcome is decided.
 		defer func() { _ = conn.CloseLasting() }()
-		existing, err := ourTables(conn)
+		existing, err := ourTables(conn, prefix)
 		if err != nil {
 			return err
 		}
@@ -127,14 +138,14 @@ func (a *Applier) PodAddrs(netnsPath string) ([]netip.Addr, error) {
 	return podnet.PodAddrs(netnsPath)
 }
 
-func ourTables(conn *nftables.Conn) ([]*nftables.Table, error) {
+func ourTables(conn *nftables.Conn, prefix string) ([]*nftables.Table, error) {
 	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
 	if err != nil {
 		return nil, fmt.Errorf("listing nftables tables: %w", err)
 	}
 	var out []*nftables.Table
 	for _, t := range tables {
-		if strings.HasPrefix(t.Name, TablePrefix) {
+		if strings.HasPrefix(t.Name, prefix) {
 			out = append(out, t)
 		}
 	}
@@ -162,7 +173,7 @@ func program(conn *nftables.Conn, rs *Ruleset) error {
 	for _, st := range rs.Sets {
 		// The ID is set, so the library does not number the set from a
 		// counter that concurrent pods would share unguarded.
-		set := &nftables.Set{Table: tables[st.Table], Name: st.Name, ID: st.ID, KeyType: st.KeyType, Interval: st.Interval, Size: st.Size}
+		set := &nftables.Set{Table: tables[st.Table], Name: st.Name, ID: st.ID, KeyType: st.KeyType, Interval: st.Interval, Size: st.Size, Comment: st.Comment}
 		if err := conn.AddSet(set, nil); err != nil {
 			return fmt.Errorf("set %s: %w", st.Name, err)
 		}
@@ -309,7 +320,7 @@ func canonical(e expr.Any) expr.Any {
 // Inspect lists our tables with their chains and rule counts.
 func (a *Applier) Inspect(netnsPath string) ([]string, error) {
 	var out []string
-	err := a.withOurTables(netnsPath, nil, func(conn *nftables.Conn, tables []*nftables.Table) error {
+	err := a.withOurTables(netnsPath, TablePrefix, nil, func(conn *nftables.Conn, tables []*nftables.Table) error {
 		if len(tables) == 0 {
 			return nil
 		}

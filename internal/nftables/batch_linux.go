@@ -112,7 +112,7 @@ func landed(rs *Ruleset, err error) bool {
 		return false
 	}
 	defer func() { _ = conn.CloseLasting() }()
-	existing, lerr := ourTables(conn)
+	existing, lerr := ourTables(conn, rs.tablePrefix())
 	if lerr != nil {
 		return false
 	}
@@ -229,6 +229,9 @@ func diffSets(conn *nftables.Conn, have map[string]*nftables.Table, rs *Ruleset)
 			seen[key] = true
 			if ks.KeyType.Name != w.KeyType.Name || ks.Interval != w.Interval {
 				diffs = append(diffs, fmt.Sprintf("set %s has type %s (interval %v), want %s (interval %v)", key, ks.KeyType.Name, ks.Interval, w.KeyType.Name, w.Interval))
+				continue
+			}
+			if w.KeepElements {
 				continue
 			}
 			elems, err := conn.GetSetElements(ks)

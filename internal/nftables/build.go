@@ -54,6 +54,18 @@ type Ruleset struct {
 	Rules        []Rule
 	TProxyRoutes bool
 	IPv6         bool
+
+	// prefix starts the names of the tables the ruleset owns in a
+	// namespace; "" is the sidecar's TablePrefix.
+	prefix string
+}
+
+// tablePrefix is what names the tables the ruleset replaces.
+func (rs *Ruleset) tablePrefix() string {
+	if rs == nil || rs.prefix == "" {
+		return TablePrefix
+	}
+	return rs.prefix
 }
 
 // Set is a named interval set in one of our tables, holding the entries
@@ -76,6 +88,12 @@ type Set struct {
 	// gave.
 	Origin string
 	Listed int
+
+	// Comment describes the set to people listing the ruleset.
+	Comment string
+	// KeepElements marks a set whose elements are not the ruleset's (the
+	// node's probe set): they are neither compared nor replaced.
+	KeepElements bool
 
 	// The contents as written: the list's set, or interface names.
 	list  *ruleset.IPSet
@@ -104,6 +122,8 @@ func baseChain(table, chain string) *BaseChain {
 		return &BaseChain{nftables.ChainTypeRoute, nftables.ChainHookOutput, nftables.ChainPriorityMangle, "type route hook output priority -150"}
 	case "raw/PREROUTING":
 		return &BaseChain{nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRaw, "type filter hook prerouting priority -300"}
+	case "nat/POSTROUTING":
+		return &BaseChain{nftables.ChainTypeNAT, nftables.ChainHookPostrouting, nftables.ChainPriorityNATSource, "type nat hook postrouting priority 100"}
 	case "raw/OUTPUT":
 		return &BaseChain{nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityRaw, "type filter hook output priority -300"}
 	}
@@ -204,8 +224,13 @@ func (rs *Ruleset) Text() string {
 		} else if st.Size > 0 {
 			flags = fmt.Sprintf(" size %d ;", st.Size)
 		}
+		if st.Comment != "" {
+			flags += fmt.Sprintf(" comment %q ;", st.Comment)
+		}
 		fmt.Fprintf(&b, "add set inet %s %s { type %s ;%s }\n", st.Table, st.Name, st.KeyType.Name, flags)
-		fmt.Fprintf(&b, "add element inet %s %s { %s }\n", st.Table, st.Name, strings.Join(st.Entries(), ", "))
+		if len(st.Elements) > 0 {
+			fmt.Fprintf(&b, "add element inet %s %s { %s }\n", st.Table, st.Name, strings.Join(st.Entries(), ", "))
+		}
 	}
 	for _, r := range rs.Rules {
 		fmt.Fprintf(&b, "add rule inet %s %s %s\n", r.Table, r.Chain, r.Text)
@@ -389,15 +414,8 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 			if err != nil {
 				return Rule{}, err
 			}
-			m, err := parseNum(v)
-			if err != nil {
+			if err := b.mark(isConnmarkMatch(args), neg, v); err != nil {
 				return Rule{}, err
-			}
-			op, t := cmpOp(neg)
-			if isConnmarkMatch(args) {
-				b.add("ct mark "+t+v, &expr.Ct{Key: expr.CtKeyMARK, Register: 1}, &expr.Cmp{Op: op, Register: 1, Data: hostU32(m)})
-			} else {
-				b.add("meta mark "+t+v, &expr.Meta{Key: expr.MetaKeyMARK, Register: 1}, &expr.Cmp{Op: op, Register: 1, Data: hostU32(m)})
 			}
 		case "--ctstate":
 			v, err := next()
@@ -434,6 +452,36 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 		neg = false
 	}
 	return Rule{}, fmt.Errorf("rule without a target")
+}
+
+// mark compares the packet's or the connection's mark with a value, or,
+// for "value/mask", only the mask's bits of it.
+func (b *builder) mark(conn, neg bool, v string) error {
+	val, mask, masked := strings.Cut(v, "/")
+	m, err := parseNum(val)
+	if err != nil {
+		return fmt.Errorf("bad mark %q", v)
+	}
+	op, t := cmpOp(neg)
+	load, word := expr.Any(&expr.Meta{Key: expr.MetaKeyMARK, Register: 1}), "meta mark "
+	if conn {
+		load, word = &expr.Ct{Key: expr.CtKeyMARK, Register: 1}, "ct mark "
+	}
+	if !masked {
+		b.add(word+t+v, load, &expr.Cmp{Op: op, Register: 1, Data: hostU32(m)})
+		return nil
+	}
+	bits, err := parseNum(mask)
+	if err != nil {
+		return fmt.Errorf("bad mark mask %q", v)
+	}
+	if t == "" {
+		t = "== "
+	}
+	b.add(fmt.Sprintf("%s& %#x %s%#x", word, bits, t, m), load,
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: hostU32(bits), Xor: hostU32(0)},
+		&expr.Cmp{Op: op, Register: 1, Data: hostU32(m & bits)})
+	return nil
 }
 
 func isConnmarkMatch(args []string) bool {
@@ -562,6 +610,24 @@ func (b *builder) target(t string, rest []string) error {
 			b.add("counter ct mark set meta mark", counter,
 				&expr.Meta{Key: expr.MetaKeyMARK, Register: 1},
 				&expr.Ct{Key: expr.CtKeyMARK, SourceRegister: true, Register: 1})
+		case len(rest) > 1 && rest[0] == "--set-xmark":
+			// The mask's bits of the connection's mark become the value's,
+			// the others stay.
+			val, mask, _ := strings.Cut(rest[1], "/")
+			v, err := parseNum(val)
+			if err != nil {
+				return fmt.Errorf("bad CONNMARK value %q", rest[1])
+			}
+			m := uint32(0xffffffff)
+			if mask != "" {
+				if m, err = parseNum(mask); err != nil {
+					return fmt.Errorf("bad CONNMARK mask %q", rest[1])
+				}
+			}
+			b.add(fmt.Sprintf("counter ct mark set ct mark & %#x | %#x", ^m, v), counter,
+				&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
+				&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: hostU32(^m), Xor: hostU32(v)},
+				&expr.Ct{Key: expr.CtKeyMARK, SourceRegister: true, Register: 1})
 		case len(rest) > 0 && rest[0] == "--restore-mark":
 			b.add("counter meta mark set ct mark", counter,
 				&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
@@ -569,6 +635,22 @@ func (b *builder) target(t string, rest []string) error {
 		default:
 			return fmt.Errorf("unsupported CONNMARK %v", rest)
 		}
+	case "SNAT":
+		v, ok := opt("--to-source")
+		addr, err := netip.ParseAddr(v)
+		if !ok || err != nil {
+			return fmt.Errorf("SNAT needs an address in --to-source")
+		}
+		if addr.Is4() != (b.fam == ruleset.IPv4) {
+			return fmt.Errorf("SNAT address %s does not belong to %s", v, b.fam)
+		}
+		fam := uint32(unix.NFPROTO_IPV4)
+		if b.fam == ruleset.IPv6 {
+			fam = unix.NFPROTO_IPV6
+		}
+		b.add("counter snat to "+v, counter,
+			&expr.Immediate{Register: 1, Data: addr.AsSlice()},
+			&expr.NAT{Type: expr.NATTypeSourceNAT, Family: fam, RegAddrMin: 1, RegAddrMax: 1})
 	case "CT":
 		v, ok := opt("--zone")
 		z, err := strconv.ParseUint(v, 10, 16)

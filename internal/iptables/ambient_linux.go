@@ -1,0 +1,55 @@
+package iptables
+
+import (
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// ApplyAmbient makes an enrolled pod's namespace hold exactly ambient
+// mode's rules for p (ruleset.BuildAmbient) and its policy routing: one
+// iptables-restore per family, none when the rules are already there.
+// Rules of other components are left alone, and so is the sidecar
+// TPROXY routing.
+func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podnet.Report, error) {
+	plan := ruleset.BuildAmbient(p)
+	var rep podnet.Report
+	err := a.inPod(netnsPath, func(t *podTarget) error {
+		var err error
+		if rep, err = a.apply(t, plan); err != nil {
+			return err
+		}
+		return podnet.SyncAmbientRouting(true, p.IPv6)
+	})
+	return rep, err
+}
+
+// RemoveAmbient deletes every rule and chain of ours and ambient mode's
+// policy routing from the namespace.
+func (a *Applier) RemoveAmbient(netnsPath string) (podnet.Report, error) {
+	var rep podnet.Report
+	err := a.inPod(netnsPath, func(t *podTarget) error {
+		var err error
+		if rep, err = a.apply(t, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}); err != nil {
+			return err
+		}
+		return podnet.SyncAmbientRouting(false, true)
+	})
+	return rep, err
+}
+
+// CheckAmbient returns an error naming every difference between the
+// namespace and what ApplyAmbient(p) makes of it.
+func (a *Applier) CheckAmbient(netnsPath string, p ruleset.AmbientParams) error {
+	plan := ruleset.BuildAmbient(p)
+	return a.inPod(netnsPath, func(t *podTarget) error {
+		plan, diffs, err := a.diff(t, plan)
+		if err != nil {
+			return err
+		}
+		missing, err := podnet.AmbientRoutingMismatch(p.IPv6)
+		if err != nil {
+			return err
+		}
+		return podnet.Mismatch(plan, append(diffs, missing...))
+	})
+}

@@ -1,0 +1,212 @@
+package iptables
+
+import (
+	"errors"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
+)
+
+func ipRules(t *testing.T, n ns.NetNS) string {
+	t.Helper()
+	var out []byte
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command("sh", "-c", "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; true").CombinedOutput()
+		return err
+	})
+	if err != nil {
+		t.Fatalf("ip rule: %v: %s", err, out)
+	}
+	return string(out)
+}
+
+// TestAmbientApplyEveryCase applies every ambient case with each iptables
+// variant, IPv4 only and both families: it reads back as planned, a
+// second apply writes nothing, another component's rule stays through
+// apply and removal, and removal leaves nothing of ours, routing included.
+func TestAmbientApplyEveryCase(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-legacy-restore", "iptables-nft-restore", "ip6tables-legacy-restore", "ip6tables-nft-restore", "ip")
+	for _, variant := range []string{VariantLegacy, VariantNFT} {
+		for _, v6 := range []bool{false, true} {
+			for _, c := range testplan.AmbientCases {
+				name := variant + "/" + c.Name
+				if v6 {
+					name += "/v6"
+				}
+				t.Run(name, func(t *testing.T) {
+					n := newNS(t)
+					a := &Applier{Force: variant}
+					if err := n.Do(func(ns.NetNS) error {
+						return exec.Command("iptables-"+variant, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+					}); err != nil {
+						t.Fatal(err)
+					}
+					p := c.Params
+					p.IPv6 = v6
+					rep, err := a.ApplyAmbient(n.Path(), p)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[v6] {
+						t.Fatalf("first apply: %s", rep)
+					}
+					if err := a.CheckAmbient(n.Path(), p); err != nil {
+						t.Fatalf("check after apply: %v\nkernel has:\n%s", err, saveAll(t, n, variant))
+					}
+					rules := ipRules(t, n)
+					if !strings.Contains(rules, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") || !strings.Contains(rules, "local default dev lo") {
+						t.Fatalf("policy routing missing:\n%s", rules)
+					}
+					rep, err = a.ApplyAmbient(n.Path(), p)
+					if err != nil {
+						t.Fatal(err)
+					}
+					for _, f := range rep.Families {
+						if f.Action != "unchanged" && f.Action != "none" {
+							t.Fatalf("second apply was not a no-op: %s", rep)
+						}
+					}
+					if got := ipRules(t, n); got != rules {
+						t.Fatalf("second apply changed the routing:\n%s\nwas:\n%s", got, rules)
+					}
+					other := p
+					other.DNSCapture = !p.DNSCapture
+					if err := a.CheckAmbient(n.Path(), other); err == nil {
+						t.Fatal("check passed against other DNS capture")
+					}
+					if _, err := a.RemoveAmbient(n.Path()); err != nil {
+						t.Fatalf("remove: %v", err)
+					}
+					got := saveAll(t, n, variant)
+					if strings.Contains(got, "ISTIO_") || strings.Contains(got, "0x539") || strings.Contains(got, "0x111") {
+						t.Fatalf("rules left after remove:\n%s", got)
+					}
+					if !strings.Contains(got, "--dport 9999 -j RETURN") {
+						t.Fatalf("another component's rule lost:\n%s", got)
+					}
+					if r := ipRules(t, n); strings.Contains(r, "0x111") || strings.Contains(r, "local default") {
+						t.Fatalf("routing left after remove:\n%s", r)
+					}
+					if _, err := a.RemoveAmbient(n.Path()); err != nil {
+						t.Fatalf("second remove: %v", err)
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestHostProbeLifecycle drives the node's probe SNAT with each variant:
+// ensure writes once, a flushed chain and a flushed POSTROUTING come back,
+// the sets follow the wanted entries by difference (an address reused by
+// another pod re-commented, never emptied), an entry is forgotten only
+// with its own UID, and removal leaves nothing.
+func TestHostProbeLifecycle(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-legacy-restore", "iptables-nft-restore")
+	a4, a6, b4 := netip.MustParseAddr("198.18.5.1"), netip.MustParseAddr("fd05::1"), netip.MustParseAddr("198.18.5.2")
+	for _, variant := range []string{VariantLegacy, VariantNFT} {
+		t.Run(variant, func(t *testing.T) {
+			n := newNS(t)
+			a := &Applier{Force: variant}
+			p := ruleset.HostParams{IPv6: true}
+			run := func(args ...string) string {
+				t.Helper()
+				var out []byte
+				err := n.Do(func(ns.NetNS) error {
+					var err error
+					out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+					return err
+				})
+				if err != nil {
+					t.Fatalf("%v: %v: %s", args, err, out)
+				}
+				return string(out)
+			}
+			ensure := func(want bool) {
+				t.Helper()
+				changed, err := a.EnsureHost(n.Path(), p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if changed != want {
+					t.Fatalf("ensure wrote %v, want %v:\n%s", changed, want, run("iptables-"+variant+"-save", "-t", "nat"))
+				}
+			}
+			ensure(true)
+			ensure(false)
+			save := run("iptables-"+variant+"-save", "-t", "nat")
+			if !strings.Contains(save, "-A ISTIO_POSTRT -p tcp -m owner --socket-exists -m set --match-set istio-inpod-probes-v4 dst -j SNAT --to-source 169.254.7.127") {
+				t.Fatalf("SNAT rule missing:\n%s", save)
+			}
+			if s := run("ip6tables-"+variant+"-save", "-t", "nat"); !strings.Contains(s, "istio-inpod-probes-v6 dst -j SNAT --to-source fd16:9254:7127:1337:ffff:ffff:ffff:ffff") {
+				t.Fatalf("IPv6 SNAT rule missing:\n%s", s)
+			}
+			want := map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-b"}
+			ch, err := a.SyncProbes(n.Path(), want)
+			if err != nil || len(ch.Added) != 3 {
+				t.Fatalf("first sync: %+v, %v", ch, err)
+			}
+			run("iptables-"+variant, "-t", "nat", "-F", "ISTIO_POSTRT")
+			ensure(true)
+			run("iptables-"+variant, "-t", "nat", "-F", "POSTROUTING")
+			ensure(true)
+			ensure(false)
+			have, err := a.ProbeEntries(n.Path())
+			if err != nil || len(have) != 3 {
+				t.Fatalf("entries after re-asserting the rules: %v, %v", have, err)
+			}
+			ch, err = a.SyncProbes(n.Path(), map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"})
+			if err != nil || len(ch.Updated) != 1 || len(ch.Added)+len(ch.Removed) != 0 {
+				t.Fatalf("re-commenting sync: %+v, %v", ch, err)
+			}
+			if ch, err = a.SyncProbes(n.Path(), map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil || !ch.Empty() {
+				t.Fatalf("repeated sync changed %+v, %v", ch, err)
+			}
+			if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" {
+				t.Fatalf("set lacks the new comment: %v, %v", have, err)
+			}
+			if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
+				t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)
+			}
+			if del, err := a.ForgetProbe(n.Path(), b4, "uid-c"); err != nil || !del {
+				t.Fatalf("forgetting with its own UID deleted %v, %v", del, err)
+			}
+			if ch, err = a.SyncProbes(n.Path(), map[netip.Addr]string{a4: "uid-a"}); err != nil || len(ch.Removed) != 1 || ch.Removed[0] != a6 {
+				t.Fatalf("pruning sync: %+v, %v", ch, err)
+			}
+			if err := a.RemoveHost(n.Path()); err != nil {
+				t.Fatal(err)
+			}
+			if s := run("iptables-"+variant+"-save", "-t", "nat"); strings.Contains(s, "ISTIO_POSTRT") {
+				t.Fatalf("rules left after remove:\n%s", s)
+			}
+			if have, err := a.ProbeEntries(n.Path()); err != nil || len(have) != 0 {
+				t.Fatalf("sets left after remove: %v, %v", have, err)
+			}
+			if err := n.Do(func(ns.NetNS) error {
+				c, err := dialIPSet()
+				if err != nil {
+					return err
+				}
+				defer c.close()
+				_, err = c.addrs(ruleset.ProbeSetV4)
+				return err
+			}); !errors.Is(err, errNoSet) {
+				t.Fatalf("set %s still there after remove: %v", ruleset.ProbeSetV4, err)
+			}
+			if err := a.RemoveHost(n.Path()); err != nil {
+				t.Fatalf("second remove: %v", err)
+			}
+		})
+	}
+}

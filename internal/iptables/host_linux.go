@@ -1,0 +1,267 @@
+package iptables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// The node's probe SNAT (ruleset.BuildHostProbe) with ipsets. On the node
+// the agent shares iptables with kube-proxy, the CNI and firewall
+// managers: it owns only ISTIO_POSTRT and the jump to it, and writes
+// under the node's own xtables lock, which legacy writers there take.
+
+// EnsureHost makes the node's namespace (netnsPath; /proc/self/ns/net
+// for the agent's own) hold the probe SNAT for p: the probe sets (made
+// empty when missing, never emptied when there), then the rules, written
+// in one iptables-restore per family when they differ. Calling it again
+// after a firewall manager flushed the rules puts them back; calling it
+// when they are there changes nothing. It reports whether it wrote.
+func (a *Applier) EnsureHost(netnsPath string, p ruleset.HostParams) (bool, error) {
+	plan := ruleset.BuildHostProbe(p)
+	changed := false
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		for _, s := range probeSets(p.IPv6) {
+			if err := c.ensureAddrSet(s.name, s.v6); err != nil {
+				return err
+			}
+		}
+		changed, err = a.syncHostRules(plan)
+		return err
+	})
+	return changed, err
+}
+
+// RemoveHost deletes the probe SNAT rules and then the probe sets.
+func (a *Applier) RemoveHost(netnsPath string) error {
+	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		if _, err := a.syncHostRules(&ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}); err != nil {
+			return err
+		}
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		for _, s := range probeSets(true) {
+			if err := c.destroy(s.name); err != nil && !errors.Is(err, unix.ENOENT) {
+				return fmt.Errorf("destroying ipset %s: %w", s.name, err)
+			}
+		}
+		return nil
+	})
+}
+
+// SyncProbes brings the probe sets to want (pod address to pod UID) by
+// difference: missing entries added, entries of another pod's UID
+// re-commented, entries no longer wanted deleted, the rest untouched.
+// want must be complete: an address left out is taken as gone. IPv6
+// entries need the IPv6 set (EnsureHost with IPv6).
+func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podnet.ProbeChanges, error) {
+	var out podnet.ProbeChanges
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		v4, v6 := podnet.SplitFamilies(want)
+		for _, s := range probeSets(true) {
+			w := v4
+			if s.v6 {
+				w = v6
+			}
+			have, err := c.addrs(s.name)
+			if errors.Is(err, errNoSet) && len(w) == 0 {
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			d := podnet.DiffProbes(have, w)
+			for _, ip := range append(append([]netip.Addr{}, d.Added...), d.Updated...) {
+				if err := c.addAddr(s.name, ip, w[ip]); err != nil {
+					return err
+				}
+			}
+			for _, ip := range d.Removed {
+				if err := c.delAddr(s.name, ip); err != nil {
+					return err
+				}
+			}
+			out.Added = append(out.Added, d.Added...)
+			out.Updated = append(out.Updated, d.Updated...)
+			out.Removed = append(out.Removed, d.Removed...)
+		}
+		return nil
+	})
+	return out, err
+}
+
+// ForgetProbe deletes ip from the probe sets only if its entry is uid's:
+// a deleted pod's address may already be a new pod's. It reports whether
+// it deleted.
+func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool, error) {
+	ip = ip.Unmap()
+	name := ruleset.ProbeSetV4
+	if ip.Is6() {
+		name = ruleset.ProbeSetV6
+	}
+	deleted := false
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		have, err := c.addrs(name)
+		if errors.Is(err, errNoSet) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if got, ok := have[ip]; !ok || got != uid {
+			return nil
+		}
+		deleted = true
+		return c.delAddr(name, ip)
+	})
+	return deleted, err
+}
+
+// ProbeEntries lists the probe sets' entries: address to pod UID.
+func (a *Applier) ProbeEntries(netnsPath string) (map[netip.Addr]string, error) {
+	out := map[netip.Addr]string{}
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		for _, s := range probeSets(true) {
+			have, err := c.addrs(s.name)
+			if errors.Is(err, errNoSet) {
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			for ip, uid := range have {
+				out[ip] = uid
+			}
+		}
+		return nil
+	})
+	return out, err
+}
+
+type probeSet struct {
+	name string
+	v6   bool
+}
+
+func probeSets(v6 bool) []probeSet {
+	out := []probeSet{{ruleset.ProbeSetV4, false}}
+	if v6 {
+		out = append(out, probeSet{ruleset.ProbeSetV6, true})
+	}
+	return out
+}
+
+// syncHostRules brings our part of the node's nat table, per family, to
+// the plan's, from the calling thread's namespace. It reports whether it
+// wrote.
+func (a *Applier) syncHostRules(plan *ruleset.Plan) (bool, error) {
+	changed := false
+	for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
+		v, err := a.detect(&tableSnapshot{}, fam)
+		if err != nil {
+			return changed, err
+		}
+		out, err := a.hostRun(v.save(fam), "", "-t", "nat")
+		if err != nil {
+			return changed, fmt.Errorf("reading the node's %s nat rules with %s: %w", fam, v.save(fam), err)
+		}
+		all, err := ParseSave(out)
+		if err != nil {
+			return changed, err
+		}
+		st := hostOwned(all)
+		set := planSet(plan, fam)
+		var text string
+		switch {
+		case st.Empty() && set.Empty():
+		case st.Empty():
+			text = set.Restore()
+		case len(Diff(st, set)) > 0:
+			text = ReplaceText(st, set)
+		}
+		if text == "" {
+			continue
+		}
+		if _, err := a.hostRun(v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
+			return changed, fmt.Errorf("programming the node's %s probe SNAT with %s: %w", fam, v.restore(fam), err)
+		}
+		changed = true
+	}
+	return changed, nil
+}
+
+// hostOwned keeps, of the node's nat rules, ISTIO_POSTRT and the jumps
+// to it: the node's other ISTIO_ chains, if any, are some other
+// component's.
+func hostOwned(st *State) *State {
+	out := &State{Chains: map[string]map[string][][]string{}, Builtin: map[string]map[string][][]string{}}
+	if rules, ok := st.Chains["nat"][ruleset.ChainPostrouting]; ok {
+		out.Chains["nat"] = map[string][][]string{ruleset.ChainPostrouting: rules}
+	}
+	for chain, rules := range st.Builtin["nat"] {
+		for _, r := range rules {
+			if len(r) >= 2 && r[len(r)-2] == "-j" && r[len(r)-1] == ruleset.ChainPostrouting {
+				if out.Builtin["nat"] == nil {
+					out.Builtin["nat"] = map[string][][]string{}
+				}
+				out.Builtin["nat"][chain] = append(out.Builtin["nat"][chain], r)
+			}
+		}
+	}
+	return out
+}
+
+// hostRun runs an iptables binary in the calling thread's namespace with
+// the node's own xtables lock (no XTABLES_LOCKFILE): kube-proxy and the
+// others take that one.
+func (a *Applier) hostRun(bin, stdin string, args ...string) (string, error) {
+	r := a.Runner
+	if r == nil {
+		r = execrun.OS{}
+	}
+	c := &execrun.Cmd{Path: bin, Args: args, Env: []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin"}}
+	if stdin != "" {
+		c.Stdin = []byte(stdin)
+	}
+	res, err := r.Run(context.Background(), c)
+	if err != nil {
+		msg := strings.TrimSpace(string(res.Stderr))
+		if stdin != "" {
+			msg += "\ninput was:\n" + abridge(stdin)
+		}
+		return "", &restoreError{err: err, stderr: string(res.Stderr), msg: msg}
+	}
+	return string(res.Stdout), nil
+}

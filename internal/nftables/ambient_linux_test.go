@@ -1,0 +1,198 @@
+package nftables
+
+import (
+	"net/netip"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/google/nftables"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
+)
+
+func inNS(t *testing.T, n ns.NetNS, args ...string) string {
+	t.Helper()
+	var out []byte
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		t.Fatalf("%v: %v: %s", args, err, out)
+	}
+	return string(out)
+}
+
+// addForeignTable gives the namespace another component's table, which
+// ours must never touch.
+func addForeignTable(t *testing.T, n ns.NetNS) {
+	t.Helper()
+	if err := n.Do(func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		conn.AddTable(&nftables.Table{Name: "someone-else", Family: nftables.TableFamilyINet})
+		return conn.Flush()
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestAmbientApplyEveryCase: the kernel takes every ambient case in one
+// transaction, it reads back equal (a second apply is a no-op), a check
+// against other settings fails, and removal leaves nothing of ours while
+// another component's table stays.
+func TestAmbientApplyEveryCase(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "ip")
+	for _, v6 := range []bool{false, true} {
+		for _, c := range testplan.AmbientCases {
+			name := c.Name
+			if v6 {
+				name += "/v6"
+			}
+			t.Run(name, func(t *testing.T) {
+				n := newNS(t)
+				addForeignTable(t, n)
+				a := &Applier{}
+				p := c.Params
+				p.IPv6 = v6
+				rep, err := a.ApplyAmbient(n.Path(), p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if rep.Families[0].Action != "applied" {
+					t.Fatalf("first apply: %s", rep)
+				}
+				if err := a.CheckAmbient(n.Path(), p); err != nil {
+					t.Fatalf("check after apply: %v", err)
+				}
+				if rep, err = a.ApplyAmbient(n.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+					t.Fatalf("second apply: %s, %v", rep, err)
+				}
+				other := p
+				other.BypassInbound = !p.BypassInbound
+				if err := a.CheckAmbient(n.Path(), other); err == nil {
+					t.Fatal("check passed against other inbound capture")
+				}
+				if rep, err = a.ApplyAmbient(n.Path(), other); err != nil || rep.Families[0].Action != "replaced" {
+					t.Fatalf("changed settings: %s, %v", rep, err)
+				}
+				want := []string{"istio-ambient-mangle", "istio-ambient-nat", "someone-else"}
+				if p.DNSCapture {
+					want = append(want, "istio-ambient-raw")
+				}
+				got := tablesIn(t, n)
+				slices.Sort(got)
+				slices.Sort(want)
+				if !slices.Equal(got, want) {
+					t.Fatalf("tables %v, want %v", got, want)
+				}
+				if r := inNS(t, n, "ip", "rule"); !strings.Contains(r, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") {
+					t.Fatalf("policy rule missing:\n%s", r)
+				}
+				if rep, err = a.RemoveAmbient(n.Path()); err != nil || rep.Families[0].Action != "removed" {
+					t.Fatalf("remove: %s, %v", rep, err)
+				}
+				if got := tablesIn(t, n); !slices.Equal(got, []string{"someone-else"}) {
+					t.Fatalf("tables after remove: %v", got)
+				}
+				if r := inNS(t, n, "ip", "rule"); strings.Contains(r, "0x111") {
+					t.Fatalf("policy rule left:\n%s", r)
+				}
+				if err := a.CheckAmbient(n.Path(), p); err == nil {
+					t.Fatal("check passed after remove")
+				}
+			})
+		}
+	}
+}
+
+// TestHostProbeLifecycle: ensure writes once; a flushed chain, a deleted
+// table and a flushed ruleset come back (the elements with the table
+// only if the set survived, which Sync then restores); the sets follow the
+// wanted entries by difference in one transaction; an element is
+// forgotten only with its own UID; removal leaves nothing.
+func TestHostProbeLifecycle(t *testing.T) {
+	testutil.RequireRoot(t)
+	a4, a6, b4 := netip.MustParseAddr("198.18.5.1"), netip.MustParseAddr("fd05::1"), netip.MustParseAddr("198.18.5.2")
+	n := newNS(t)
+	addForeignTable(t, n)
+	a := &Applier{}
+	uid := uint32(0)
+	p := ruleset.HostParams{IPv6: true, KubeletUID: &uid}
+	ensure := func(want bool) {
+		t.Helper()
+		changed, err := a.EnsureHost(n.Path(), p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if changed != want {
+			t.Fatalf("ensure wrote %v, want %v", changed, want)
+		}
+	}
+	if _, err := a.EnsureHost(n.Path(), ruleset.HostParams{}); err == nil {
+		t.Fatal("ensure without the kubelet's uid succeeded")
+	}
+	ensure(true)
+	ensure(false)
+	want := map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-b"}
+	ch, err := a.SyncProbes(n.Path(), want)
+	if err != nil || len(ch.Added) != 3 {
+		t.Fatalf("first sync: %+v, %v", ch, err)
+	}
+	if err := n.Do(func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		conn.FlushChain(&nftables.Chain{Name: "postrouting", Table: &nftables.Table{Name: AmbientNATTable, Family: nftables.TableFamilyINet}})
+		return conn.Flush()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ensure(true)
+	ensure(false)
+	if have, err := a.ProbeEntries(n.Path()); err != nil || len(have) != 3 {
+		t.Fatalf("elements after re-asserting the chain: %v, %v", have, err)
+	}
+	p.IPv6 = false
+	ensure(true)
+	p.IPv6 = true
+	ensure(true)
+	ch, err = a.SyncProbes(n.Path(), map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"})
+	if err != nil || len(ch.Added) != 1 || len(ch.Updated) != 1 {
+		t.Fatalf("sync after the IPv6 set was re-made: %+v, %v", ch, err)
+	}
+	if ch, err = a.SyncProbes(n.Path(), map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil || !ch.Empty() {
+		t.Fatalf("repeated sync changed %+v, %v", ch, err)
+	}
+	if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" || have[a6] != "uid-a" {
+		t.Fatalf("elements: %v, %v", have, err)
+	}
+	if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
+		t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)
+	}
+	if del, err := a.ForgetProbe(n.Path(), b4, "uid-c"); err != nil || !del {
+		t.Fatalf("forgetting with its own UID deleted %v, %v", del, err)
+	}
+	if err := a.RemoveHost(n.Path()); err != nil {
+		t.Fatal(err)
+	}
+	if got := tablesIn(t, n); !slices.Equal(got, []string{"someone-else"}) {
+		t.Fatalf("tables after remove: %v", got)
+	}
+	if _, err := a.SyncProbes(n.Path(), want); err == nil || !strings.Contains(err.Error(), "missing") {
+		t.Fatalf("sync without the sets: %v", err)
+	}
+	if err := a.RemoveHost(n.Path()); err != nil {
+		t.Fatalf("second remove: %v", err)
+	}
+}

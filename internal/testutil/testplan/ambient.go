@@ -1,0 +1,20 @@
+package testplan
+
+import "github.com/istio-cni-go/istio-cni/internal/ruleset"
+
+// AmbientCase is an enrolled pod's shape whose rules are pinned by goldens
+// on every backend.
+type AmbientCase struct {
+	Name   string
+	Params ruleset.AmbientParams
+}
+
+// AmbientCases cover each setting alone and all of them together; the
+// goldens render each for IPv4 only and for both families.
+var AmbientCases = []AmbientCase{
+	{Name: "default"},
+	{Name: "dns", Params: ruleset.AmbientParams{DNSCapture: true}},
+	{Name: "bypass-inbound", Params: ruleset.AmbientParams{BypassInbound: true}},
+	{Name: "reroute-interfaces", Params: ruleset.AmbientParams{RerouteInterfaces: []string{"virt0", "virt1"}}},
+	{Name: "all", Params: ruleset.AmbientParams{DNSCapture: true, BypassInbound: true, RerouteInterfaces: []string{"virt0"}}},
+}
