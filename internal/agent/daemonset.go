@@ -33,10 +33,12 @@ type daemonSetWatch struct {
 
 	mu   sync.Mutex
 	gone bool
+	// changed is closed, and replaced, whenever gone changes.
+	changed chan struct{}
 }
 
 func watchDaemonSet(ctx context.Context, cs kubeclient.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
-	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log, done: make(chan struct{})}
+	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log, done: make(chan struct{}), changed: make(chan struct{})}
 	go func() {
 		defer close(d.done)
 		d.run(ctx)
@@ -118,6 +120,10 @@ func (d *daemonSetWatch) set(gone bool) {
 	d.mu.Lock()
 	was := d.gone
 	d.gone = gone
+	if gone != was {
+		close(d.changed)
+		d.changed = make(chan struct{})
+	}
 	d.mu.Unlock()
 	switch {
 	case gone && !was:
@@ -133,6 +139,36 @@ func (d *daemonSetWatch) seenGone() bool {
 	return d.gone
 }
 
+// watchGrace is how long a refused read at termination waits for the
+// watch to report the DaemonSet gone. The kubelet's SIGTERM can come
+// before the watch's event on a loaded node: helm uninstall deletes the
+// DaemonSet, then its RBAC and service account at once, and a plugin
+// left behind by a missed event fails every later pod on the node with
+// its dead credentials.
+const watchGrace = 3 * time.Second
+
+// goneWithin reports whether the watch sees the DaemonSet gone within
+// grace (or ctx).
+func (d *daemonSetWatch) goneWithin(ctx context.Context, grace time.Duration) bool {
+	timer := time.NewTimer(grace)
+	defer timer.Stop()
+	for {
+		d.mu.Lock()
+		gone, changed := d.gone, d.changed
+		d.mu.Unlock()
+		if gone {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return false
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
 // present says, at termination, whether the DaemonSet still exists (and
 // is not being deleted).
 func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
@@ -145,6 +181,9 @@ func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
 	case d.seenGone():
 		return false, nil
 	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
+		if d.goneWithin(ctx, watchGrace) {
+			return false, nil
+		}
 		return false, fmt.Errorf("the API server refused to read the DaemonSet and it was not seen deleted: %w", err)
 	}
 	return false, err

@@ -112,6 +112,29 @@ func TestRepairSelectors(t *testing.T) {
 	}
 }
 
+// The committer defaults to the plugin process; the agent can be told to
+// do the work; anything else is refused, naming the variable.
+func TestRulesCommitter(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{want: "plugin"},
+		{env: map[string]string{"CNI_RULES_COMMITTER": "agent"}, want: "agent"},
+		{args: []string{"--cni-rules-committer", "plugin"}, env: map[string]string{"CNI_RULES_COMMITTER": "agent"}, want: "plugin"},
+	} {
+		o, err := ParseOptions(c.args, envOf(c.env))
+		if err != nil || o.RulesCommitter != c.want {
+			t.Errorf("%v %v: committer %q (%v), want %q", c.args, c.env, o.RulesCommitter, err, c.want)
+		}
+	}
+	_, err := ParseOptions(nil, envOf(map[string]string{"CNI_RULES_COMMITTER": "runtime"}))
+	if err == nil || !strings.Contains(err.Error(), "CNI_RULES_COMMITTER") {
+		t.Fatalf("an unknown committer: %v", err)
+	}
+}
+
 func TestNftablesAuto(t *testing.T) {
 	o, err := ParseOptions([]string{"--native-nftables", "auto"}, envOf(nil))
 	if err != nil || !o.NftablesAuto || o.Loop.Install.Entry.NativeNftables {

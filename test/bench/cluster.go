@@ -4,6 +4,8 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -32,6 +34,8 @@ type clusterConfig struct {
 	// arms are the ways the node runs, comma-separated names of
 	// clusterArms.
 	arms string
+	// svg, when set, is where the series is drawn (plot.go).
+	svg string
 }
 
 func (c *clusterConfig) register(fs *flag.FlagSet) {
@@ -41,6 +45,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.busy, "cluster-busy", 2, "pods spinning one CPU thread each while the pods start")
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
+	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
 	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,agent", "the ways the node runs, rotated round by round: without, plugin, agent")
 }
 
@@ -184,7 +189,30 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err := rel.Uninstall(); err != nil {
 		return burstFigures{}, err
 	}
-	return f, waitAgentPodGone(ctx, one.Cluster)
+	if err := waitAgentPodGone(ctx, one.Cluster); err != nil {
+		return burstFigures{}, err
+	}
+	return f, waitPluginRemoved(ctx, one.Node)
+}
+
+// waitPluginRemoved waits for the uninstalled agent's clean-up: a node
+// whose config still chains the plugin would fail the next arm's pods.
+func waitPluginRemoved(ctx context.Context, n *testenv.KubeNode) error {
+	conf := filepath.Join(n.ConfDir, "10-ptp.conflist")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		b, err := os.ReadFile(conf)
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(string(b), `"istio-cni"`) {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("the uninstalled agent left the plugin in %s", conf)
+		}
+		time.Sleep(100 * time.Millisecond) // polling a file the agent rewrites, untimed
+	}
 }
 
 // burst creates n sidecar pods at once and measures each one's creation

@@ -14,7 +14,9 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
@@ -61,7 +63,12 @@ func main() {
 	testenv.EnterNodeNamespace()
 	cfg, err := parseFlags(flag.CommandLine, os.Args[1:])
 	if err == nil {
-		err = run(cfg)
+		// Interrupted, the series stop at their next API call or pod and
+		// tear down what they started (a cluster left running would load
+		// the machine for whatever runs next).
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		err = run(ctx, cfg)
+		stop()
 	}
 	testenv.RemoveSandboxCgroups()
 	if err != nil {
@@ -71,14 +78,16 @@ func main() {
 }
 
 // run picks what cfg asks for, measures it, then reports it.
-func run(cfg config) error {
-	ctx := context.Background()
+func run(ctx context.Context, cfg config) error {
 	if cfg.cluster.pods > 0 {
 		res, err := clusterStartup(ctx, cfg.cluster)
 		if err != nil {
 			return err
 		}
 		reportCluster(cfg.cluster, res)
+		if cfg.cluster.svg != "" {
+			return writeClusterSVG(cfg.cluster.svg, cfg.cluster, res)
+		}
 		return nil
 	}
 	dir, err := os.MkdirTemp("", "istio-cni-bench-")

@@ -3,6 +3,9 @@ package main
 import (
 	"flag"
 	"io"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -24,11 +27,11 @@ func TestParseFlags(t *testing.T) {
 		t.Errorf("defaults: got %+v, want %+v", got, want)
 	}
 	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true,
-		cluster: clusterConfig{pods: 6, rounds: 7, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, arms: "agent,without"},
+		cluster: clusterConfig{pods: 6, rounds: 7, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, arms: "agent,without", svg: "/tmp/c.svg"},
 		flat:    flatConfig{rounds: 8, pods: 9, only: true}}
 	if got := parse("-pods", "1", "-parallel", "2", "-rounds", "4", "-list-pods", "5", "-lists-only",
 		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m", "-cluster-busy", "1", "-cluster-busy-cpu", "1",
-		"-cluster-full=false", "-cluster-arms", "agent,without",
+		"-cluster-full=false", "-cluster-arms", "agent,without", "-cluster-svg", "/tmp/c.svg",
 		"-flat-rounds", "8", "-flat-pods", "9", "-flat-only"); got != want {
 		t.Errorf("every flag set: got %+v, want %+v", got, want)
 	}
@@ -48,5 +51,39 @@ func TestCPUSplitDiv(t *testing.T) {
 	}
 	if got := c.div(0); got != c {
 		t.Errorf("div(0) = %+v, want %+v", got, c)
+	}
+}
+
+// The plot draws one panel per node size and one curve per arm measured,
+// each ending at the slowest pod.
+func TestClusterSVG(t *testing.T) {
+	burstOf := func(ms ...int) burstFigures {
+		var f burstFigures
+		for _, m := range ms {
+			f.startup = append(f.startup, time.Duration(m)*time.Millisecond)
+		}
+		return f
+	}
+	r := &clusterResult{sizes: []int{33, 110}, arms: []clusterArm{clusterArms["without"], clusterArms["plugin"]},
+		bursts: map[int]map[string][]burstFigures{
+			33:  {"without": {burstOf(1000, 2000)}, "plugin": {burstOf(1100, 2100)}},
+			110: {"without": {burstOf(3000, 9000)}, "plugin": {burstOf(3100, 9400)}},
+		}}
+	path := filepath.Join(t.TempDir(), "c.svg")
+	if err := writeClusterSVG(path, clusterConfig{pods: 2, rounds: 1}, r); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	svg := string(b)
+	if n := strings.Count(svg, "<polyline"); n != 4 {
+		t.Fatalf("%d curves, want 4:\n%s", n, svg)
+	}
+	for _, want := range []string{"33 pods on the node", "110 pods on the node", "without istio-cni", "the relay commits", ">10s<"} {
+		if !strings.Contains(svg, want) {
+			t.Errorf("the plot lacks %q", want)
+		}
 	}
 }

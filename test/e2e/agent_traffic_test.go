@@ -57,6 +57,10 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	if !strings.Contains(logs, `"scope":"cni-plugin"`) || !strings.Contains(logs, testNS+"/"+name) || !strings.Contains(logs, "redirect rules programmed") {
 		t.Fatalf("plugin lines missing from the agent's output:\n%s", logs)
 	}
+	// By default the relay committed the rules the agent prepared.
+	if !strings.Contains(logs, `"committed_by":"plugin"`) {
+		t.Fatalf("the rules were not committed by the plugin process:\n%s", logs)
+	}
 
 	t.Run("pod-from-agent-cache", func(t *testing.T) {
 		// The agent runs the command itself: the pod comes from its cache,
