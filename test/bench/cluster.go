@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -186,13 +187,52 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
+	// The agent's last words say why, if it leaves the plugin behind.
+	logs := followLogs(ctx, one.Cluster, agent)
 	if err := rel.Uninstall(); err != nil {
 		return burstFigures{}, err
 	}
 	if err := waitAgentPodGone(ctx, one.Cluster); err != nil {
 		return burstFigures{}, err
 	}
-	return f, waitPluginRemoved(ctx, one.Node)
+	if err := waitPluginRemoved(ctx, one.Node); err != nil {
+		return burstFigures{}, fmt.Errorf("%w; the agent's log ends:\n%s", err, lastLines(logs(), 15))
+	}
+	return f, nil
+}
+
+// followLogs streams the pod's log from now on; the returned function
+// gives what arrived so far.
+func followLogs(ctx context.Context, c *testenv.Cluster, p *corev1.Pod) func() string {
+	var mu sync.Mutex
+	var buf strings.Builder
+	rc, err := c.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{Follow: true}).Stream(ctx)
+	if err != nil {
+		return func() string { return "(no log: " + err.Error() + ")" }
+	}
+	go func() {
+		defer rc.Close()
+		b := make([]byte, 32<<10)
+		for {
+			n, err := rc.Read(b)
+			mu.Lock()
+			buf.Write(b[:n])
+			mu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return buf.String()
+	}
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
 // waitPluginRemoved waits for the uninstalled agent's clean-up: a node
