@@ -117,7 +117,7 @@ func TestSelectors(t *testing.T) {
 func TestSelectorErrors(t *testing.T) {
 	for text, want := range map[string]string{
 		"- podSelecter: {}": "unknown field",
-		"- podSelector:\n    matchExpressions:\n      - {key: a, operator: Maybe}": "selector 1: podSelector",
+		"- podSelector:\n    matchExpressions:\n      - {key: a, operator: Maybe}":          "selector 1: podSelector",
 		"- {}\n- namespaceSelector:\n    matchExpressions:\n      - {key: a, operator: In}": "selector 2: namespaceSelector",
 		"podSelector: {}": "cannot unmarshal",
 	} {
