@@ -41,7 +41,7 @@ const (
 	RedirectionPending    = "pending"
 
 	// AnnotationBypassInbound leaves the pod's inbound traffic to the app.
-	AnnotationBypassInbound = "ambient.istio.io/bypass-inbound-capture"
+	AnnotationBypassInbound = "ambient.istio.io/bypass-inbound-capture" //nolint:gosec // G101: an annotation's name, no credential
 	// AnnotationDNSCapture overrides the node's DNS capture default.
 	AnnotationDNSCapture = "ambient.istio.io/dns-capture"
 	// AnnotationRerouteVirtualInterfaces lists interfaces whose inbound
