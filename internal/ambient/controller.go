@@ -26,6 +26,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/zds"
 )
@@ -316,6 +317,17 @@ func (c *Controller) server() *zds.Server {
 	c.srvMu.Lock()
 	defer c.srvMu.Unlock()
 	return c.srv
+}
+
+// Ready reports whether the controller serves ztunnel: the informers
+// synced and the pods enrolled before the agent started taken over.
+func (c *Controller) Ready() bool {
+	select {
+	case <-c.serving:
+		return true
+	default:
+		return false
+	}
 }
 
 // Connected reports whether a ztunnel is connected, for readiness and
@@ -688,7 +700,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	info := st.info
 	c.mu.Unlock()
 
-	if err := c.syncProbes(); err != nil {
+	if _, err := c.syncProbes(); err != nil {
 		return err
 	}
 
@@ -792,7 +804,7 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 	st := c.pods[uid]
 	c.mu.Unlock()
 	annotated := pod != nil && pod.Annotations[AnnotationRedirection] != ""
-	if st == nil && !annotated {
+	if st == nil && (!annotated || gone) {
 		return nil
 	}
 	if st == nil {
@@ -806,7 +818,7 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 	st.applied, st.ips = false, nil
 	held := st.netns
 	c.mu.Unlock()
-	if err := c.syncProbes(); err != nil {
+	if _, err := c.syncProbes(); err != nil {
 		return err
 	}
 	if !gone && (wasApplied || annotated) {
@@ -857,13 +869,13 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 // addresses, by difference. Until the state holds every enrolled pod
 // (before the start-up rebuild) it does nothing: the set would lose
 // entries of pods not yet known.
-func (c *Controller) syncProbes() error {
+func (c *Controller) syncProbes() (podnet.ProbeChanges, error) {
 	c.hostMu.Lock()
 	defer c.hostMu.Unlock()
 	c.mu.Lock()
 	if !c.ready {
 		c.mu.Unlock()
-		return nil
+		return podnet.ProbeChanges{}, nil
 	}
 	want := map[netip.Addr]string{}
 	claims := map[netip.Addr]uint64{}
@@ -881,16 +893,17 @@ func (c *Controller) syncProbes() error {
 	c.mu.Unlock()
 	ch, err := c.cfg.Host.SyncProbes(c.hostNetns, want)
 	if err != nil {
-		return fmt.Errorf("syncing the node's probe set: %w", err)
+		return ch, fmt.Errorf("syncing the node's probe set: %w", err)
 	}
 	if !ch.Empty() {
 		c.log.Debug("probe set synced", "added", ch.Added, "updated", ch.Updated, "removed", ch.Removed)
 	}
-	return nil
+	return ch, nil
 }
 
 // syncHost re-asserts the node's probe SNAT and then the probe set: a
-// firewall manager may have flushed either.
+// firewall manager may have flushed either. Every change of the state
+// syncs the set at once, so a difference found here is drift.
 func (c *Controller) syncHost(first bool) {
 	wrote, err := c.cfg.Host.EnsureHost(c.hostNetns, c.cfg.HostParams)
 	switch {
@@ -900,38 +913,15 @@ func (c *Controller) syncHost(first bool) {
 		c.m.host.WithLabelValues("rules").Inc()
 		c.log.Warn("the node's probe SNAT rules were missing or changed; put back")
 	}
-	c.hostMu.Lock()
-	c.mu.Lock()
-	ready := c.ready
-	c.mu.Unlock()
-	var before map[netip.Addr]string
-	if ready && !first {
-		before, _ = c.cfg.Host.ProbeEntries(c.hostNetns)
-	}
-	c.hostMu.Unlock()
-	if err := c.syncProbes(); err != nil {
+	ch, err := c.syncProbes()
+	switch {
+	case err != nil:
 		c.log.Error("re-asserting the node's probe set failed", "error", err.Error())
-		return
+	case !ch.Empty() && !first:
+		c.m.host.WithLabelValues("probes").Inc()
+		c.log.Warn("the node's probe set was missing entries or held wrong ones; put back",
+			"added", ch.Added, "updated", ch.Updated, "removed", ch.Removed)
 	}
-	if before != nil {
-		after, err := c.cfg.Host.ProbeEntries(c.hostNetns)
-		if err == nil && !mapsEqualAddr(before, after) {
-			c.m.host.WithLabelValues("probes").Inc()
-			c.log.Warn("the node's probe set was missing entries or held wrong ones; put back")
-		}
-	}
-}
-
-func mapsEqualAddr(a, b map[netip.Addr]string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for k, v := range a {
-		if w, ok := b[k]; !ok || w != v {
-			return false
-		}
-	}
-	return true
 }
 
 // rebuild takes over the pods a previous agent enrolled (annotated

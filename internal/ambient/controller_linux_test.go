@@ -94,7 +94,8 @@ type env struct {
 	node  ns.NetNS
 	sock  string
 	proc  string
-	reg   *prometheus.Registry
+	cfg   Config
+	stop  func()
 	links int
 	pids  int
 }
@@ -151,7 +152,7 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 	t.Helper()
 	tu.RequireRoot(t)
 	tu.RequireTools(t, "ip", "iptables-nft-save", "nft")
-	e := &env{t: t, b: b, reg: prometheus.NewRegistry()}
+	e := &env{t: t, b: b}
 	e.node = tu.NewNS(t)
 	dir, err := os.MkdirTemp("", "ambient")
 	if err != nil {
@@ -168,7 +169,6 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsAmbient, Labels: ambientLabel}},
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
 	)
-	podsWatching, nsWatching := make(chan struct{}), make(chan struct{})
 	logs := &logBuffer{}
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -177,13 +177,11 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 			logs.mu.Unlock()
 		}
 	})
-	cfg := Config{
-		Node:       node,
-		Kube:       watchSignal{clientset.Of(e.cs), podsWatching, &sync.Once{}},
-		Namespaces: signalNamespaces{e.cs.CoreV1().Namespaces(), nsWatching, &sync.Once{}},
-		Policy:     Policy{SystemNamespace: "istio-system"},
-		Defaults:   Defaults{DNSCapture: true},
-		InPod:      b.pod, Host: b.host, HostNetns: e.node.Path(),
+	e.cfg = Config{
+		Node:     node,
+		Policy:   Policy{SystemNamespace: "istio-system"},
+		Defaults: Defaults{DNSCapture: true},
+		InPod:    b.pod, Host: b.host, HostNetns: e.node.Path(),
 		HostParams: ruleset.HostParams{KubeletUID: b.uid},
 		ZDS:        zds.Config{Path: e.sock, AcceptInterval: time.Millisecond},
 		ProcDir:    e.proc,
@@ -191,20 +189,41 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 		HostInterval: time.Hour, VerifyInterval: time.Hour,
 		RetryFirst: 5 * time.Millisecond, RetryLimit: 200 * time.Millisecond,
 		ZtunnelWait: 5 * time.Second,
-		Registerer:  e.reg,
 		Log:         slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	if mod != nil {
-		mod(&cfg)
+		mod(&e.cfg)
 	}
+	t.Cleanup(func() {
+		if e.stop != nil {
+			e.stop()
+		}
+	})
+	e.start()
+	return e
+}
+
+// start runs a controller (a new agent) on the env's API server and node.
+func (e *env) start() {
+	t := e.t
+	t.Helper()
+	podsWatching, nsWatching := make(chan struct{}), make(chan struct{})
+	cfg := e.cfg
+	cfg.Kube = watchSignal{clientset.Of(e.cs), podsWatching, &sync.Once{}}
+	cfg.Namespaces = signalNamespaces{e.cs.CoreV1().Namespaces(), nsWatching, &sync.Once{}}
+	// A registry per agent: each would be a process of its own.
+	cfg.Registerer = prometheus.NewRegistry()
+	var err error
 	e.c, err = New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.c.Run(ctx) }()
-	t.Cleanup(func() {
+	c := e.c
+	go func() { done <- c.Run(ctx) }()
+	e.stop = func() {
+		e.stop = nil
 		cancel()
 		select {
 		case err := <-done:
@@ -214,15 +233,14 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 		case <-time.After(waitLimit):
 			t.Error("Run did not return after its context ended")
 		}
-	})
-	for what, ch := range map[string]<-chan struct{}{"the ZDS socket": e.c.serving, "the pod watch": podsWatching, "the namespace watch": nsWatching} {
+	}
+	for what, ch := range map[string]<-chan struct{}{"the ZDS socket": c.serving, "the pod watch": podsWatching, "the namespace watch": nsWatching} {
 		select {
 		case <-ch:
 		case <-time.After(waitLimit):
 			t.Fatalf("the controller did not open %s", what)
 		}
 	}
-	return e
 }
 
 func (e *env) startSim(nacks map[string]string) *ztunnelsim.Sim {
@@ -554,6 +572,17 @@ func TestEnrolRunningPods(t *testing.T) {
 		e.waitSim(sim, "pod b deleted", deleted(uidB))
 		e.requireProbes(map[string]string{"10.7.0.1": uidA})
 
+		// A Job's pod completes: out of the probe set and of ztunnel (its
+		// sandbox is gone; nothing to undo in it).
+		uidJ, nsJ := newUID(), e.podNS("10.7.0.4")
+		e.running(uidJ, nsJ)
+		e.createPod(nsAmbient, "job", uidJ, nil, "10.7.0.4")
+		e.waitPod(nsAmbient, "job", "enabled", redirection(RedirectionEnabled))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA, "10.7.0.4": uidJ})
+		e.updatePod(nsAmbient, "job", func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded })
+		e.waitSim(sim, "completed pod deleted", deleted(uidJ))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA})
+
 		// a is deleted: out of the probe set and of ztunnel.
 		e.deletePod(nsPlain, "a")
 		e.waitSim(sim, "pod a deleted", deleted(uidA))
@@ -561,8 +590,8 @@ func TestEnrolRunningPods(t *testing.T) {
 		if n := len(e.c.Snapshot()); n != 0 {
 			t.Errorf("snapshot still names %d pods", n)
 		}
-		if got := testutil.ToFloat64(e.c.m.enrols.WithLabelValues("controller", "enabled")); got != 2 {
-			t.Errorf("enrolments enabled = %v, want 2", got)
+		if got := testutil.ToFloat64(e.c.m.enrols.WithLabelValues("controller", "enabled")); got != 3 {
+			t.Errorf("enrolments enabled = %v, want 3", got)
 		}
 	})
 }
@@ -733,4 +762,56 @@ func TestReassertAndVerify(t *testing.T) {
 			}
 		})
 	}
+}
+
+// An agent restart: the new agent takes over the pods the old one
+// enrolled, finding their namespaces by /proc, and a reconnecting ztunnel
+// gets them in its snapshot (a keep for a pod whose namespace is not
+// found, which is reported, not dropped).
+func TestAgentRestart(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		uidA, nsA := newUID(), e.podNS("10.7.5.1")
+		e.running(uidA, nsA)
+		e.createPod(nsAmbient, "a", uidA, nil, "10.7.5.1")
+		e.waitPod(nsAmbient, "a", "enabled", redirection(RedirectionEnabled))
+		inoA := inode(t, nsA)
+		e.waitSim(sim, "pod a added", hasWorkload(uidA, inoA))
+
+		// b was enrolled by an agent before, and its sandbox cannot be
+		// found now.
+		uidB := newUID()
+		b := e.createPod(nsAmbient, "b", uidB, nil, "10.7.5.2")
+		b.Annotations = map[string]string{AnnotationRedirection: RedirectionEnabled}
+		if _, err := e.cs.CoreV1().Pods(nsAmbient).Update(context.Background(), b, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		e.waitEvent(nsAmbient, "b", "AmbientNetnsNotFound")
+
+		e.stop()
+		e.start()
+		st := e.waitSim(sim, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+		var got []string
+		for _, ev := range st.Events {
+			if ev.Conn != 2 || ev.Req.Kind == zds.KindSnapshotSent {
+				continue
+			}
+			got = append(got, fmt.Sprintf("%s %s fds=%d", ev.Req.Kind, ev.Req.UID, ev.FDs))
+			if ev.Req.Kind == zds.KindAdd && ev.Inode != inoA {
+				t.Errorf("snapshot add of a with namespace inode %d, want %d", ev.Inode, inoA)
+			}
+		}
+		want := []string{fmt.Sprintf("add %s fds=1", uidA), fmt.Sprintf("keep %s fds=0", uidB)}
+		if len(got) < 2 || fmt.Sprint(got[:2]) != fmt.Sprint(want) {
+			t.Errorf("second connection: %v, want first %v", got, want)
+		}
+		e.requireRules(nsA, defaultParams)
+		e.requireProbes(map[string]string{"10.7.5.1": uidA, "10.7.5.2": uidB})
+		if p := e.waitPod(nsAmbient, "a", "still enabled", redirection(RedirectionEnabled)); p == nil {
+			t.Fatal("pod a")
+		}
+		if n := e.c.counts()["unreachable"]; n != 1 {
+			t.Errorf("unreachable pods = %d, want 1 (b)", n)
+		}
+	})
 }
