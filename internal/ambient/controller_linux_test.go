@@ -1,0 +1,855 @@
+package ambient
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	tu "github.com/istio-cni-go/istio-cni/internal/testutil"
+	"github.com/istio-cni-go/istio-cni/internal/zds"
+	"github.com/istio-cni-go/istio-cni/internal/ztunnelsim"
+)
+
+// These tests run the controller against a fake API server (client-go's
+// fake clientset), with everything else real: network namespaces for the
+// node and each pod (joined by veth pairs), the rule backends writing
+// into them, the ZDS server and the stand-in ztunnel. Pods that were
+// running before their enrolment are found through a /proc tree of the
+// test's making whose cgroup files name the pod UIDs and whose ns/net
+// links lead to the pods' namespaces.
+
+const (
+	node      = "node1"
+	nsPlain   = "plain"
+	nsAmbient = "meshed"
+	waitLimit = 20 * time.Second
+)
+
+type backend struct {
+	name string
+	pod  ambientnet.InPod
+	host ambientnet.Host
+	uid  *uint32
+	// dump lists what a namespace holds of ours, for assertions.
+	dump []string
+	ours string
+	// flush is a firewall manager's flush of the node's nat rules.
+	flush []string
+}
+
+func backends() []backend {
+	root := uint32(0)
+	ipt := &iptables.Applier{Force: iptables.VariantNFT}
+	nft := &nftables.Applier{}
+	return []backend{
+		{name: "iptables-nft", pod: ipt, host: ipt, dump: []string{"iptables-nft-save"}, ours: "ISTIO_",
+			flush: []string{"iptables-nft", "-t", "nat", "-F"}},
+		// The test process stands in for the kubelet.
+		{name: "nftables", pod: nft, host: nft, uid: &root, dump: []string{"nft", "list", "ruleset"}, ours: "istio-ambient-",
+			flush: []string{"nft", "flush", "ruleset"}},
+	}
+}
+
+// forEachBackend runs a scenario on each backend, each with its own
+// node, API server, controller and ztunnel.
+func forEachBackend(t *testing.T, fn func(t *testing.T, e *env)) {
+	for _, b := range backends() {
+		t.Run(b.name, func(t *testing.T) {
+			fn(t, newEnv(t, b, nil))
+		})
+	}
+}
+
+type env struct {
+	t     *testing.T
+	b     backend
+	cs    *fake.Clientset
+	c     *Controller
+	node  ns.NetNS
+	sock  string
+	proc  string
+	cfg   Config
+	stop  func()
+	links int
+	pids  int
+}
+
+// watchSignal tells when the informers' watches are in place: the fake
+// API server does not replay what happened between a list and a watch.
+type watchSignal struct {
+	kubeclient.Interface
+	pods chan struct{}
+	once *sync.Once
+}
+
+func (w watchSignal) Pods(namespace string) kubeclient.Pods {
+	return signalPods{w.Interface.Pods(namespace), w.pods, w.once}
+}
+
+type signalPods struct {
+	kubeclient.Pods
+	ch   chan struct{}
+	once *sync.Once
+}
+
+func (p signalPods) Watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+	w, err := p.Pods.Watch(ctx, o)
+	p.once.Do(func() { close(p.ch) })
+	return w, err
+}
+
+type signalNamespaces struct {
+	Namespaces
+	ch   chan struct{}
+	once *sync.Once
+}
+
+func (n signalNamespaces) Watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+	w, err := n.Namespaces.Watch(ctx, o)
+	n.once.Do(func() { close(n.ch) })
+	return w, err
+}
+
+// logBuffer keeps the controller's log for a failing test's report.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logBuffer) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(b)
+}
+
+func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
+	t.Helper()
+	tu.RequireRoot(t)
+	tu.RequireTools(t, "ip", "iptables-nft-save", "nft")
+	e := &env{t: t, b: b}
+	e.node = tu.NewNS(t)
+	dir, err := os.MkdirTemp("", "ambient")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	e.sock = filepath.Join(dir, "ztunnel", "ztunnel.sock")
+	e.proc = filepath.Join(dir, "proc")
+	if err := os.MkdirAll(e.proc, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e.cs = fake.NewClientset(
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsPlain}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nsAmbient, Labels: ambientLabel}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
+	)
+	logs := &logBuffer{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			logs.mu.Lock()
+			t.Logf("controller log:\n%s", logs.buf.String())
+			logs.mu.Unlock()
+		}
+	})
+	e.cfg = Config{
+		Node:     node,
+		Policy:   Policy{SystemNamespace: "istio-system"},
+		Defaults: Defaults{DNSCapture: true},
+		InPod:    b.pod, Host: b.host, HostNetns: e.node.Path(),
+		HostParams: ruleset.HostParams{KubeletUID: b.uid},
+		ZDS:        zds.Config{Path: e.sock, AcceptInterval: time.Millisecond},
+		ProcDir:    e.proc,
+		// Long enough to never fire unless a test asks for it.
+		HostInterval: time.Hour, VerifyInterval: time.Hour,
+		RetryFirst: 5 * time.Millisecond, RetryLimit: 200 * time.Millisecond,
+		ZtunnelWait: 5 * time.Second,
+		Log:         slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	}
+	if mod != nil {
+		mod(&e.cfg)
+	}
+	t.Cleanup(func() {
+		if e.stop != nil {
+			e.stop()
+		}
+	})
+	e.start()
+	return e
+}
+
+// start runs a controller (a new agent) on the env's API server and node.
+func (e *env) start() {
+	t := e.t
+	t.Helper()
+	podsWatching, nsWatching := make(chan struct{}), make(chan struct{})
+	cfg := e.cfg
+	cfg.Kube = watchSignal{clientset.Of(e.cs), podsWatching, &sync.Once{}}
+	cfg.Namespaces = signalNamespaces{e.cs.CoreV1().Namespaces(), nsWatching, &sync.Once{}}
+	// A registry per agent: each would be a process of its own.
+	cfg.Registerer = prometheus.NewRegistry()
+	var err error
+	e.c, err = New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	c := e.c
+	go func() { done <- c.Run(ctx) }()
+	e.stop = func() {
+		e.stop = nil
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(waitLimit):
+			t.Error("Run did not return after its context ended")
+		}
+	}
+	for what, ch := range map[string]<-chan struct{}{"the ZDS socket": c.serving, "the pod watch": podsWatching, "the namespace watch": nsWatching} {
+		select {
+		case <-ch:
+		case <-time.After(waitLimit):
+			t.Fatalf("the controller did not open %s", what)
+		}
+	}
+}
+
+func (e *env) startSim(nacks map[string]string) *ztunnelsim.Sim {
+	e.t.Helper()
+	sim, err := ztunnelsim.Start(ztunnelsim.Config{Path: e.sock, Listeners: true, Reconnect: true, Nacks: nacks})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(sim.Close)
+	e.waitSim(sim, "ztunnel connected", func(st ztunnelsim.State) bool { return st.Connected && st.Snapshots > 0 })
+	return sim
+}
+
+func (e *env) waitSim(sim *ztunnelsim.Sim, what string, cond func(ztunnelsim.State) bool) ztunnelsim.State {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	st, err := sim.Wait(ctx, cond)
+	if err != nil {
+		e.t.Fatalf("stand-in ztunnel: %s: %v; state %+v", what, err, st)
+	}
+	if len(st.ProtocolErrors) > 0 {
+		e.t.Fatalf("protocol errors: %v", st.ProtocolErrors)
+	}
+	return st
+}
+
+// podNS makes a pod's network namespace holding ip, joined to the node.
+func (e *env) podNS(ip string) ns.NetNS {
+	e.t.Helper()
+	p := tu.NewNS(e.t)
+	e.links++
+	peer := fmt.Sprintf("vp%d", e.links)
+	e.sh(e.node, "ip", "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", filepath.Base(p.Path()))
+	e.sh(p, "ip", "addr", "add", ip+"/32", "dev", "eth0")
+	e.sh(p, "ip", "link", "set", "eth0", "up")
+	e.sh(e.node, "ip", "link", "set", peer, "up")
+	return p
+}
+
+func (e *env) sh(n ns.NetNS, args ...string) string {
+	e.t.Helper()
+	out, err := run(n, args...)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+func run(n ns.NetNS, args ...string) (string, error) {
+	var out []byte
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		return "", fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
+
+// running makes the pod's sandbox visible in the test's /proc: a process
+// in the kubelet's cgroup of the pod, in the pod's namespace.
+func (e *env) running(uid string, p ns.NetNS) {
+	e.t.Helper()
+	e.pids++
+	dir := filepath.Join(e.proc, fmt.Sprint(1000+e.pids))
+	if err := os.MkdirAll(filepath.Join(dir, "ns"), 0o755); err != nil {
+		e.t.Fatal(err)
+	}
+	cg := "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice/cri-containerd-1.scope\n"
+	if err := os.WriteFile(filepath.Join(dir, "cgroup"), []byte(cg), 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := os.Symlink(p.Path(), filepath.Join(dir, "ns", "net")); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+var uidSeq int
+
+func newUID() string {
+	uidSeq++
+	return fmt.Sprintf("0000%04d-aaaa-4bbb-8ccc-%012d", uidSeq, uidSeq)
+}
+
+func (e *env) createPod(namespace, name, uid string, lbls map[string]string, ip string) *corev1.Pod {
+	e.t.Helper()
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: k8stypes.UID(uid), Labels: lbls},
+		Spec:       corev1.PodSpec{NodeName: node, ServiceAccountName: "sa-" + name},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning},
+	}
+	if ip != "" {
+		p.Status.PodIP, p.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+	}
+	out, err := e.cs.CoreV1().Pods(namespace).Create(context.Background(), p, metav1.CreateOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+func (e *env) updatePod(namespace, name string, fn func(*corev1.Pod)) {
+	e.t.Helper()
+	p, err := e.cs.CoreV1().Pods(namespace).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	fn(p)
+	if _, err := e.cs.CoreV1().Pods(namespace).Update(context.Background(), p, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) deletePod(namespace, name string) {
+	e.t.Helper()
+	if err := e.cs.CoreV1().Pods(namespace).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// waitPod waits, on the fake API server's watch, for the pod to satisfy
+// cond.
+func (e *env) waitPod(namespace, name, what string, cond func(*corev1.Pod) bool) *corev1.Pod {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	w, err := e.cs.CoreV1().Pods(namespace).Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer w.Stop()
+	p, err := e.cs.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+	if err == nil && cond(p) {
+		return p
+	}
+	for {
+		select {
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				e.t.Fatalf("pod %s/%s: watch ended waiting for %s", namespace, name, what)
+			}
+			if q, ok := ev.Object.(*corev1.Pod); ok && q.Name == name {
+				p = q
+				if cond(q) {
+					return q
+				}
+			}
+		case <-ctx.Done():
+			e.t.Fatalf("pod %s/%s: %s did not happen; pod annotations %v", namespace, name, what, annotationsOf(p))
+		}
+	}
+}
+
+func annotationsOf(p *corev1.Pod) map[string]string {
+	if p == nil {
+		return nil
+	}
+	return p.Annotations
+}
+
+func redirection(want string) func(*corev1.Pod) bool {
+	return func(p *corev1.Pod) bool {
+		v, ok := p.Annotations[AnnotationRedirection]
+		return ok == (want != "") && v == want
+	}
+}
+
+// waitEvent waits for a Kubernetes Event with reason about the pod.
+func (e *env) waitEvent(namespace, podName, reason string) *corev1.Event {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	defer cancel()
+	w, err := e.cs.CoreV1().Events(namespace).Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer w.Stop()
+	match := func(ev *corev1.Event) bool { return ev.Reason == reason && ev.InvolvedObject.Name == podName }
+	list, err := e.cs.CoreV1().Events(namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for i := range list.Items {
+		if match(&list.Items[i]) {
+			return &list.Items[i]
+		}
+	}
+	for {
+		select {
+		case ev := <-w.ResultChan():
+			if k, ok := ev.Object.(*corev1.Event); ok && match(k) {
+				return k
+			}
+		case <-ctx.Done():
+			e.t.Fatalf("no %s event for pod %s/%s", reason, namespace, podName)
+		}
+	}
+}
+
+// ours is what the namespace holds of the backend's ambient rules.
+func (e *env) ours(n ns.NetNS) []string {
+	e.t.Helper()
+	out, err := e.tryOurs(n)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return out
+}
+
+func (e *env) tryOurs(n ns.NetNS) ([]string, error) {
+	dump, err := run(n, e.b.dump...)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, l := range strings.Split(dump, "\n") {
+		if strings.Contains(l, e.b.ours) {
+			out = append(out, l)
+		}
+	}
+	return out, nil
+}
+
+func (e *env) requireRules(n ns.NetNS, p ruleset.AmbientParams) {
+	e.t.Helper()
+	if err := e.b.pod.CheckAmbient(n.Path(), p); err != nil {
+		e.t.Fatalf("the pod's namespace lacks its ambient rules: %v", err)
+	}
+}
+
+func (e *env) requireNoRules(n ns.NetNS) {
+	e.t.Helper()
+	if got := e.ours(n); len(got) > 0 {
+		e.t.Fatalf("the pod's namespace still holds ambient rules:\n%s", strings.Join(got, "\n"))
+	}
+	out := e.sh(n, "ip", "rule", "show")
+	if strings.Contains(out, "lookup 100") {
+		e.t.Fatalf("the pod's namespace still holds the policy rule:\n%s", out)
+	}
+}
+
+func (e *env) probes() map[string]string {
+	e.t.Helper()
+	got, err := e.b.host.ProbeEntries(e.node.Path())
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	out := map[string]string{}
+	for ip, uid := range got {
+		out[ip.String()] = uid
+	}
+	return out
+}
+
+func (e *env) requireProbes(want map[string]string) {
+	e.t.Helper()
+	got := e.probes()
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		e.t.Fatalf("probe set = %v, want %v", got, want)
+	}
+}
+
+func inode(t *testing.T, n ns.NetNS) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(n.Path(), &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+func hasWorkload(uid string, ino uint64) func(ztunnelsim.State) bool {
+	return func(st ztunnelsim.State) bool {
+		w, ok := st.Workloads[uid]
+		return ok && w.Inode == ino && len(w.Listening) > 0
+	}
+}
+
+func deleted(uid string) func(ztunnelsim.State) bool {
+	return func(st ztunnelsim.State) bool {
+		_, running := st.Workloads[uid]
+		for _, ev := range st.Events {
+			if ev.Req.Kind == zds.KindDel && ev.Req.UID == uid {
+				return !running
+			}
+		}
+		return false
+	}
+}
+
+var defaultParams = ruleset.AmbientParams{DNSCapture: true}
+
+// Enrolment of running pods by their label and by their namespace's,
+// un-enrolment by the pod's "none", and deletion.
+func TestEnrolRunningPods(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+
+		uidA, nsA := newUID(), e.podNS("10.7.0.1")
+		e.running(uidA, nsA)
+		e.createPod(nsPlain, "a", uidA, ambientLabel, "10.7.0.1")
+		p := e.waitPod(nsPlain, "a", "enabled", redirection(RedirectionEnabled))
+		e.requireRules(nsA, defaultParams)
+		st := e.waitSim(sim, "pod a added", hasWorkload(uidA, inode(t, nsA)))
+		if w := st.Workloads[uidA]; w.Info != (zds.WorkloadInfo{Name: "a", Namespace: nsPlain, ServiceAccount: "sa-a"}) {
+			t.Errorf("workload info %+v", w.Info)
+		}
+		e.requireProbes(map[string]string{"10.7.0.1": uidA})
+		if p.Annotations[AnnotationRedirection] != RedirectionEnabled {
+			t.Fatal(p.Annotations)
+		}
+
+		// Not selected until its namespace is labelled.
+		uidB, nsB := newUID(), e.podNS("10.7.0.2")
+		e.running(uidB, nsB)
+		e.createPod(nsPlain, "b", uidB, nil, "10.7.0.2")
+		uidC, nsC := newUID(), e.podNS("10.7.0.3")
+		e.running(uidC, nsC)
+		e.createPod(nsPlain, "c", uidC, noneLabel, "10.7.0.3")
+		nsObj, err := e.cs.CoreV1().Namespaces().Get(context.Background(), nsPlain, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The watch sees b before the label: proof that b's add was
+		// decided (not enrolled) before the namespace changed is that it
+		// holds no rules now.
+		e.waitSim(sim, "nothing but a", func(s ztunnelsim.State) bool { return len(s.Workloads) == 1 })
+		nsObj.Labels = ambientLabel
+		if _, err := e.cs.CoreV1().Namespaces().Update(context.Background(), nsObj, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		e.waitPod(nsPlain, "b", "enabled by the namespace label", redirection(RedirectionEnabled))
+		e.requireRules(nsB, defaultParams)
+		e.waitSim(sim, "pod b added", hasWorkload(uidB, inode(t, nsB)))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA, "10.7.0.2": uidB})
+		// c opted out with its label.
+		if _, ok := sim.State().Workloads[uidC]; ok {
+			t.Error("pod c, labelled none, was enrolled")
+		}
+		e.requireNoRules(nsC)
+
+		// b opts out: every step undone.
+		e.updatePod(nsPlain, "b", func(p *corev1.Pod) { p.Labels = noneLabel })
+		e.waitPod(nsPlain, "b", "annotation removed", redirection(""))
+		e.requireNoRules(nsB)
+		e.waitSim(sim, "pod b deleted", deleted(uidB))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA})
+
+		// A Job's pod completes: out of the probe set and of ztunnel (its
+		// sandbox is gone; nothing to undo in it).
+		uidJ, nsJ := newUID(), e.podNS("10.7.0.4")
+		e.running(uidJ, nsJ)
+		e.createPod(nsAmbient, "job", uidJ, nil, "10.7.0.4")
+		e.waitPod(nsAmbient, "job", "enabled", redirection(RedirectionEnabled))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA, "10.7.0.4": uidJ})
+		e.updatePod(nsAmbient, "job", func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded })
+		e.waitSim(sim, "completed pod deleted", deleted(uidJ))
+		e.requireProbes(map[string]string{"10.7.0.1": uidA})
+
+		// a is deleted: out of the probe set and of ztunnel.
+		e.deletePod(nsPlain, "a")
+		e.waitSim(sim, "pod a deleted", deleted(uidA))
+		e.requireProbes(map[string]string{})
+		if n := len(e.c.Snapshot()); n != 0 {
+			t.Errorf("snapshot still names %d pods", n)
+		}
+		if got := testutil.ToFloat64(e.c.m.enrols.WithLabelValues("controller", "enabled")); got != 3 {
+			t.Errorf("enrolments enabled = %v, want 3", got)
+		}
+	})
+}
+
+// An ADD while no ztunnel is connected: the ADD fails after the bounded
+// wait, naming the pod and why; the pod is pending, its rules in place;
+// when ztunnel connects it is enrolled at once.
+func TestPendingUntilZtunnelConnects(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.name, func(t *testing.T) {
+			e := newEnv(t, b, func(c *Config) {
+				c.ZtunnelWait = 100 * time.Millisecond
+				c.RetryFirst, c.RetryLimit = time.Hour, time.Hour
+			})
+			uid, pns := newUID(), e.podNS("10.7.1.1")
+			pod := e.createPod(nsAmbient, "p", uid, nil, "")
+			f, err := os.Open(pns.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			err = e.c.AddPod(context.Background(), pod, f)
+			if err == nil || !errors.Is(err, zds.ErrNotConnected) || !strings.Contains(err.Error(), nsAmbient+"/p") {
+				t.Fatalf("AddPod = %v, want a ztunnel-not-connected error naming the pod", err)
+			}
+			e.waitPod(nsAmbient, "p", "pending", redirection(RedirectionPending))
+			e.requireRules(pns, defaultParams)
+			// The ADD found the pod's address in its namespace.
+			e.requireProbes(map[string]string{"10.7.1.1": uid})
+			e.waitEvent(nsAmbient, "p", "AmbientPending")
+
+			// Back-off is an hour: only the connection can retry it now.
+			sim := e.startSim(nil)
+			e.waitPod(nsAmbient, "p", "enabled", redirection(RedirectionEnabled))
+			e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		})
+	}
+}
+
+// ztunnel refuses a pod: pending, then enabled once it accepts; a
+// restarted ztunnel gets the snapshot with the pod's namespace.
+func TestNackAndZtunnelRestart(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		uid, pns := newUID(), e.podNS("10.7.2.1")
+		sim := e.startSim(map[string]string{uid: "no certificate yet"})
+		pod := e.createPod(nsAmbient, "p", uid, nil, "10.7.2.1")
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		err = e.c.AddPod(context.Background(), pod, f)
+		var nack *zds.NackError
+		if !errors.As(err, &nack) || !strings.Contains(err.Error(), "no certificate yet") || !strings.Contains(err.Error(), nsAmbient+"/p") {
+			t.Fatalf("AddPod = %v, want ztunnel's refusal naming the pod", err)
+		}
+		e.waitPod(nsAmbient, "p", "pending", redirection(RedirectionPending))
+		e.requireRules(pns, defaultParams)
+
+		sim.Nack(uid, "")
+		e.waitPod(nsAmbient, "p", "enabled after the retry", redirection(RedirectionEnabled))
+		ino := inode(t, pns)
+		e.waitSim(sim, "pod added", hasWorkload(uid, ino))
+
+		sim.Disconnect()
+		st := e.waitSim(sim, "reconnected with the snapshot", func(s ztunnelsim.State) bool {
+			return s.Conns == 2 && s.Snapshots == 2 && hasWorkload(uid, ino)(s)
+		})
+		var snap []zds.Kind
+		for _, ev := range st.Events {
+			if ev.Conn == 2 {
+				snap = append(snap, ev.Req.Kind)
+				if ev.Req.Kind == zds.KindAdd && (ev.Req.UID != uid || ev.FDs != 1 || ev.Inode != ino) {
+					t.Errorf("snapshot add %+v, want pod %s with its namespace", ev, uid)
+				}
+			}
+		}
+		if fmt.Sprint(snap) != fmt.Sprint([]zds.Kind{zds.KindAdd, zds.KindSnapshotSent}) {
+			t.Errorf("second connection got %v, want add, snapshot_sent", snap)
+		}
+	})
+}
+
+// A pod's address reused by a new pod before the old one's deletion is
+// seen: the probe entry is the new pod's, and stays so when the old pod
+// goes.
+func TestIPReuse(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		const ip = "10.7.3.1"
+		uidOld, nsOld := newUID(), e.podNS(ip)
+		e.running(uidOld, nsOld)
+		e.createPod(nsAmbient, "old", uidOld, nil, ip)
+		e.waitPod(nsAmbient, "old", "enabled", redirection(RedirectionEnabled))
+		e.requireProbes(map[string]string{ip: uidOld})
+
+		uidNew, nsNew := newUID(), e.podNS(ip)
+		pod := e.createPod(nsAmbient, "new", uidNew, nil, "")
+		f, err := os.Open(nsNew.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
+			t.Fatal(err)
+		}
+		e.requireProbes(map[string]string{ip: uidNew})
+
+		e.deletePod(nsAmbient, "old")
+		e.waitSim(sim, "old pod deleted", deleted(uidOld))
+		e.requireProbes(map[string]string{ip: uidNew})
+		e.waitSim(sim, "new pod kept", hasWorkload(uidNew, inode(t, nsNew)))
+	})
+}
+
+// A firewall manager flushing the node's probe SNAT and set, and someone
+// flushing a pod's rules: the periodic passes put both back, the pod's
+// with an Event.
+func TestReassertAndVerify(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.name, func(t *testing.T) {
+			e := newEnv(t, b, func(c *Config) { c.HostInterval, c.VerifyInterval = 50*time.Millisecond, 50*time.Millisecond })
+			e.startSim(nil)
+			const ip = "10.7.4.1"
+			uid, pns := newUID(), e.podNS(ip)
+			e.running(uid, pns)
+			e.createPod(nsAmbient, "p", uid, nil, ip)
+			e.waitPod(nsAmbient, "p", "enabled", redirection(RedirectionEnabled))
+			e.requireProbes(map[string]string{ip: uid})
+			hostRules := e.ours(e.node)
+			if len(hostRules) == 0 {
+				t.Fatal("no probe SNAT on the node")
+			}
+
+			// As a firewall manager does: every rule of the table flushed
+			// (nftables: the whole ruleset, sets and all), and the set
+			// emptied.
+			// The controller's periodic pass runs meanwhile: a write of
+			// ours that meets one of its own may be refused, and is
+			// simply done again.
+			for attempt := 1; ; attempt++ {
+				_, err := run(e.node, b.flush...)
+				if err == nil {
+					break
+				}
+				if attempt == 5 {
+					t.Fatal(err)
+				}
+			}
+			if _, err := b.host.SyncProbes(e.node.Path(), map[netip.Addr]string{}); err != nil {
+				t.Logf("emptying the probe set (the controller may have been at it too): %v", err)
+			}
+			// Nothing signals a rule's return but the kernel: poll it.
+			deadline := time.Now().Add(waitLimit)
+			for {
+				got, err := b.host.ProbeEntries(e.node.Path())
+				rules, rerr := e.tryOurs(e.node)
+				if err == nil && rerr == nil && len(got) == 1 && got[netip.MustParseAddr(ip)] == uid && len(rules) == len(hostRules) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("node rules not put back: probes %v (%v), rules (%v):\n%s", got, err, rerr, strings.Join(rules, "\n"))
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if got := testutil.ToFloat64(e.c.m.host.WithLabelValues("rules")); got < 1 {
+				t.Errorf("host rules re-asserted = %v, want at least 1", got)
+			}
+
+			for attempt := 1; ; attempt++ {
+				_, err := b.pod.RemoveAmbient(pns.Path())
+				if err == nil {
+					break
+				}
+				if attempt == 5 {
+					t.Fatal(err)
+				}
+			}
+			ev := e.waitEvent(nsAmbient, "p", "AmbientRulesRepaired")
+			if ev.Type != corev1.EventTypeWarning {
+				t.Errorf("event %+v", ev)
+			}
+			e.requireRules(pns, defaultParams)
+			if got := testutil.ToFloat64(e.c.m.verify.WithLabelValues("repaired")); got < 1 {
+				t.Errorf("verify repaired = %v", got)
+			}
+		})
+	}
+}
+
+// An agent restart: the new agent takes over the pods the old one
+// enrolled, finding their namespaces by /proc, and a reconnecting ztunnel
+// gets them in its snapshot (a keep for a pod whose namespace is not
+// found, which is reported, not dropped).
+func TestAgentRestart(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		uidA, nsA := newUID(), e.podNS("10.7.5.1")
+		e.running(uidA, nsA)
+		e.createPod(nsAmbient, "a", uidA, nil, "10.7.5.1")
+		e.waitPod(nsAmbient, "a", "enabled", redirection(RedirectionEnabled))
+		inoA := inode(t, nsA)
+		e.waitSim(sim, "pod a added", hasWorkload(uidA, inoA))
+
+		// b was enrolled by an agent before, and its sandbox cannot be
+		// found now.
+		uidB := newUID()
+		b := e.createPod(nsAmbient, "b", uidB, nil, "10.7.5.2")
+		b.Annotations = map[string]string{AnnotationRedirection: RedirectionEnabled}
+		if _, err := e.cs.CoreV1().Pods(nsAmbient).Update(context.Background(), b, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		e.waitEvent(nsAmbient, "b", "AmbientNetnsNotFound")
+
+		e.stop()
+		e.start()
+		st := e.waitSim(sim, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+		var got []string
+		for _, ev := range st.Events {
+			if ev.Conn != 2 || ev.Req.Kind == zds.KindSnapshotSent {
+				continue
+			}
+			got = append(got, fmt.Sprintf("%s %s fds=%d", ev.Req.Kind, ev.Req.UID, ev.FDs))
+			if ev.Req.Kind == zds.KindAdd && ev.Inode != inoA {
+				t.Errorf("snapshot add of a with namespace inode %d, want %d", ev.Inode, inoA)
+			}
+		}
+		want := []string{fmt.Sprintf("add %s fds=1", uidA), fmt.Sprintf("keep %s fds=0", uidB)}
+		if len(got) < 2 || fmt.Sprint(got[:2]) != fmt.Sprint(want) {
+			t.Errorf("second connection: %v, want first %v", got, want)
+		}
+		e.requireRules(nsA, defaultParams)
+		e.requireProbes(map[string]string{"10.7.5.1": uidA, "10.7.5.2": uidB})
+		if p := e.waitPod(nsAmbient, "a", "still enabled", redirection(RedirectionEnabled)); p == nil {
+			t.Fatal("pod a")
+		}
+		if n := e.c.counts()["unreachable"]; n != 1 {
+			t.Errorf("unreachable pods = %d, want 1 (b)", n)
+		}
+	})
+}
