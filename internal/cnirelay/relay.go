@@ -164,7 +164,7 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, *net.U
 	keep := false
 	defer func() {
 		if !keep {
-			conn.Close()
+			_ = conn.Close()
 		}
 	}()
 	if r.Timeout > 0 {
