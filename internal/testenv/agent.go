@@ -229,6 +229,36 @@ func (h *AgentHost) LogText() string {
 	return string(b)
 }
 
+// WaitLog waits up to limit for the agent's log to satisfy ok and returns
+// it. A command's ADD returns once the relay has committed, before the
+// agent has logged the relay's report, so tests about that line wait.
+func (h *AgentHost) WaitLog(limit time.Duration, ok func(log string) bool) string {
+	deadline := time.Now().Add(limit)
+	for {
+		text := h.LogText()
+		if ok(text) || time.Now().After(deadline) {
+			return text
+		}
+		time.Sleep(20 * time.Millisecond) // polling a file the agent appends to, bounded
+	}
+}
+
+// LogLine is a WaitLog condition: some line holds every part.
+func LogLine(parts ...string) func(string) bool {
+	return func(log string) bool {
+		for _, l := range strings.Split(log, "\n") {
+			all := true
+			for _, p := range parts {
+				all = all && strings.Contains(l, p)
+			}
+			if all {
+				return true
+			}
+		}
+		return false
+	}
+}
+
 // Done is closed when the agent process has exited.
 func (h *AgentHost) Done() <-chan struct{} { return h.done }
 

@@ -170,15 +170,22 @@ func run() error {
 		return err
 	}
 	say("   Sandbox ready; the pod's address is %s.", webIP)
-	served, err := d.host.Metrics(`istio_cni_plugin_commands_total{command="ADD",result="ok"}`)
-	if err != nil {
-		return err
+	// The agent counts the ADD when the relay reports its commit, a
+	// moment after the ADD returned.
+	var served []string
+	for deadline := time.Now().Add(10 * time.Second); len(served) == 0 && time.Now().Before(deadline); {
+		if served, err = d.host.Metrics(`istio_cni_plugin_commands_total{command="ADD",result="ok"}`); err != nil {
+			return err
+		}
+		if len(served) == 0 {
+			time.Sleep(20 * time.Millisecond) // polling the agent's metrics, bounded
+		}
 	}
 	if len(served) == 0 {
 		return fmt.Errorf("the agent ran no ADD: the runtime's istio-cni did not hand it over")
 	}
 	say("   The runtime's istio-cni (a small relay) handed the ADD to the agent, which looked the pod")
-	say("   up and programmed its rules in-process: %s", served[0])
+	say("   up in its cache and prepared the rules; the relay committed them: %s", served[0])
 
 	step("Connections from and to the app go through a stand-in proxy, which prints what it sees.")
 	if err := d.proxied(web, "0.0.0.0:15001", "the app connects to "+testenv.RemoteV4+":80", func() (net.Conn, error) {

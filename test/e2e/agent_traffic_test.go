@@ -53,7 +53,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
 	})
 	// The plugin posts its lines when it exits, before ADD returns.
-	logs := h.LogText()
+	logs := h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed", testNS+"/"+name))
 	if !strings.Contains(logs, `"scope":"cni-plugin"`) || !strings.Contains(logs, testNS+"/"+name) || !strings.Contains(logs, "redirect rules programmed") {
 		t.Fatalf("plugin lines missing from the agent's output:\n%s", logs)
 	}

@@ -112,7 +112,7 @@ func TestHardeningConcurrentADDs(t *testing.T) {
 	if failed > 0 {
 		t.Fatalf("%d of %d concurrent ADDs for one pod failed", failed, count)
 	}
-	if got := n.served("ADD"); got != before+count {
+	if got := n.servedReaching("ADD", before+count); got != before+count {
 		t.Fatalf("the agent served %d of the ADDs, want %d", got-before, count)
 	}
 	if err := n.runRelay("CHECK", pod, in); err != nil {
@@ -141,7 +141,7 @@ func TestHardeningAgentServesPastConnectionLimit(t *testing.T) {
 			t.Fatalf("ADD %d: %v", i+1, err)
 		}
 	}
-	if got := n.served("ADD"); got != before+count {
+	if got := n.servedReaching("ADD", before+count); got != before+count {
 		t.Fatalf("the agent served %d of %d ADDs in a row; the rest went through the fallback", got-before, count)
 	}
 }

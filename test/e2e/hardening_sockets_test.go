@@ -134,7 +134,7 @@ func TestHardeningSocketsRefuseOthers(t *testing.T) {
 		if err := n.add(p, 20*time.Second); err != nil {
 			t.Fatalf("ADD while the attacker holds connections: %v", err)
 		}
-		if got := n.served("ADD"); got != before+1 {
+		if got := n.servedReaching("ADD", before+1); got != before+1 {
 			t.Fatalf("the agent served %d ADDs, want %d", got, before+1)
 		}
 	})
@@ -172,7 +172,7 @@ func TestHardeningSlowClients(t *testing.T) {
 	if err := n.add(p, 20*time.Second); err != nil {
 		t.Fatalf("ADD with 600 silent connections open: %v", err)
 	}
-	if got := n.served("ADD"); got != before+1 {
+	if got := n.servedReaching("ADD", before+1); got != before+1 {
 		t.Fatalf("the agent served %d ADDs, want %d: a silent client cost more than its own connection", got, before+1)
 	}
 	if got := openFDs(t, n.Pid()); got > base+230 {
@@ -315,7 +315,7 @@ func TestHardeningAcceptErrors(t *testing.T) {
 	if err := n.add(second, 20*time.Second); err != nil {
 		t.Fatalf("ADD after descriptors are back: %v", err)
 	}
-	if got := n.served("ADD"); got != before+1 {
+	if got := n.servedReaching("ADD", before+1); got != before+1 {
 		t.Fatalf("the agent served %d ADDs after recovering, want %d", got-before, 1)
 	}
 	if m := n.metric(`istio_cni_socket_accept_errors_total{socket="cni.sock"}`); metricValue(t, m) == 0 {

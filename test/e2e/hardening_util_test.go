@@ -97,6 +97,22 @@ func (n *agentNode) served(cmd string) int {
 	return metricValue(n.t, n.metric(`istio_cni_plugin_commands_total{command="`+cmd+`",result="ok"}`))
 }
 
+// servedReaching waits up to 10 s for the agent to count want commands of
+// kind cmd and returns its count: the relay's ADD returns once it has
+// committed, and the agent counts the command when it has read the
+// relay's report, a moment later.
+func (n *agentNode) servedReaching(cmd string, want int) int {
+	n.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got := n.served(cmd)
+		if got >= want || time.Now().After(deadline) {
+			return got
+		}
+		time.Sleep(20 * time.Millisecond) // polling the agent's metrics, bounded
+	}
+}
+
 func metricValue(t *testing.T, line string) int {
 	t.Helper()
 	if line == "" {

@@ -81,7 +81,7 @@ func TestIstioLoggingFlags(t *testing.T) {
 		}
 	}
 
-	logs := h.LogText()
+	logs := h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed", testNS+"/logging-via-agent"))
 	lines := strings.Split(logs, "\n")
 	has := func(level, scope, msg, pod string) bool {
 		for _, l := range lines {

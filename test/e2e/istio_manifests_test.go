@@ -154,6 +154,9 @@ func TestIstioManifestsRunTheAgent(t *testing.T) {
 				defer func() { _ = cni.DelNetwork(ctx, standalone, pod.RT) }()
 			}
 			logs := h.LogText()
+			if c.pluginLevel != "none" && c.pluginLevel != "error" && c.pluginLevel != "warn" {
+				logs = h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed"))
+			}
 			if c.logWants != "" && !strings.Contains(logs, c.logWants) {
 				t.Errorf("agent output lacks %q", c.logWants)
 			}
