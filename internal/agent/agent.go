@@ -153,6 +153,20 @@ type parts struct {
 	cni               <-chan struct{}
 	rest              []<-chan struct{}
 	once              sync.Once
+	// stopWatch and watchDone are the DaemonSet watch's, stopped last.
+	stopWatch context.CancelFunc
+	watchDone <-chan struct{}
+	watchOnce sync.Once
+}
+
+// stopTheWatch ends the DaemonSet watch and waits for it.
+func (p *parts) stopTheWatch() {
+	p.watchOnce.Do(func() {
+		if p.stopWatch != nil {
+			p.stopWatch()
+			<-p.watchDone
+		}
+	})
 }
 
 // stop ends every part and waits for each; it may be called more than once.
@@ -185,6 +199,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	cniCtx, stopCNI := context.WithCancel(context.Background())
 	restCtx, stopRest := context.WithCancel(context.Background())
 	p := &parts{stopCNI: stopCNI, stopRest: stopRest}
+	defer p.stopTheWatch()
 	defer p.stop()
 	present, err := a.start(restCtx, cniCtx, &cfg, p)
 	if err != nil {
@@ -196,10 +211,15 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	p.stop()
+	keep := a.keepPlugin(&cfg, present)
+	p.stopTheWatch()
 	if a.stopped != nil {
 		a.stopped()
 	}
-	return a.shutdown(&cfg, loop, present)
+	if keep {
+		return nil
+	}
+	return loop.Cleanup()
 }
 
 // start starts every part but the install loop, in the order that lets
@@ -267,8 +287,11 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	}
 	present := a.DaemonSetPresent
 	if present == nil && a.Clientset != nil {
-		w := watchDaemonSet(ctx, a.Clientset, cfg.Loop.Install.Entry.PodNamespace, cfg.DaemonSetName, a.log)
-		p.rest = append(p.rest, w.done)
+		// The watch outlives the other parts: the termination's decision
+		// may wait for its news of the DaemonSet (watchGrace).
+		wctx, stop := context.WithCancel(context.Background())
+		w := watchDaemonSet(wctx, a.Clientset, cfg.Loop.Install.Entry.PodNamespace, cfg.DaemonSetName, a.log)
+		p.stopWatch, p.watchDone = stop, w.done
 		present = w.present
 	}
 	return present, nil
@@ -305,25 +328,27 @@ func (a *Agent) startRepair(ctx context.Context, cfg *Config, pods *podcache.Cac
 	return done
 }
 
-// shutdown removes the plugin, unless the DaemonSet still exists (a
-// rollout or a node restart: pods started meanwhile must stay meshed).
-func (a *Agent) shutdown(cfg *Config, loop *installloop.Loop, present func(context.Context) (bool, error)) error {
-	if !cfg.DisableSafeUpgrade && present != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		ok, err := present(ctx)
-		cancel()
-		switch {
-		case err != nil:
-			a.log.Warn("cannot tell an upgrade from an uninstall; leaving the plugin in place so new pods stay meshed",
-				"error", err.Error())
-			return nil
-		case ok:
-			a.log.Info("DaemonSet still exists (rollout or node restart): leaving the plugin in place so pods started meanwhile stay meshed",
-				"daemonset", cfg.Loop.Install.Entry.PodNamespace+"/"+cfg.DaemonSetName)
-			return nil
-		}
+// keepPlugin says whether termination leaves the plugin in place: when
+// the DaemonSet still exists (a rollout or a node restart: pods started
+// meanwhile must stay meshed) or that cannot be told.
+func (a *Agent) keepPlugin(cfg *Config, present func(context.Context) (bool, error)) bool {
+	if cfg.DisableSafeUpgrade || present == nil {
+		return false
 	}
-	return loop.Cleanup()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ok, err := present(ctx)
+	cancel()
+	switch {
+	case err != nil:
+		a.log.Warn("cannot tell an upgrade from an uninstall; leaving the plugin in place so new pods stay meshed",
+			"error", err.Error())
+		return true
+	case ok:
+		a.log.Info("DaemonSet still exists (rollout or node restart): leaving the plugin in place so pods started meanwhile stay meshed",
+			"daemonset", cfg.Loop.Install.Entry.PodNamespace+"/"+cfg.DaemonSetName)
+		return true
+	}
+	return false
 }
 
 // nativeNftables decides, once before the first install pass, whether the
