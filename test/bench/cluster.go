@@ -201,6 +201,9 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	return f, nil
 }
 
+// kubeletPodLogs is the kubelet's default podLogsDir.
+const kubeletPodLogs = "/var/log/pods"
+
 // followLogs copies the pod's log as the kubelet writes it (under
 // /var/log/pods, in this process's mount namespace) until ctx ends or the
 // log is gone; the returned function gives what was read so far. The API
@@ -209,7 +212,7 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 func followLogs(ctx context.Context, _ *testenv.Cluster, p *corev1.Pod) func() string {
 	var mu sync.Mutex
 	var text string
-	dir := filepath.Join("/var/log/pods", p.Namespace+"_"+p.Name+"_"+string(p.UID))
+	dir := kubeletPodLogs + "/" + p.Namespace + "_" + p.Name + "_" + string(p.UID)
 	ctx, cancel := context.WithCancel(ctx)
 	go func() {
 		defer cancel()
@@ -227,7 +230,7 @@ func followLogs(ctx context.Context, _ *testenv.Cluster, p *corev1.Pod) func() s
 				text = all.String()
 			}
 			mu.Unlock()
-			if len(files) == 0 && len(text) > 0 {
+			if len(files) == 0 && text != "" {
 				return // the kubelet removed the pod's logs
 			}
 			select {
