@@ -119,7 +119,7 @@ type Controller struct {
 	hostNetns string
 	procDir   string
 	locker    *nslock.Locker
-	uids      *lockByUID
+	uids      *nslock.Keyed[string]
 
 	recorder record.EventRecorder
 	events   record.EventBroadcaster
@@ -174,7 +174,7 @@ func New(cfg Config) (*Controller, error) {
 	}
 	log = log.With("component", "ambient")
 	c := &Controller{cfg: cfg, log: log, hostNetns: cfg.HostNetns, procDir: cfg.ProcDir, locker: cfg.Locker,
-		uids: newLockByUID(), serving: make(chan struct{}), stopped: make(chan struct{}), pods: map[string]*podState{}}
+		uids: nslock.NewKeyed[string](), serving: make(chan struct{}), stopped: make(chan struct{}), pods: map[string]*podState{}}
 	if c.hostNetns == "" {
 		c.hostNetns = "/proc/self/ns/net"
 	}
@@ -613,7 +613,7 @@ func (e *errZtunnel) Unwrap() error { return e.err }
 func (c *Controller) enrol(ctx context.Context, pod *corev1.Pod, netns *os.File, ips []netip.Addr, wait time.Duration, source string) error {
 	start := time.Now()
 	uid := string(pod.UID)
-	unlock := c.uids.lock(uid)
+	unlock := c.uids.Lock(uid)
 	defer unlock()
 	err := c.enrolLocked(ctx, pod, netns, ips, wait)
 	var zerr *errZtunnel
@@ -798,7 +798,7 @@ func (c *Controller) watchZtunnel(ctx context.Context, srv *zds.Server) {
 // ztunnel told (every connection), the namespace released, and the
 // annotation removed (unless gone).
 func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, gone bool) error {
-	unlock := c.uids.lock(uid)
+	unlock := c.uids.Lock(uid)
 	defer unlock()
 	c.mu.Lock()
 	st := c.pods[uid]
@@ -1025,7 +1025,7 @@ func (c *Controller) verifyAll(ctx context.Context) {
 }
 
 func (c *Controller) verify(uid string) {
-	unlock := c.uids.lock(uid)
+	unlock := c.uids.Lock(uid)
 	defer unlock()
 	c.mu.Lock()
 	st := c.pods[uid]

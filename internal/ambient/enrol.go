@@ -246,7 +246,7 @@ func parseInterfaces(key, v string) ([]string, error) {
 		if s == "+" {
 			return nil, &redirect.InvalidAnnotationError{Key: key, Value: v, Reason: `"+" would match every interface`}
 		}
-		if !validInterfaceName(s) {
+		if !redirect.ValidInterfaceName(s) {
 			return nil, &redirect.InvalidAnnotationError{Key: key, Value: v, Reason: fmt.Sprintf("%q is not a valid interface name", s)}
 		}
 		if !slices.Contains(out, s) {
@@ -254,23 +254,6 @@ func parseInterfaces(key, v string) ([]string, error) {
 		}
 	}
 	return out, nil
-}
-
-func validInterfaceName(s string) bool {
-	if len(s) > 15 || s == "." || s == ".." || s[0] == '-' || s[0] == '!' {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
-		case c == '-' || c == '_' || c == '.' || c == '@':
-		case c == '+' && i == len(s)-1:
-		default:
-			return false
-		}
-	}
-	return true
 }
 
 // IsInvalidAnnotation reports whether err is a pod's annotation refused by

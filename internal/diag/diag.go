@@ -17,6 +17,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
@@ -157,7 +158,7 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 		r.say("VERDICT: MISMATCH: the pod should be redirected but has no rules: it started before the plugin was in the chain; the repair controller or a restart fixes it")
 		return ExitMismatch, nil
 	}
-	plan, err := plugin.BuildPlan(rules, netnsPath, params)
+	plan, err := podrules.BuildPlan(rules, netnsPath, params)
 	if err != nil {
 		return 0, err
 	}

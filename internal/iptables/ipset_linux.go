@@ -281,6 +281,34 @@ func (c *ipsetClient) destroy(name string) error {
 	return err
 }
 
+// eachEntry is a decoder of a set's IPSET_ATTR_ADT attribute that calls
+// fn with the attributes of each entry (one IPSET_ATTR_DATA each).
+func eachEntry(fn func(d *netlink.AttributeDecoder)) func(*netlink.AttributeDecoder) error {
+	return func(adt *netlink.AttributeDecoder) error {
+		for adt.Next() {
+			if adt.Type() == nl.IPSET_ATTR_DATA {
+				adt.Nested(func(d *netlink.AttributeDecoder) error {
+					fn(d)
+					return nil
+				})
+			}
+		}
+		return nil
+	}
+}
+
+// entryIP reads the address in an entry's IPSET_ATTR_IP attribute.
+func entryIP(d *netlink.AttributeDecoder) netip.Addr {
+	var addr netip.Addr
+	d.Nested(func(ip *netlink.AttributeDecoder) error {
+		for ip.Next() {
+			addr, _ = netip.AddrFromSlice(ip.Bytes())
+		}
+		return nil
+	})
+	return addr
+}
+
 // list reads every set of ours in the namespace with its entries, as
 // package ruleset describes a set (so the two compare directly).
 func (c *ipsetClient) list() (map[string]*ruleset.IPSet, error) {
@@ -311,40 +339,26 @@ func (c *ipsetClient) list() (map[string]*ruleset.IPSet, error) {
 			case nl.IPSET_ATTR_FAMILY:
 				family = ad.Uint8()
 			case nl.IPSET_ATTR_ADT:
-				ad.Nested(func(adt *netlink.AttributeDecoder) error {
-					for adt.Next() {
-						if adt.Type() != nl.IPSET_ATTR_DATA {
-							continue
+				ad.Nested(eachEntry(func(d *netlink.AttributeDecoder) {
+					var addr netip.Addr
+					var bits = -1
+					for d.Next() {
+						switch d.Type() {
+						case nl.IPSET_ATTR_IP:
+							addr = entryIP(d)
+						case nl.IPSET_ATTR_CIDR:
+							bits = int(d.Uint8())
+						case nl.IPSET_ATTR_PORT:
+							pts = append(pts, binary.BigEndian.Uint16(d.Bytes()))
 						}
-						adt.Nested(func(d *netlink.AttributeDecoder) error {
-							var addr netip.Addr
-							var bits = -1
-							for d.Next() {
-								switch d.Type() {
-								case nl.IPSET_ATTR_IP:
-									d.Nested(func(ip *netlink.AttributeDecoder) error {
-										for ip.Next() {
-											addr, _ = netip.AddrFromSlice(ip.Bytes())
-										}
-										return nil
-									})
-								case nl.IPSET_ATTR_CIDR:
-									bits = int(d.Uint8())
-								case nl.IPSET_ATTR_PORT:
-									pts = append(pts, binary.BigEndian.Uint16(d.Bytes()))
-								}
-							}
-							if addr.IsValid() {
-								if bits < 0 {
-									bits = addr.BitLen()
-								}
-								nets = append(nets, netip.PrefixFrom(addr, bits))
-							}
-							return nil
-						})
 					}
-					return nil
-				})
+					if addr.IsValid() {
+						if bits < 0 {
+							bits = addr.BitLen()
+						}
+						nets = append(nets, netip.PrefixFrom(addr, bits))
+					}
+				}))
 			}
 		}
 		if err := ad.Err(); err != nil {

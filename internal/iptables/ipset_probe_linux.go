@@ -116,35 +116,21 @@ func (c *ipsetClient) addrs(name string) (map[netip.Addr]string, error) {
 			if ad.Type() != nl.IPSET_ATTR_ADT {
 				continue
 			}
-			ad.Nested(func(adt *netlink.AttributeDecoder) error {
-				for adt.Next() {
-					if adt.Type() != nl.IPSET_ATTR_DATA {
-						continue
+			ad.Nested(eachEntry(func(d *netlink.AttributeDecoder) {
+				var addr netip.Addr
+				var comment string
+				for d.Next() {
+					switch d.Type() {
+					case nl.IPSET_ATTR_IP:
+						addr = entryIP(d)
+					case nl.IPSET_ATTR_COMMENT:
+						comment = d.String()
 					}
-					adt.Nested(func(d *netlink.AttributeDecoder) error {
-						var addr netip.Addr
-						var comment string
-						for d.Next() {
-							switch d.Type() {
-							case nl.IPSET_ATTR_IP:
-								d.Nested(func(ip *netlink.AttributeDecoder) error {
-									for ip.Next() {
-										addr, _ = netip.AddrFromSlice(ip.Bytes())
-									}
-									return nil
-								})
-							case nl.IPSET_ATTR_COMMENT:
-								comment = d.String()
-							}
-						}
-						if addr.IsValid() {
-							out[addr.Unmap()] = comment
-						}
-						return nil
-					})
 				}
-				return nil
-			})
+				if addr.IsValid() {
+					out[addr.Unmap()] = comment
+				}
+			}))
 		}
 		if err := ad.Err(); err != nil {
 			return nil, fmt.Errorf("reading ipset %s: %w", name, err)

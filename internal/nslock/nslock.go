@@ -20,12 +20,13 @@ import (
 // Key identifies a network namespace.
 type Key struct{ Dev, Ino uint64 }
 
-// Locker hands out one mutex per namespace. Mutexes exist only while
-// someone holds or waits for them, so a node's churn of pods does not grow
-// it.
-type Locker struct {
+// Keyed hands out one mutex per key. Mutexes exist only while someone
+// holds or waits for them, so a node's churn of pods does not grow it.
+// Namespaces are its first keys (Locker); ambient mode also serialises
+// each pod's steps by its UID.
+type Keyed[K comparable] struct {
 	mu    sync.Mutex
-	locks map[Key]*entry
+	locks map[K]*entry
 }
 
 type entry struct {
@@ -33,12 +34,11 @@ type entry struct {
 	refs int
 }
 
-// New returns an empty locker.
-func New() *Locker { return &Locker{locks: map[Key]*entry{}} }
+// NewKeyed returns an empty lock per key.
+func NewKeyed[K comparable]() *Keyed[K] { return &Keyed[K]{locks: map[K]*entry{}} }
 
-// Lock takes the namespace's lock and returns the function that releases
-// it.
-func (l *Locker) Lock(k Key) (unlock func()) {
+// Lock takes k's lock and returns the function that releases it.
+func (l *Keyed[K]) Lock(k K) (unlock func()) {
 	l.mu.Lock()
 	e := l.locks[k]
 	if e == nil {
@@ -59,12 +59,18 @@ func (l *Locker) Lock(k Key) (unlock func()) {
 	}
 }
 
-// Held is the number of namespaces whose lock is held or waited for.
-func (l *Locker) Held() int {
+// Held is the number of keys whose lock is held or waited for.
+func (l *Keyed[K]) Held() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.locks)
 }
+
+// Locker hands out one mutex per network namespace.
+type Locker = Keyed[Key]
+
+// New returns an empty locker.
+func New() *Locker { return NewKeyed[Key]() }
 
 // KeyOfFile is the key of the namespace an open descriptor refers to.
 func KeyOfFile(f *os.File) (Key, error) {

@@ -273,7 +273,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	if p.Commit != nil {
 		return p.commitElsewhere(req, d, start, decided)
 	}
-	plan, err := BuildPlan(req.rules, args.Netns, d.Params)
+	plan, err := podrules.BuildPlan(req.rules, args.Netns, d.Params)
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrInternal, err.Error(), "")
@@ -319,12 +319,6 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, start, decided time.
 	return nil
 }
 
-// BuildPlan computes the rules for a pod in a namespace (podrules'; here
-// for the callers that hold a plugin's Rules).
-func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, error) {
-	return podrules.BuildPlan(rules, netnsPath, params)
-}
-
 // Del succeeds without touching the namespace, as Istio's plugin does:
 // the rules live in the pod's own namespace, which the runtime destroys
 // right after DEL, so removing them would only slow every pod's teardown.
@@ -355,7 +349,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	want := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
 	if d.Skip == "" {
-		if want, err = BuildPlan(req.rules, args.Netns, d.Params); err != nil {
+		if want, err = podrules.BuildPlan(req.rules, args.Netns, d.Params); err != nil {
 			return types.NewError(types.ErrInternal, err.Error(), "")
 		}
 	}

@@ -280,7 +280,7 @@ func parseInterfaces(key, value string) ([]string, error) {
 			// switch capture off for the whole pod, as "*" would.
 			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s would match every interface", s, position(i, len(items)))}
 		}
-		if !validInterfaceName(s) {
+		if !ValidInterfaceName(s) {
 			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s is not a valid interface name", s, position(i, len(items)))}
 		}
 	}
@@ -295,7 +295,9 @@ func position(i, n int) string {
 	return fmt.Sprintf(" (item %d of %d)", i+1, n)
 }
 
-func validInterfaceName(s string) bool {
+// ValidInterfaceName says whether s is a Linux interface name, or a prefix
+// with iptables' trailing "+", that no iptables option could be read from.
+func ValidInterfaceName(s string) bool {
 	if s == "" || len(s) > 15 || s == "." || s == ".." || s[0] == '-' || s[0] == '!' {
 		return false
 	}

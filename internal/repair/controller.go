@@ -25,6 +25,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
 
@@ -210,7 +211,7 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 	if err != nil || params.Mode == redirect.ModeNone {
 		return
 	}
-	plan, err := plugin.BuildPlan(c.rules, netns, params)
+	plan, err := podrules.BuildPlan(c.rules, netns, params)
 	if err != nil || c.rules.Check(netns, plan) == nil {
 		return
 	}
@@ -345,7 +346,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	if err != nil {
 		return fail(err)
 	}
-	plan, err := plugin.BuildPlan(c.rules, netns, params)
+	plan, err := podrules.BuildPlan(c.rules, netns, params)
 	if err != nil {
 		return fail(err)
 	}

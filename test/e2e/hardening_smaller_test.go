@@ -93,53 +93,40 @@ func TestHardeningForbiddenAtShutdown(t *testing.T) {
 		}
 	})
 
-	t.Run("deleted-then-refused", func(t *testing.T) {
-		ensureDaemonSet(t, true)
-		h := newHost(t)
-		calico := filepath.Join(h.NetDir, "10-calico.conflist")
-		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
-		const name = "agent-uninstalled"
-		h.start("--kubeconfig", kubeconfigFor(t, name, []rbacv1.PolicyRule{pods, ds}))
-		h.waitReadyz(200, 20*time.Second)
-		h.waitLog("watching its DaemonSet", 10*time.Second)
-		ensureDaemonSet(t, false)
-		h.waitLog("DaemonSet was deleted", 10*time.Second)
-		if err := cluster.Client.RbacV1().ClusterRoleBindings().Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cluster.Client.RbacV1().ClusterRoles().Delete(ctx, name, metav1.DeleteOptions{}) })
-		if code := h.stop(syscall.SIGTERM); code != 0 {
-			t.Fatalf("exit %d", code)
-		}
-		if n, _ := entryCount(t, calico); n != 0 {
-			t.Fatalf("the plugin stayed after an uninstall:\n%s", h.LogText())
-		}
-	})
 	// helm uninstall: the DaemonSet, then at once the agent's RBAC, and the
-	// kubelet's SIGTERM without waiting for the agent to hear of either.
-	// The watch outlives the agent's other parts, so the refused read at
+	// kubelet's SIGTERM. In "deleted-then-refused" the agent has heard of
+	// the deletion before; in "deleted-refused-at-once" nobody waits for it:
+	// the watch outlives the agent's other parts, so the refused read at
 	// termination can still learn the DaemonSet went.
-	t.Run("deleted-refused-at-once", func(t *testing.T) {
-		ensureDaemonSet(t, true)
-		h := newHost(t)
-		calico := filepath.Join(h.NetDir, "10-calico.conflist")
-		copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
-		const name = "agent-uninstalled-at-once"
-		h.start("--kubeconfig", kubeconfigFor(t, name, []rbacv1.PolicyRule{pods, ds}))
-		h.waitReadyz(200, 20*time.Second)
-		h.waitLog("watching its DaemonSet", 10*time.Second)
-		ensureDaemonSet(t, false)
-		if err := cluster.Client.RbacV1().ClusterRoleBindings().Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cluster.Client.RbacV1().ClusterRoles().Delete(ctx, name, metav1.DeleteOptions{}) })
-		if code := h.stop(syscall.SIGTERM); code != 0 {
-			t.Fatalf("exit %d", code)
-		}
-		if n, _ := entryCount(t, calico); n != 0 {
-			t.Fatalf("the plugin stayed after an uninstall:\n%s", h.LogText())
-		}
-	})
+	for _, c := range []struct {
+		name          string
+		heardDeletion bool
+	}{{"deleted-then-refused", true}, {"deleted-refused-at-once", false}} {
+		t.Run(c.name, func(t *testing.T) {
+			ensureDaemonSet(t, true)
+			h := newHost(t)
+			calico := filepath.Join(h.NetDir, "10-calico.conflist")
+			copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+			name := "agent-" + c.name
+			h.start("--kubeconfig", kubeconfigFor(t, name, []rbacv1.PolicyRule{pods, ds}))
+			h.waitReadyz(200, 20*time.Second)
+			h.waitLog("watching its DaemonSet", 10*time.Second)
+			ensureDaemonSet(t, false)
+			if c.heardDeletion {
+				h.waitLog("DaemonSet was deleted", 10*time.Second)
+			}
+			if err := cluster.Client.RbacV1().ClusterRoleBindings().Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = cluster.Client.RbacV1().ClusterRoles().Delete(ctx, name, metav1.DeleteOptions{}) })
+			if code := h.stop(syscall.SIGTERM); code != 0 {
+				t.Fatalf("exit %d", code)
+			}
+			if n, _ := entryCount(t, calico); n != 0 {
+				t.Fatalf("the plugin stayed after an uninstall:\n%s", h.LogText())
+			}
+		})
+	}
 }
 
 // podWatches is the API server's count of open pod watches.
