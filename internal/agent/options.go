@@ -11,8 +11,10 @@
 package agent
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -21,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/istio-cni-go/istio-cni/internal/ambient"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/installloop"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
@@ -69,9 +72,39 @@ type Config struct {
 	// PluginLogLevelSet: plugin-log-level was given; otherwise the plugin's
 	// level is the cni-plugin scope's of --log_output_level, as in Istio.
 	PluginLogLevelSet bool
+	// Ambient is ambient mode's; the controller runs when
+	// Loop.Install.Entry.AmbientEnabled.
+	Ambient AmbientOptions
+
 	// Notes are start-up messages about settings accepted for
 	// compatibility with Istio's manifests but without effect here.
 	Notes []string
+}
+
+// AmbientOptions are ambient mode's settings, with Istio's names.
+type AmbientOptions struct {
+	// SelectorsYAML is AMBIENT_ENABLEMENT_SELECTOR as given (empty:
+	// Istio's default); Selectors is it parsed, when ambient is enabled.
+	SelectorsYAML string
+	Selectors     *ambient.Selectors
+	// DNSCapture and IPv6 are the pods' defaults (AMBIENT_DNS_CAPTURE,
+	// AMBIENT_IPV6; the binary's default false, the chart's true).
+	DNSCapture, IPv6 bool
+	// ReconcileOnStartup is AMBIENT_RECONCILE_POD_RULES_ON_STARTUP. The
+	// controller always re-applies the pods' rules when it starts and
+	// verifies them periodically; false is noted, not obeyed.
+	ReconcileOnStartup bool
+	// ZtunnelSocket is ZTUNNEL_UDS_ADDRESS, where ztunnel connects.
+	ZtunnelSocket string
+	// SwitchToHostNS is ALLOW_SWITCH_TO_HOST_NS: the node's rules go into
+	// the host's namespace (HostProcDir/1/ns/net), since the agent runs
+	// in a pod network of its own; false means the agent's own namespace
+	// is the node's (the chart's shareHostNetworkNamespace).
+	SwitchToHostNS bool
+	// ZtunnelWait bounds how long an enrolled pod's ADD waits for ztunnel
+	// to be connected; VerifyInterval and HostInterval are the periodic
+	// checks of the pods' rules and of the node's probe SNAT.
+	ZtunnelWait, VerifyInterval, HostInterval time.Duration
 }
 
 type optDef struct {
@@ -171,6 +204,30 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			return err
 		}
 	}
+	positive := func(p *time.Duration) func(string) error {
+		return func(v string) error {
+			d, err := time.ParseDuration(v)
+			if err == nil && d <= 0 {
+				err = fmt.Errorf("must be positive")
+			}
+			*p = d
+			return err
+		}
+	}
+	// A setting whose other values would need ztunnel configured to match:
+	// refused rather than half obeyed.
+	fixed := func(want string) func(string) error {
+		return func(v string) error {
+			if v == "" || v == want {
+				return nil
+			}
+			if a, err := netip.ParseAddr(v); err == nil && a == netip.MustParseAddr(want) {
+				return nil
+			}
+			return fmt.Errorf("only %s is provided", want)
+		}
+	}
+	am := &o.Ambient
 	var repairNode string
 	defs := []optDef{
 		{name: "mounted-cni-net-dir", help: "host CNI config dir as mounted in the agent", def: "/host/etc/cni/net.d", set: str(&in.MountedCNINetDir), istio: true},
@@ -220,7 +277,25 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			return fmt.Errorf("want %s or %s", cniserver.CommitterPlugin, cniserver.CommitterAgent)
 		}},
 		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
-		{name: "ambient-enabled", help: "ambient mode flag passed to the plugin", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},
+		{name: "ambient-enabled", help: "ambient mode: enrol the pods the enablement selectors select and serve them to ztunnel", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},
+		{name: "ambient-enablement-selector", help: "pods enrolled in ambient mode: Istio's YAML list of {podSelector, namespaceSelector} (empty: Istio's default)", set: str(&am.SelectorsYAML), istio: true},
+		{name: "ambient-dns-capture", help: "ambient pods' DNS goes to ztunnel (pod annotation ambient.istio.io/dns-capture overrides)", def: "false", set: boolean(&am.DNSCapture), istio: true},
+		{name: "ambient-ipv6", help: "ambient pods get IPv6 rules too", def: "false", set: boolean(&am.IPv6), istio: true},
+		{name: "ambient-reconcile-pod-rules-on-startup", help: "accepted; the rules of enrolled pods are always re-applied at start and verified periodically", def: "false", set: boolean(&am.ReconcileOnStartup), istio: true},
+		{name: "ambient-disable-safe-upgrade", help: "Istio's name of disable-safe-upgrade in ambient mode", def: "false", set: func(v string) error {
+			var b bool
+			err := boolean(&b)(v)
+			o.DisableSafeUpgrade = o.DisableSafeUpgrade || b
+			return err
+		}, istio: true},
+		{name: "ztunnel-uds-address", help: "ztunnel's socket, where the agent serves ztunnel in ambient mode", def: "/var/run/ztunnel/ztunnel.sock", set: str(&am.ZtunnelSocket), istio: true},
+		{name: "enable-ambient-detection-retry", help: "written into the plugin's config as Istio does; this plugin never starts an enrolled pod unmeshed, retry or not", def: "false", set: boolean(&in.Entry.AmbientDetectionRetry), istio: true},
+		{name: "allow-switch-to-host-ns", help: "the agent runs in a pod network of its own and writes the node's rules into the host's network namespace (repair-host-proc's 1/ns/net)", def: "false", set: boolean(&am.SwitchToHostNS), istio: true},
+		{name: "ambient-ztunnel-wait", help: "how long an enrolled pod's ADD waits for ztunnel to be connected", def: ambient.DefaultZtunnelWait.String(), set: positive(&am.ZtunnelWait)},
+		{name: "ambient-verify-interval", help: "how often every enrolled pod's rules and ztunnel's acknowledgement are verified", def: ambient.DefaultVerifyInterval.String(), set: positive(&am.VerifyInterval)},
+		{name: "ambient-host-interval", help: "how often the node's probe SNAT rules and set are re-asserted", def: ambient.DefaultHostInterval.String(), set: positive(&am.HostInterval)},
+		{name: "host-probe-snat-ip", help: "the kubelet's probes' source address in ambient mode; only Istio's default is provided", def: "169.254.7.127", set: fixed("169.254.7.127"), istio: true},
+		{name: "host-probe-snat-ipv6", help: "the kubelet's probes' IPv6 source address in ambient mode; only Istio's default is provided", def: "fd16:9254:7127:1337:ffff:ffff:ffff:ffff", set: fixed("fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), istio: true},
 		{name: "disable-safe-upgrade", help: "remove the plugin on every termination, even during a rollout", def: "false", set: boolean(&o.DisableSafeUpgrade)},
 		{name: "daemonset-name", help: "the agent's DaemonSet, checked on termination", def: "istio-cni-node", set: str(&o.DaemonSetName)},
 		{name: "kubernetes-node-name", help: "this node (default: --repair-node-name, NODE_NAME, the host name)", set: str(&o.NodeName), istio: true},
@@ -271,9 +346,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "log-level", help: "unused, as in Istio (the plugin's level follows --log_output_level)", ignored: "unused in Istio too; the plugin's level follows the cni-plugin scope of --log_output_level"},
 		{name: "cni-network-config", help: "unused, as in Istio", ignored: "unused in Istio too"},
 		{name: "cni-network-config-file", help: "unused, as in Istio", ignored: "unused in Istio too"},
-		{name: "ztunnel-uds-address", help: "ztunnel's socket (ambient mode; not provided yet)", ignored: "ambient mode is not provided yet"},
-		{name: "enable-ambient-detection-retry", help: "ambient mode (not provided yet)", ignored: "ambient mode is not provided yet", isBool: true},
-		{name: "istio-owned-cni-config", help: "Istio-owned conflist (ambient mode only, as in Istio)", ignored: "Istio writes its own conflist only in ambient mode, which is not provided yet", isBool: true},
+		{name: "istio-owned-cni-config", help: "Istio-owned conflist (ambient mode only in Istio; not provided)", ignored: "the plugin is always inserted into the primary config, which is written atomically with every other plugin's settings kept", isBool: true},
 		{name: "istio-owned-cni-config-filename", help: "Istio-owned conflist name (ambient mode only, as in Istio)", ignored: "it names the Istio-owned conflist, which Istio writes in ambient mode only"},
 	}
 	// Older Istio releases' settings, accepted so that their manifests start.
@@ -353,6 +426,23 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 	}
 	if o.NodeName == "" {
 		o.NodeName, _ = os.Hostname()
+	}
+	if in.Entry.AmbientEnabled {
+		sel, err := ambient.ParseSelectors(am.SelectorsYAML)
+		if err != nil {
+			return nil, fmt.Errorf("invalid AMBIENT_ENABLEMENT_SELECTOR: %w", err)
+		}
+		am.Selectors = sel
+		if in.Entry.EnablementSelectors, err = json.Marshal(sel.Source()); err != nil {
+			return nil, fmt.Errorf("AMBIENT_ENABLEMENT_SELECTOR: %w", err)
+		}
+		if !am.ReconcileOnStartup {
+			o.Notes = append(o.Notes, "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP=false is accepted for compatibility with Istio and ignored: "+
+				"enrolled pods' rules are always re-applied at start and verified periodically")
+		}
+		if am.ZtunnelSocket == "" {
+			return nil, fmt.Errorf("ztunnel-uds-address (env ZTUNNEL_UDS_ADDRESS) is empty")
+		}
 	}
 	if in.KubeconfigMode&^0o777 != 0 {
 		return nil, fmt.Errorf("invalid kubeconfig-mode %o", in.KubeconfigMode)

@@ -13,6 +13,10 @@ type EntrySettings struct {
 	PodNamespace      string
 	NativeNftables    bool
 	AmbientEnabled    bool
+	// EnablementSelectors are the ambient selectors as JSON (nil: none
+	// written, "[]" as Istio writes with ambient off).
+	EnablementSelectors   json.RawMessage
+	AmbientDetectionRetry bool
 }
 
 // Entry renders our plugin entry as it goes into a conflist: no
@@ -37,6 +41,10 @@ func (s EntrySettings) fields() map[string]any {
 	if excl == nil {
 		excl = []string{}
 	}
+	var sel any = []any{}
+	if len(s.EnablementSelectors) != 0 {
+		sel = s.EnablementSelectors
+	}
 	level := s.LogLevel
 	if level == "" {
 		level = "info"
@@ -49,10 +57,10 @@ func (s EntrySettings) fields() map[string]any {
 		"plugin_log_level":               level,
 		"cni_agent_run_dir":              s.RunDir,
 		"ambient_enabled":                s.AmbientEnabled,
-		"enablement_selectors":           []any{},
+		"enablement_selectors":           sel,
 		"exclude_namespaces":             excl,
 		"pod_namespace":                  s.PodNamespace,
 		"native_nftables":                s.NativeNftables,
-		"enable_ambient_detection_retry": false,
+		"enable_ambient_detection_retry": s.AmbientDetectionRetry,
 	}
 }
