@@ -38,6 +38,8 @@ type Agent struct {
 	// Clientset, when set, feeds the node-local pod cache, the repair
 	// controller and the DaemonSet watch.
 	Clientset kubeclient.Interface
+	// Namespaces are read in ambient mode (their labels enrol pods).
+	Namespaces kubeclient.Namespaces
 	// PluginLog receives the plugin's lines (scope cni-plugin), at its
 	// scope's level; nil means the agent's logger.
 	PluginLog *slog.Logger
@@ -56,6 +58,8 @@ type Agent struct {
 	// locker serialises rule writes per network namespace between the
 	// CNI server and repair.
 	locker *nslock.Locker
+	// ambient is ambient mode's controller (nil when off).
+	ambient *ambientPart
 }
 
 // New builds an agent from its configuration. It reads nothing from the
@@ -76,6 +80,12 @@ func (a *Agent) ReadyReason() string {
 		reasons = append(reasons, "starting")
 	} else if r := a.loop.NotReady(); r != "" {
 		reasons = append(reasons, r)
+	}
+	// Ambient mode is ready once it holds every enrolled pod of the node
+	// and serves ztunnel's socket; whether a ztunnel is connected is not
+	// the agent's readiness (ztunnel's own pod needs the agent to start).
+	if a.ambient != nil && !a.ambient.c.Ready() {
+		reasons = append(reasons, "ambient mode: taking over the node's enrolled pods")
 	}
 	health := a.health
 	a.mu.Unlock()
@@ -219,6 +229,12 @@ func (a *Agent) Run(ctx context.Context) error {
 	if keep {
 		return nil
 	}
+	a.mu.Lock()
+	amb := a.ambient
+	a.mu.Unlock()
+	if amb != nil {
+		amb.uninstall(a)
+	}
 	return loop.Cleanup()
 }
 
@@ -264,6 +280,17 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		return nil, fmt.Errorf("agent socket: %w", err)
 	}
 	p.rest = append(p.rest, agentDone)
+	var amb *ambientPart
+	if cfg.Loop.Install.Entry.AmbientEnabled {
+		if amb, err = a.newAmbient(cfg); err != nil {
+			return nil, fmt.Errorf("ambient mode: %w", err)
+		}
+		// Stopped after the CNI server, whose ADDs it serves.
+		p.rest = append(p.rest, amb.start(ctx, a))
+		a.mu.Lock()
+		a.ambient = amb
+		a.mu.Unlock()
+	}
 	cni := &cniserver.Server{
 		Log: pluginLog, SocketLog: a.log,
 		Rules: iptablesRules(cfg), NFTables: nftablesRules(),
@@ -271,6 +298,9 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		Committer: cfg.RulesCommitter, ForceIPTables: cfg.ForceIPTablesBinary,
 		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
 		Panics: a.metrics.Panics, Sockets: a.metrics.Sockets,
+	}
+	if amb != nil {
+		cni.Ambient = amb.c
 	}
 	cniDone, err := cni.Serve(cniCtx, filepath.Join(runDir, cnirelay.SocketName), 5*time.Second)
 	if err != nil {

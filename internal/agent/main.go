@@ -75,7 +75,7 @@ func Main(args []string) int {
 	if cs, err := apiClient(cfg); err != nil {
 		log.Warn("no API access: termination will always remove the plugin", "error", err.Error())
 	} else {
-		a.Clientset = cs
+		a.Clientset, a.Namespaces = cs, cs.Namespaces()
 	}
 	if err := a.Run(ctx); err != nil {
 		log.Error("install-cni failed", "error", err.Error())
@@ -84,7 +84,7 @@ func Main(args []string) int {
 	return ExitOK
 }
 
-func apiClient(cfg *Config) (kubeclient.Interface, error) {
+func apiClient(cfg *Config) (*kubeclient.Client, error) {
 	var rc *rest.Config
 	var err error
 	if cfg.Kubeconfig != "" {

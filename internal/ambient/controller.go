@@ -429,7 +429,7 @@ func (c *Controller) ShouldEnrol(pod *corev1.Pod) (Decision, error) {
 		}
 		return Decision{}, fmt.Errorf("namespace %s of pod %s/%s is not in the namespace cache", pod.Namespace, pod.Namespace, pod.Name)
 	}
-	return c.cfg.Policy.Decide(pod, nsLabels), nil
+	return decide(c.cfg.Policy, pod, nsLabels), nil
 }
 
 func (c *Controller) processNext(ctx context.Context) bool {
@@ -476,7 +476,7 @@ func (c *Controller) reconcile(ctx context.Context, uid string) error {
 	if !ok {
 		return fmt.Errorf("namespace %s of pod %s/%s is not in the namespace cache (yet)", pod.Namespace, pod.Namespace, pod.Name)
 	}
-	d := c.cfg.Policy.Decide(pod, nsLabels)
+	d := decide(c.cfg.Policy, pod, nsLabels)
 	if !d.Enrol {
 		return c.teardown(ctx, uid, pod, false)
 	}

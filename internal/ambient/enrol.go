@@ -17,10 +17,8 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
-	"sigs.k8s.io/yaml"
 
+	"github.com/istio-cni-go/istio-cni/internal/enablement"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -47,146 +45,37 @@ const (
 	// AnnotationRerouteVirtualInterfaces lists interfaces whose inbound
 	// TCP is the pod's own outbound.
 	AnnotationRerouteVirtualInterfaces = redirect.AnnotationRerouteVirtualIfaces
-
-	annotationSidecarStatus = redirect.AnnotationStatus
 )
 
-// DefaultSelectorsYAML is Istio's default AMBIENT_ENABLEMENT_SELECTOR (the
-// chart's ambient.enablementSelectors): the pod's label enrols it, or the
-// namespace's label does unless the pod's says none.
-const DefaultSelectorsYAML = `
-- podSelector:
-    matchLabels: {istio.io/dataplane-mode: ambient}
-- podSelector:
-    matchExpressions:
-      - {key: istio.io/dataplane-mode, operator: NotIn, values: [none]}
-  namespaceSelector:
-    matchLabels: {istio.io/dataplane-mode: ambient}
-`
+// DefaultSelectorsYAML is Istio's default AMBIENT_ENABLEMENT_SELECTOR.
+const DefaultSelectorsYAML = enablement.DefaultYAML
 
-// Selector is one entry of the enablement selectors: a pod matches when
-// its labels match PodSelector and its namespace's match
-// NamespaceSelector; an empty selector matches everything.
-type Selector struct {
-	PodSelector       metav1.LabelSelector `json:"podSelector"`
-	NamespaceSelector metav1.LabelSelector `json:"namespaceSelector"`
-}
-
-// Selectors are compiled enablement selectors; a pod is enrolled when
-// any entry matches it.
-type Selectors struct {
-	source   []Selector
-	pod, nss []labels.Selector
-}
+// Selector is one entry of the enablement selectors; Selectors are them
+// compiled.
+type (
+	Selector  = enablement.Selector
+	Selectors = enablement.Selectors
+)
 
 // ParseSelectors reads the enablement selectors in Istio's YAML (or JSON)
-// form, a list of Selector. Empty text means Istio's default; an empty
-// list enrols no pod. Unknown keys are refused: a misspelt
-// "namespaceSelecter" would otherwise silently widen the selection to
-// every namespace.
-func ParseSelectors(text string) (*Selectors, error) {
-	if strings.TrimSpace(text) == "" {
-		text = DefaultSelectorsYAML
-	}
-	var src []Selector
-	if err := yaml.UnmarshalStrict([]byte(text), &src); err != nil {
-		return nil, fmt.Errorf("ambient enablement selectors: %w", err)
-	}
-	s := &Selectors{source: src}
-	for i := range src {
-		ps, err := compile(&src[i].PodSelector)
-		if err != nil {
-			return nil, fmt.Errorf("ambient enablement selector %d: podSelector: %w", i+1, err)
-		}
-		ns, err := compile(&src[i].NamespaceSelector)
-		if err != nil {
-			return nil, fmt.Errorf("ambient enablement selector %d: namespaceSelector: %w", i+1, err)
-		}
-		s.pod, s.nss = append(s.pod, ps), append(s.nss, ns)
-	}
-	return s, nil
-}
+// form (enablement.Parse): empty text means Istio's default, unknown keys
+// are refused.
+func ParseSelectors(text string) (*Selectors, error) { return enablement.Parse(text) }
 
 // DefaultSelectors is Istio's default.
-func DefaultSelectors() *Selectors {
-	s, err := ParseSelectors(DefaultSelectorsYAML)
-	if err != nil {
-		panic(err)
-	}
-	return s
-}
+func DefaultSelectors() *Selectors { return enablement.Default() }
 
-func compile(ls *metav1.LabelSelector) (labels.Selector, error) {
-	if len(ls.MatchLabels) == 0 && len(ls.MatchExpressions) == 0 {
-		return labels.Everything(), nil
-	}
-	return metav1.LabelSelectorAsSelector(ls)
-}
+// Policy is what, beyond the selectors, keeps a pod out of the mesh
+// (enablement.Policy); Decision is its answer.
+type (
+	Policy   = enablement.Policy
+	Decision = enablement.Decision
+)
 
-// Match reports whether a pod with podLabels in a namespace with
-// nsLabels is selected.
-func (s *Selectors) Match(podLabels, nsLabels map[string]string) bool {
-	pl, nl := labels.Set(podLabels), labels.Set(nsLabels)
-	for i := range s.pod {
-		if s.pod[i].Matches(pl) && s.nss[i].Matches(nl) {
-			return true
-		}
-	}
-	return false
-}
-
-// Source returns the selectors as parsed.
-func (s *Selectors) Source() []Selector { return slices.Clone(s.source) }
-
-// Policy is what, beyond the selectors, keeps a pod out of the mesh.
-type Policy struct {
-	// Selectors; nil means Istio's default.
-	Selectors *Selectors
-	// ExcludeNamespaces are never enrolled (exclude_namespaces).
-	ExcludeNamespaces []string
-	// SystemNamespace is the agent's own namespace (POD_NAMESPACE): its
-	// own pods there (istio-cni-node-*) and ztunnel's (app=ztunnel) are
-	// never enrolled, since they are what makes the mesh work.
-	SystemNamespace string
-}
-
-// Decision says whether a pod is enrolled, and why (for logs and Events).
-type Decision struct {
-	Enrol  bool
-	Reason string
-}
-
-// agentPodPrefix names the agent's own pods, as the DaemonSet names them.
-const agentPodPrefix = "istio-cni-node-"
-
-// Decide applies Istio's checks in Istio's order to a pod and its
-// namespace's labels.
-func (p Policy) Decide(pod *corev1.Pod, nsLabels map[string]string) Decision {
-	switch {
-	case pod.Spec.HostNetwork:
-		return Decision{false, "the pod uses the node's network namespace (hostNetwork)"}
-	case hasKey(pod.Annotations, annotationSidecarStatus):
-		return Decision{false, "the pod has a sidecar (" + annotationSidecarStatus + ")"}
-	case slices.Contains(p.ExcludeNamespaces, pod.Namespace):
-		return Decision{false, "namespace " + pod.Namespace + " is excluded"}
-	case p.SystemNamespace != "" && pod.Namespace == p.SystemNamespace && strings.HasPrefix(pod.Name, agentPodPrefix):
-		return Decision{false, "the pod is the CNI node agent's"}
-	case p.SystemNamespace != "" && pod.Namespace == p.SystemNamespace && pod.Labels["app"] == "ztunnel":
-		return Decision{false, "the pod is ztunnel's"}
-	}
-	sel := p.Selectors
-	if sel == nil {
-		sel = DefaultSelectors()
-	}
-	if !sel.Match(pod.Labels, nsLabels) {
-		return Decision{false, "no enablement selector matches the pod and its namespace"}
-	}
-	return Decision{true, "an enablement selector matches"}
-}
-
-func hasKey(m map[string]string, k string) bool {
-	_, ok := m[k]
-	return ok
+// decide applies the policy to a pod and its namespace's labels.
+func decide(p Policy, pod *corev1.Pod, nsLabels map[string]string) Decision {
+	return p.Decide(enablement.Pod{Namespace: pod.Namespace, Name: pod.Name, Labels: pod.Labels,
+		Annotations: pod.Annotations, HostNetwork: pod.Spec.HostNetwork}, nsLabels)
 }
 
 // Defaults are the node's settings a pod's annotations can override.

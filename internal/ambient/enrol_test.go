@@ -49,7 +49,7 @@ func TestDecideDefaults(t *testing.T) {
 		{"other pod of the system namespace", pod("istio-system", "istiod-1", nil, nil), ambientLabel, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			d := policy.Decide(c.pod, c.ns)
+			d := decide(policy, c.pod, c.ns)
 			if d.Enrol != c.want {
 				t.Errorf("Decide = %+v, want enrol %v", d, c.want)
 			}
@@ -109,7 +109,7 @@ func TestSelectors(t *testing.T) {
 	}
 	// The policy with explicit selectors uses them, not the default.
 	p := Policy{Selectors: s}
-	if p.Decide(pod("a", "p", ambientLabel, nil), nil).Enrol {
+	if decide(p, pod("a", "p", ambientLabel, nil), nil).Enrol {
 		t.Error("custom selectors: a pod with only the default's label was enrolled")
 	}
 }

@@ -2,69 +2,19 @@ package ambient
 
 import (
 	"context"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 )
 
-// Namespaces is the controller's read of the cluster's namespaces: their
-// labels enrol pods. A client-go Clientset's CoreV1().Namespaces() fits
-// it, and so does NamespacesFor's.
-type Namespaces interface {
-	List(ctx context.Context, opts metav1.ListOptions) (*corev1.NamespaceList, error)
-	Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
-}
-
-// NamespacesFor reads namespaces over rc's API server with the agent's
-// own core-only scheme (kubeclient.Scheme), so the agent need not link
-// client-go's typed clients for one more resource.
-func NamespacesFor(rc *rest.Config) (Namespaces, error) {
-	c := rest.CopyConfig(rc)
-	gv := corev1.SchemeGroupVersion
-	c.APIPath, c.GroupVersion = "/api", &gv
-	c.NegotiatedSerializer = serializer.NewCodecFactory(kubeclient.Scheme).WithoutConversion()
-	c.ContentType = runtime.ContentTypeProtobuf
-	c.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
-	if c.UserAgent == "" {
-		c.UserAgent = rest.DefaultKubernetesUserAgent()
-	}
-	rc2, err := rest.RESTClientFor(c)
-	if err != nil {
-		return nil, err
-	}
-	return restNamespaces{rc2}, nil
-}
-
-type restNamespaces struct{ c rest.Interface }
-
-var parameters = runtime.NewParameterCodec(kubeclient.Scheme)
-
-func (n restNamespaces) List(ctx context.Context, opts metav1.ListOptions) (*corev1.NamespaceList, error) {
-	out := &corev1.NamespaceList{}
-	err := n.c.Get().Resource("namespaces").VersionedParams(&opts, parameters).Timeout(listTimeout(opts)).Do(ctx).Into(out)
-	return out, err
-}
-
-func (n restNamespaces) Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-	opts.Watch = true
-	return n.c.Get().Resource("namespaces").VersionedParams(&opts, parameters).Timeout(listTimeout(opts)).Watch(ctx)
-}
-
-func listTimeout(opts metav1.ListOptions) time.Duration {
-	if opts.TimeoutSeconds != nil {
-		return time.Duration(*opts.TimeoutSeconds) * time.Second
-	}
-	return 0
-}
+// Namespaces is the controller's read of the cluster's namespaces.
+type Namespaces = kubeclient.Namespaces
 
 // uidIndex finds the node's pods by UID, the work queue's key.
 const uidIndex = "uid"

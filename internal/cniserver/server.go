@@ -66,6 +66,9 @@ type Server struct {
 	Committer string
 	// ForceIPTables is FORCE_IPTABLES_BINARY, passed to the committer.
 	ForceIPTables string
+	// Ambient, when set (ambient mode), decides each ADD first and enrols
+	// the pods it selects; the others take the sidecar path.
+	Ambient Ambient
 
 	Commands *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
@@ -82,6 +85,18 @@ type Server struct {
 	api      apiClients
 	lockOnce sync.Once
 }
+
+// Ambient enrols pods in the ambient mesh on ADD (ambient.Controller).
+type Ambient interface {
+	// EnrolOnAdd decides the pod and enrols it with its network
+	// namespace; false means it is not enrolled and nothing was done.
+	EnrolOnAdd(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error)
+}
+
+// ambientTimeout bounds an ambient enrolment on ADD, within the relay's
+// own bound (cnirelay.Timeout): the enrolment waits for ztunnel a few
+// seconds at most.
+const ambientTimeout = time.Minute
 
 // Who commits a redirected pod's rules on ADD (CNI_RULES_COMMITTER).
 const (
@@ -453,6 +468,13 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 			}
 			return nil
 		},
+	}
+	if s.Ambient != nil && netns != nil && req.Command == "ADD" {
+		p.Ambient = func(ctx context.Context, a *plugin.K8sArgs) (bool, error) {
+			ctx, cancel := context.WithTimeout(ctx, ambientTimeout)
+			defer cancel()
+			return s.Ambient.EnrolOnAdd(ctx, string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME), string(a.K8S_POD_UID), netns)
+		}
 	}
 	var err error
 	switch req.Command {

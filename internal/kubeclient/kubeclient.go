@@ -188,3 +188,27 @@ func (e events) Patch(ev *corev1.Event, data []byte) (*corev1.Event, error) {
 		Body(data).Do(context.TODO()).Into(out)
 	return out, err
 }
+
+// Namespaces are ambient mode's reads of the cluster's namespaces, whose
+// labels enrol pods. A client-go Clientset's CoreV1().Namespaces() fits.
+type Namespaces interface {
+	List(ctx context.Context, opts metav1.ListOptions) (*corev1.NamespaceList, error)
+	Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+// Namespaces reads namespaces; it is not part of Interface, since only
+// ambient mode (and its RBAC) needs them.
+func (c *Client) Namespaces() Namespaces { return namespaces{c.core} }
+
+type namespaces struct{ c rest.Interface }
+
+func (n namespaces) List(ctx context.Context, opts metav1.ListOptions) (*corev1.NamespaceList, error) {
+	out := &corev1.NamespaceList{}
+	err := n.c.Get().Resource("namespaces").VersionedParams(&opts, parameters).Timeout(timeout(opts)).Do(ctx).Into(out)
+	return out, err
+}
+
+func (n namespaces) Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+	opts.Watch = true
+	return n.c.Get().Resource("namespaces").VersionedParams(&opts, parameters).Timeout(timeout(opts)).Watch(ctx)
+}

@@ -14,6 +14,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/enablement"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
@@ -48,6 +49,8 @@ type Config struct {
 
 	requestTimeout time.Duration
 	retryBudget    time.Duration
+	// selectors are enablement_selectors parsed, with ambient_enabled.
+	selectors *enablement.Selectors
 }
 
 // ConfigError names the configuration key that was wrong.
@@ -86,6 +89,12 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	}
 	if conf.retryBudget, err = parseDuration("k8s_retry_budget", conf.K8sRetryBudget, DefaultRetryBudget); err != nil {
 		return nil, err
+	}
+	if conf.AmbientEnabled {
+		// Absent or null is Istio's default; [] enrols no pod.
+		if conf.selectors, err = enablement.Parse(string(conf.EnablementSelectors)); err != nil {
+			return nil, &ConfigError{Key: "enablement_selectors", Msg: err.Error()}
+		}
 	}
 	if conf.RawPrevResult != nil {
 		if err := version.ParsePrevResult(&conf.NetConf); err != nil {

@@ -49,6 +49,14 @@ type Plugin struct {
 	Commit func(p *podrules.Prepared, result []byte) (podrules.Committed, error)
 	// ForceIPTables is FORCE_IPTABLES_BINARY, for a Commit elsewhere.
 	ForceIPTables string
+	// Ambient, when set (the node agent in ambient mode), is asked first
+	// on ADD: true means it enrolled the pod in the ambient mesh, which
+	// then gets no sidecar rules; an error fails the ADD.
+	Ambient func(ctx context.Context, a *K8sArgs) (bool, error)
+	// Namespaces reads namespaces' labels when this process decides
+	// ambient enrolment itself (the fallback); nil means the API server
+	// with the agent's kubeconfig.
+	Namespaces NamespaceReader
 
 	// logSocket is the agent's log socket of the config last loaded, where
 	// the lines of this run are forwarded at exit.
@@ -78,14 +86,8 @@ type Decision struct {
 // invalid annotation is an error: the pod must not start unmeshed.
 func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Config, string) (podinfo.Source, error)) (*Decision, error) {
 	ns, name := string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME)
-	if strings.HasPrefix(name, AgentPodPrefix) && ns == conf.PodNamespace && ns != "" {
-		return &Decision{Skip: "the node agent's own pod"}, nil
-	}
-	if ns == "" || name == "" {
-		return &Decision{Skip: "not a Kubernetes pod"}, nil
-	}
-	if slices.Contains(conf.ExcludeNamespaces, ns) {
-		return &Decision{Skip: "namespace " + ns + " is excluded"}, nil
+	if skip := skipByName(conf, a); skip != "" {
+		return &Decision{Skip: skip}, nil
 	}
 	src, err := newSource(conf, string(a.K8S_POD_UID))
 	if err != nil {
@@ -108,6 +110,22 @@ func Decide(ctx context.Context, conf *Config, a *K8sArgs, newSource func(*Confi
 		d.Skip = "interception mode NONE"
 	}
 	return d, nil
+}
+
+// skipByName says why a pod gets nothing, from its name alone ("" when
+// it must be looked up): Istio's first checks, in its order, for both
+// sidecar and ambient mode.
+func skipByName(conf *Config, a *K8sArgs) string {
+	ns, name := string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME)
+	switch {
+	case strings.HasPrefix(name, AgentPodPrefix) && ns == conf.PodNamespace && ns != "":
+		return "the node agent's own pod"
+	case ns == "" || name == "":
+		return "not a Kubernetes pod"
+	case slices.Contains(conf.ExcludeNamespaces, ns):
+		return "namespace " + ns + " is excluded"
+	}
+	return ""
 }
 
 // Exclusion says why a pod gets no redirection ("" when it does), by
@@ -216,9 +234,6 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 	if !levelOK && logging.FirstTime("plugin_log_level", conf.PluginLogLevel) {
 		log.Warn("plugin_log_level not understood; using "+logging.LevelName(lv), "plugin_log_level", conf.PluginLogLevel)
 	}
-	if conf.AmbientEnabled {
-		log.Warn("ambient_enabled is set but this plugin serves sidecar mode only; ambient pods are not enrolled")
-	}
 	rules := p.Rules
 	if conf.NativeNftables && p.NFTables != nil {
 		rules = p.NFTables
@@ -257,10 +272,27 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
+	if p.Ambient != nil && skipByName(req.conf, req.args) == "" {
+		enrolled, err := p.Ambient(context.Background(), req.args)
+		if err != nil {
+			req.log.Error("pod blocked", "error", err.Error())
+			return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+		}
+		if enrolled {
+			req.log.Info("enrolled in the ambient mesh", "duration", time.Since(start).String())
+			return p.printResult(req.conf)
+		}
+	}
 	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+	}
+	if req.conf.AmbientEnabled && p.Ambient == nil && d.Pod != nil {
+		if err := p.refuseAmbient(context.Background(), req.conf, d.Pod); err != nil {
+			req.log.Error("pod blocked", "error", err.Error())
+			return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+		}
 	}
 	decided := time.Now()
 	for _, w := range d.Warnings {

@@ -152,7 +152,7 @@ func (pc *Cache) WaitSynced(ctx context.Context) error {
 func PodFromCore(p *corev1.Pod) *podinfo.Pod {
 	out := &podinfo.Pod{
 		Namespace: p.Namespace, Name: p.Name, UID: string(p.UID),
-		Labels: p.Labels, Annotations: p.Annotations,
+		Labels: p.Labels, Annotations: p.Annotations, HostNetwork: p.Spec.HostNetwork,
 		InitContainers: containersFromCore(p.Spec.InitContainers),
 		Containers:     containersFromCore(p.Spec.Containers),
 	}

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -200,10 +201,28 @@ func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, e
 	if err := ValidateName(namespace, name); err != nil {
 		return nil, &PermanentError{err}
 	}
-	u := fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name))
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, http.NoBody)
+	body, status, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name)))
 	if err != nil {
 		return nil, err
+	}
+	switch status {
+	case http.StatusOK:
+		return DecodeJSON(body)
+	case http.StatusNotFound:
+		return nil, ErrNotFound
+	case http.StatusUnauthorized, http.StatusForbidden:
+		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", status, snippet(body))}
+	default:
+		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
+	}
+}
+
+// get does one GET with the plugin's credentials and returns the body
+// (at most 8 MiB) and the status.
+func (c *APIClient) get(ctx context.Context, u string) ([]byte, int, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, http.NoBody)
+	if err != nil {
+		return nil, 0, err
 	}
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set("User-Agent", "istio-cni")
@@ -212,22 +231,43 @@ func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, e
 	}
 	resp, err := c.client.Do(req)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
 	if err != nil {
-		return nil, fmt.Errorf("reading pod: %w", err)
+		return nil, 0, fmt.Errorf("reading the API server's answer: %w", err)
 	}
-	switch resp.StatusCode {
+	return body, resp.StatusCode, nil
+}
+
+// NamespaceLabels reads a namespace's labels (ambient mode's selectors
+// read them), with one GET the caller bounds with ctx.
+func (c *APIClient) NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error) {
+	if len(namespace) > 63 || !dns1123Label.MatchString(namespace) {
+		return nil, &PermanentError{fmt.Errorf("invalid namespace %q", namespace)}
+	}
+	body, status, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s", c.server, url.PathEscape(namespace)))
+	if err != nil {
+		return nil, err
+	}
+	switch status {
 	case http.StatusOK:
-		return DecodeJSON(body)
+		var ns struct {
+			Metadata struct {
+				Labels map[string]string `json:"labels"`
+			} `json:"metadata"`
+		}
+		if err := json.Unmarshal(body, &ns); err != nil {
+			return nil, fmt.Errorf("decoding namespace %s: %w", namespace, err)
+		}
+		return ns.Metadata.Labels, nil
 	case http.StatusNotFound:
 		return nil, ErrNotFound
 	case http.StatusUnauthorized, http.StatusForbidden:
-		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", resp.StatusCode, snippet(body))}
+		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", status, snippet(body))}
 	default:
-		return nil, fmt.Errorf("API server answered HTTP %d: %s", resp.StatusCode, snippet(body))
+		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
 	}
 }
 

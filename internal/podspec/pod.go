@@ -21,6 +21,9 @@ type Pod struct {
 	InitContainers []Container
 	Containers     []Container
 	PodIPs         []string
+	// HostNetwork: the pod shares the node's network namespace (never in
+	// the ambient mesh).
+	HostNetwork bool
 }
 
 // Container is one container of a pod, reduced to what the decision needs.
@@ -74,6 +77,7 @@ type wirePod struct {
 		Annotations map[string]string `json:"annotations"`
 	} `json:"metadata"`
 	Spec struct {
+		HostNetwork    bool            `json:"hostNetwork"`
 		InitContainers []wireContainer `json:"initContainers"`
 		Containers     []wireContainer `json:"containers"`
 	} `json:"spec"`
@@ -109,6 +113,7 @@ func DecodeJSON(data []byte) (*Pod, error) {
 		UID:         w.Metadata.UID,
 		Labels:      w.Metadata.Labels,
 		Annotations: w.Metadata.Annotations,
+		HostNetwork: w.Spec.HostNetwork,
 	}
 	p.InitContainers = convertContainers(w.Spec.InitContainers)
 	p.Containers = convertContainers(w.Spec.Containers)

@@ -1,0 +1,98 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+
+	"github.com/istio-cni-go/istio-cni/internal/ambient"
+	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/zds"
+)
+
+// ambientPart is ambient mode's controller as the agent runs it.
+type ambientPart struct {
+	c         *ambient.Controller
+	host      ambientnet.Host
+	hostNetns string
+}
+
+// hostNetns is where the node's rules go: the host's namespace, entered
+// through its /proc when the agent runs in a pod network of its own (as
+// Istio's chart runs it), else the agent's own.
+func hostNetns(cfg *Config) string {
+	if cfg.Ambient.SwitchToHostNS {
+		return filepath.Join(cfg.HostProcDir, "1", "ns", "net")
+	}
+	return "/proc/self/ns/net"
+}
+
+// newAmbient builds the controller from the agent's settings; it runs in
+// startAmbient.
+func (a *Agent) newAmbient(cfg *Config) (*ambientPart, error) {
+	if a.Clientset == nil || a.Namespaces == nil {
+		return nil, errors.New("ambient mode needs API access (pods and namespaces), and the agent has none")
+	}
+	nft := cfg.Loop.Install.Entry.NativeNftables
+	inPod, host := ambientnet.Backends(nft, cfg.ForceIPTablesBinary)
+	hp := ruleset.HostParams{IPv6: cfg.Ambient.IPv6}
+	if nft {
+		// nftables cannot ask whether a socket exists: the kubelet's
+		// connections are told by their owner.
+		uid, err := ambientnet.KubeletUID(os.DirFS(cfg.HostProcDir))
+		if err != nil {
+			a.log.Warn("kubelet not found in the host's /proc; the probe SNAT matches every connection the node opens to an enrolled pod",
+				"hostProc", cfg.HostProcDir, "error", err.Error())
+		} else {
+			hp.KubeletUID = &uid
+		}
+	}
+	p := &ambientPart{host: host, hostNetns: hostNetns(cfg)}
+	am := cfg.Ambient
+	c, err := ambient.New(ambient.Config{
+		Node: cfg.NodeName, Kube: a.Clientset, Namespaces: a.Namespaces,
+		Policy: ambient.Policy{Selectors: am.Selectors, ExcludeNamespaces: cfg.Loop.Install.Entry.ExcludeNamespaces,
+			SystemNamespace: cfg.Loop.Install.Entry.PodNamespace},
+		Defaults: ambient.Defaults{DNSCapture: am.DNSCapture, IPv6: am.IPv6},
+		InPod:    inPod, Host: host, HostNetns: p.hostNetns, HostParams: hp,
+		ZDS:     zds.Config{Path: am.ZtunnelSocket},
+		ProcDir: cfg.HostProcDir,
+		// Its own lock per namespace: the CNI server holds the
+		// namespace's lock while it asks the controller to enrol.
+		ZtunnelWait: am.ZtunnelWait, HostInterval: am.HostInterval, VerifyInterval: am.VerifyInterval,
+		Registerer: a.metrics.Registry,
+		Log:        a.log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	p.c = c
+	return p, nil
+}
+
+// start runs the controller until ctx ends; the channel is closed once it
+// has stopped.
+func (p *ambientPart) start(ctx context.Context, a *Agent) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := p.c.Run(ctx); err != nil {
+			a.log.Error("ambient controller stopped", "error", err.Error())
+		}
+	}()
+	return done
+}
+
+// uninstall removes the node's probe SNAT and sets, as an uninstall
+// does: no enrolled pod is left to probe. The pods' own rules stay with
+// them (ztunnel is being removed too, and they are restarted to leave
+// the mesh).
+func (p *ambientPart) uninstall(a *Agent) {
+	if err := p.host.RemoveHost(p.hostNetns); err != nil {
+		a.log.Warn("removing the node's ambient probe SNAT", "error", err.Error())
+		return
+	}
+	a.log.Info("removed the node's ambient probe SNAT rules and sets")
+}

@@ -1,0 +1,61 @@
+package plugin
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/istio-cni-go/istio-cni/internal/enablement"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+)
+
+// NamespaceReader reads a namespace's labels.
+type NamespaceReader interface {
+	NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error)
+}
+
+// refuseAmbient fails the ADD of a pod the ambient selectors enrol when
+// no node agent serves it (this process is the fallback): only the agent
+// can hand a pod's namespace to ztunnel, and the reference's way, to
+// start the pod outside the mesh, is what this plugin never does. A
+// namespace that cannot be read fails the ADD too.
+func (p *Plugin) refuseAmbient(ctx context.Context, conf *Config, pod *podinfo.Pod) error {
+	policy := enablement.Policy{Selectors: conf.selectors, ExcludeNamespaces: conf.ExcludeNamespaces, SystemNamespace: conf.PodNamespace}
+	facts := enablement.Pod{Namespace: pod.Namespace, Name: pod.Name, Labels: pod.Labels, Annotations: pod.Annotations, HostNetwork: pod.HostNetwork}
+	// A pod the policy keeps out needs no API request.
+	if policy.Exclusion(facts) != "" {
+		return nil
+	}
+	nsLabels, err := p.namespaceLabels(ctx, conf, pod.Namespace)
+	if err != nil {
+		return fmt.Errorf("ambient mode: cannot read namespace %s to tell whether pod %s/%s is enrolled: %w",
+			pod.Namespace, pod.Namespace, pod.Name, err)
+	}
+	d := policy.Decide(facts, nsLabels)
+	if !d.Enrol {
+		return nil
+	}
+	reason := p.FallbackReason
+	if reason == "" {
+		reason = "it did not answer"
+	}
+	return fmt.Errorf("pod %s/%s is enrolled in the ambient mesh (%s), and only the istio-cni node agent can enrol it "+
+		"(it hands the pod's network namespace to ztunnel); the node agent is not serving this node (%s). "+
+		"The pod is not started outside the mesh; its sandbox is retried", pod.Namespace, pod.Name, d.Reason, reason)
+}
+
+func (p *Plugin) namespaceLabels(ctx context.Context, conf *Config, namespace string) (map[string]string, error) {
+	var r NamespaceReader
+	if p.Namespaces != nil {
+		r = p.Namespaces
+	} else {
+		c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
+		if err != nil {
+			return nil, err
+		}
+		defer c.CloseIdleConnections()
+		r = c
+	}
+	ctx, cancel := context.WithTimeout(ctx, conf.requestTimeout)
+	defer cancel()
+	return r.NamespaceLabels(ctx, namespace)
+}
