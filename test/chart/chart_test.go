@@ -35,6 +35,7 @@ import (
 	"k8s.io/client-go/restmapper"
 	"sigs.k8s.io/yaml"
 
+	"github.com/istio-cni-go/istio-cni/internal/ambient"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -309,6 +310,11 @@ type valueSet struct {
 var defaultObjects = []string{"ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni",
 	"ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni", "ClusterRole/istio-cni-repair-role", "ClusterRoleBinding/istio-cni-repair-rolebinding"}
 
+// ambientObjects: the default objects and ambient mode's role and binding.
+func ambientObjects(more ...string) []string {
+	return append(append(append([]string{}, defaultObjects...), "ClusterRole/istio-cni-ambient", "ClusterRoleBinding/istio-cni-ambient"), more...)
+}
+
 // istioValuesFile is what an operator of Istio's chart runs today: the
 // legacy cni.* layout, a revision, scoped log levels, JSON logs.
 const istioValuesFile = `revision: canary
@@ -346,6 +352,9 @@ global:
 var valueSets = map[string]valueSet{
 	"default": {golden: true, check: all(
 		wantObjects(defaultObjects...),
+		wantNoAmbient,
+		wantConfig(ambientDefaultConfig...),
+		wantSelectors(defaultSelectors),
 		wantArgs("--log_output_level=info"),
 		wantDirs("/opt/cni/bin", "/etc/cni/net.d"),
 		wantAppArmor(true),
@@ -501,7 +510,8 @@ env:
 	"k3s":            {values: "platform: k3s\n", check: wantDirs("/var/lib/rancher/k3s/data/cni", "/var/lib/rancher/k3s/agent/etc/cni/net.d")},
 	"k3d":            {values: "platform: k3d\n", check: wantDirs("/bin", "/var/lib/rancher/k3s/agent/etc/cni/net.d")},
 	"microk8s":       {values: "platform: microk8s\n", check: wantDirs("/var/snap/microk8s/current/opt/cni/bin", "/var/snap/microk8s/current/args/cni-network")},
-	// minikube's only setting is the netns dir, which ambient mode alone mounts.
+	// minikube's only setting is the netns dir, which this chart never
+	// mounts (ambient-netns-dir: not in ambient mode either).
 	"minikube":        {values: "platform: minikube\n", check: wantSameAs("")},
 	"standalone-conf": {values: "chained: false\ncniConfFileName: 99-istio.conf\n", check: wantConfig("CHAINED_CNI_PLUGIN", "false", "CNI_CONF_NAME", "99-istio.conf")},
 	"multus": {values: "provider: multus\n", check: func(t *testing.T, r *rendered) {
@@ -562,8 +572,9 @@ env:
 		eq(t, "imagePullSecrets", sa.ImagePullSecrets, []corev1.LocalObjectReference{{Name: "a"}, {Name: "b"}})
 	}},
 
-	// Profiles and compatibility versions. Only demo and openshift change
-	// this chart; the rest configure istiod or ambient mode.
+	// Profiles and compatibility versions. Only demo, openshift and the
+	// ambient ones change this chart; the rest configure istiod. The
+	// compatibility versions restore older ambient defaults.
 	"profile-demo":        {values: "profile: demo\n", check: wantRequests("10m", "40Mi")},
 	"global-profile-demo": {values: "global:\n  profile: demo\n", check: wantRequests("10m", "40Mi")},
 	"profile-demo-user":   {values: "profile: demo\nresources:\n  requests:\n    cpu: 500m\n", check: wantRequests("500m", "40Mi")},
@@ -574,9 +585,93 @@ env:
 	"profile-openshift": {values: "profile: openshift\n", check: all(
 		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"), sccRule(true), wantSELinux(nil))},
 	"profile-ambient-sidecar": {values: "profile: ambient\nambient:\n  enabled: false\n", check: wantImage("registry.istio.io/release/install-cni:latest-distroless", "")},
-	"compat-1.28":             {values: "compatibilityVersion: \"1.28\"\n", check: wantSameAs("")},
-	"compat-unquoted":         {values: "compatibilityVersion: 1.30\nprofile: demo\n", check: wantSameAs("profile: demo\n")},
-	"global-compat":           {values: "global:\n  compatibilityVersion: \"1.24\"\n  platform: k3s\n", check: wantSameAs("platform: k3s\n")},
+	"compat-1.28": {values: "compatibilityVersion: \"1.28\"\n", check: all(wantNoAmbient,
+		wantConfig("AMBIENT_ENABLED", "false", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "false", "AMBIENT_DNS_CAPTURE", "true"))},
+	"compat-unquoted": {values: "compatibilityVersion: 1.30\nprofile: demo\n", check: wantSameAs("profile: demo\n")},
+	// 1.24's shareHostNetworkNamespace=true needs ambient mode on.
+	"global-compat": {values: "global:\n  compatibilityVersion: \"1.24\"\n  platform: k3s\n", check: all(wantNoAmbient,
+		wantDirs("/var/lib/rancher/k3s/data/cni", "/var/lib/rancher/k3s/agent/etc/cni/net.d"),
+		wantConfig("AMBIENT_DNS_CAPTURE", "false", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "false"))},
+
+	// Ambient mode.
+	"ambient": {values: "ambient:\n  enabled: true\n", golden: true, check: all(
+		wantObjects(ambientObjects()...),
+		wantAmbientPod(false), wantAmbientRBAC,
+		wantConfig(append([]string{"AMBIENT_ENABLED", "true"}, ambientDefaultConfig[2:]...)...),
+		wantSelectors(defaultSelectors),
+		wantImage("registry.istio.io/release/install-cni:latest", ""))},
+	// Istio's chart: the agent in the node's network namespace.
+	"profile-ambient-host-network": {values: "profile: ambient\nambient:\n  shareHostNetworkNamespace: true\n", golden: true, check: all(
+		wantObjects(ambientObjects()...),
+		wantAmbientPod(true), wantAmbientRBAC,
+		wantConfig("AMBIENT_ENABLED", "true"),
+		wantSelectors(defaultSelectors),
+		wantImage("registry.istio.io/release/install-cni:latest-distroless", ""))},
+	"ambient-legacy-layout": {values: "cni:\n  ambient:\n    enabled: true\n", check: wantSameAs("ambient:\n  enabled: true\n")},
+	// Every ambient value, from an Istio values file.
+	"ambient-settings": {values: `ambient:
+  enabled: true
+  enablementSelectors:
+    - podSelector:
+        matchLabels: {mesh: ambient}
+    - namespaceSelector:
+        matchExpressions:
+          - {key: mesh, operator: In, values: [ambient, all]}
+  configDir: /etc/ambient
+  dnsCapture: false
+  ipv6: false
+  reconcileIptablesOnStartup: false
+  enableAmbientDetectionRetry: true
+`, check: all(wantAmbientPod(false), wantAmbientRBAC,
+		wantConfig("AMBIENT_ENABLED", "true", "AMBIENT_DNS_CAPTURE", "false", "AMBIENT_IPV6", "false",
+			"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "false", "ENABLE_AMBIENT_DETECTION_RETRY", "true"),
+		wantSelectors([]enablementSelector{
+			{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"mesh": "ambient"}}},
+			{NamespaceSelector: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{
+				{Key: "mesh", Operator: metav1.LabelSelectorOpIn, Values: []string{"ambient", "all"}}}}},
+		}))},
+	// configDir is unused, as in Istio; cniNetnsDir is not needed (the agent
+	// keeps the pod's namespace from the ADD and finds older pods' through
+	// /proc), so neither changes the render.
+	"ambient-config-dir": {values: "ambient:\n  enabled: true\n  configDir: /etc/ambient\n", check: wantSameAs("ambient:\n  enabled: true\n")},
+	"ambient-netns-dir":  {values: "ambient:\n  enabled: true\ncniNetnsDir: /var/run/docker/netns\n", check: wantSameAs("ambient:\n  enabled: true\n")},
+	"ambient-minikube":   {values: "platform: minikube\nambient:\n  enabled: true\n", check: wantSameAs("ambient:\n  enabled: true\n")},
+	// /host/proc for ambient alone, and once with repair and nftables auto.
+	"ambient-repair-off": {values: "ambient:\n  enabled: true\nrepair:\n  enabled: false\n", check: all(
+		wantObjects("ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni", "ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni",
+			"ClusterRole/istio-cni-ambient", "ClusterRoleBinding/istio-cni-ambient"),
+		wantConfig("REPAIR_ENABLED", "false"), wantAmbientPod(false), wantAmbientRBAC)},
+	"ambient-nftables-auto": {values: "ambient:\n  enabled: true\nnativeNftables: auto\n", check: all(wantConfig("NATIVE_NFTABLES", "auto"), wantAmbientPod(false))},
+	// env wins over the chart's settings, in the ConfigMap and the container.
+	"ambient-env": {values: "ambient:\n  enabled: true\nenv:\n  ALLOW_SWITCH_TO_HOST_NS: \"false\"\n  AMBIENT_DNS_CAPTURE: \"false\"\n", check: all(
+		wantConfig("AMBIENT_DNS_CAPTURE", "false", "ALLOW_SWITCH_TO_HOST_NS", "false"),
+		func(t *testing.T, r *rendered) {
+			var got []corev1.EnvVar
+			for _, e := range r.container(t).Env {
+				if e.Name == "ALLOW_SWITCH_TO_HOST_NS" {
+					got = append(got, e)
+				}
+			}
+			eq(t, "env ALLOW_SWITCH_TO_HOST_NS", got, []corev1.EnvVar{{Name: "ALLOW_SWITCH_TO_HOST_NS", Value: "false"}})
+		})},
+	// shareHostNetworkNamespace counts only with ambient on, as in Istio.
+	"ambient-off-host-network": {values: "ambient:\n  shareHostNetworkNamespace: true\n", check: all(wantNoAmbient, wantSameAs(""))},
+	// 1.24's defaults put the ambient agent in the node's network namespace.
+	"profile-ambient-compat-1.24": {values: "profile: ambient\ncompatibilityVersion: \"1.24\"\n", check: all(
+		wantAmbientPod(true), wantConfig("AMBIENT_DNS_CAPTURE", "false", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "false"))},
+	"profile-openshift-ambient": {values: "profile: openshift-ambient\n", check: all(
+		wantObjects(ambientObjects("NetworkAttachmentDefinition/istio-cni")...),
+		wantAmbientPod(false), wantAmbientRBAC, sccRule(true),
+		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"),
+		wantSELinux(&corev1.SELinuxOptions{Type: "spc_t"}),
+		wantImage("registry.istio.io/release/install-cni:latest-distroless", ""))},
+	"global-profile-ambient-windows": {values: "global:\n  profile: ambient-windows\n", check: all(wantAmbientPod(false), wantAmbientRBAC)},
+	// The role is cluster-scoped: resourceScope decides, as for the others.
+	"ambient-scope-namespace": {values: "ambient:\n  enabled: true\nglobal:\n  resourceScope: namespace\n", check: all(
+		wantObjects("ConfigMap/istio-cni-config", "DaemonSet/istio-cni-node", "ServiceAccount/istio-cni"), wantAmbientPod(false))},
+	"ambient-scope-cluster": {values: "ambient:\n  enabled: true\nglobal:\n  resourceScope: cluster\n", check: all(
+		wantObjects("ClusterRole/istio-cni", "ClusterRoleBinding/istio-cni", "ClusterRole/istio-cni-repair-role", "ClusterRoleBinding/istio-cni-repair-rolebinding",
+			"ClusterRole/istio-cni-ambient", "ClusterRoleBinding/istio-cni-ambient"), wantAmbientRBAC)},
 }
 
 func repairRule(resource, verb string) func(*testing.T, *rendered) {
@@ -604,6 +699,185 @@ func sccRule(want bool) func(*testing.T, *rendered) {
 			got = got || reflect.DeepEqual(rule.Resources, []string{"securitycontextconstraints"})
 		}
 		eq(t, "SCC rule", got, want)
+	}
+}
+
+// ambientDefaultConfig: the ConfigMap's ambient keys with Istio's
+// defaults, written with ambient mode off too, as Istio does.
+var ambientDefaultConfig = []string{"AMBIENT_ENABLED", "false",
+	"AMBIENT_DNS_CAPTURE", "true", "AMBIENT_IPV6", "true", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "true",
+	"ENABLE_AMBIENT_DETECTION_RETRY", "false"}
+
+// enablementSelector is one entry of AMBIENT_ENABLEMENT_SELECTOR.
+type enablementSelector struct {
+	PodSelector       *metav1.LabelSelector `json:"podSelector,omitempty"`
+	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
+}
+
+// defaultSelectors: Istio's default ambient.enablementSelectors, a pod
+// labelled ambient, or a pod not labelled none in a namespace labelled
+// ambient.
+var defaultSelectors = []enablementSelector{
+	{PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"istio.io/dataplane-mode": "ambient"}}},
+	{
+		PodSelector: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{
+			{Key: "istio.io/dataplane-mode", Operator: metav1.LabelSelectorOpNotIn, Values: []string{"none"}}}},
+		NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"istio.io/dataplane-mode": "ambient"}},
+	},
+}
+
+// wantSelectors: AMBIENT_ENABLEMENT_SELECTOR is YAML holding these
+// selectors, and the agent's parser reads the same from it.
+func wantSelectors(want []enablementSelector) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		text, ok := r.config(t)["AMBIENT_ENABLEMENT_SELECTOR"]
+		if !ok {
+			t.Fatal("ConfigMap has no AMBIENT_ENABLEMENT_SELECTOR")
+		}
+		var got []enablementSelector
+		if err := yaml.UnmarshalStrict([]byte(text), &got); err != nil {
+			t.Fatalf("AMBIENT_ENABLEMENT_SELECTOR %q: %v", text, err)
+		}
+		eq(t, "AMBIENT_ENABLEMENT_SELECTOR", got, want)
+		sel, err := ambient.ParseSelectors(text)
+		if err != nil {
+			t.Fatalf("the agent rejects AMBIENT_ENABLEMENT_SELECTOR %q: %v", text, err)
+		}
+		var wantSrc []ambient.Selector
+		for _, w := range want {
+			var e ambient.Selector
+			if w.PodSelector != nil {
+				e.PodSelector = *w.PodSelector
+			}
+			if w.NamespaceSelector != nil {
+				e.NamespaceSelector = *w.NamespaceSelector
+			}
+			wantSrc = append(wantSrc, e)
+		}
+		eq(t, "the agent's selectors", sel.Source(), wantSrc)
+	}
+}
+
+func (r *rendered) volumeMounts(t *testing.T, path string) []corev1.VolumeMount {
+	t.Helper()
+	var out []corev1.VolumeMount
+	for _, m := range r.container(t).VolumeMounts {
+		if m.MountPath == path {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func (r *rendered) volume(t *testing.T, name string) *corev1.Volume {
+	t.Helper()
+	vols := r.daemonSet(t).Spec.Template.Spec.Volumes
+	for i := range vols {
+		if vols[i].Name == name {
+			return &vols[i]
+		}
+	}
+	return nil
+}
+
+// wantNoAmbient: sidecar mode's pod and RBAC, nothing of ambient mode's.
+func wantNoAmbient(t *testing.T, r *rendered) {
+	t.Helper()
+	wantConfig("AMBIENT_ENABLED", "false")(t, r)
+	spec := r.daemonSet(t).Spec.Template.Spec
+	eq(t, "hostNetwork", spec.HostNetwork, false)
+	eq(t, "dnsPolicy", spec.DNSPolicy, corev1.DNSPolicy(""))
+	if e, ok := r.envVar(t, "ALLOW_SWITCH_TO_HOST_NS"); ok {
+		t.Errorf("env %+v without ambient mode", e)
+	}
+	for _, path := range []string{"/var/run/ztunnel", "/host/var/run/netns"} {
+		if m := r.volumeMounts(t, path); m != nil {
+			t.Errorf("%s mounted without ambient mode: %+v", path, m)
+		}
+	}
+	if v := r.volume(t, "cni-ztunnel-sock-dir"); v != nil {
+		t.Errorf("volume %+v without ambient mode", v)
+	}
+	if r.has("ClusterRole/istio-cni-ambient") || r.has("ClusterRoleBinding/istio-cni-ambient") {
+		t.Error("ambient RBAC rendered without ambient mode")
+	}
+}
+
+// wantAmbientPod: the DaemonSet's pod in ambient mode, the agent in the
+// node's network namespace (hostNetwork) or in a pod network of its own.
+func wantAmbientPod(hostNetwork bool) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		wantConfig("AMBIENT_ENABLED", "true")(t, r)
+		spec := r.daemonSet(t).Spec.Template.Spec
+		c := r.container(t)
+		// ztunnel connects to the agent's ztunnel.sock here.
+		eq(t, "/var/run/ztunnel mounts", r.volumeMounts(t, "/var/run/ztunnel"),
+			[]corev1.VolumeMount{{Name: "cni-ztunnel-sock-dir", MountPath: "/var/run/ztunnel"}})
+		dirOrCreate := corev1.HostPathDirectoryOrCreate
+		eq(t, "ztunnel volume", r.volume(t, "cni-ztunnel-sock-dir"), &corev1.Volume{Name: "cni-ztunnel-sock-dir",
+			VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/var/run/ztunnel", Type: &dirOrCreate}}})
+		// The host's /proc, read-only, once whatever else wants it.
+		eq(t, "/host/proc mounts", r.volumeMounts(t, "/host/proc"),
+			[]corev1.VolumeMount{{Name: "cni-host-procfs", MountPath: "/host/proc", ReadOnly: true}})
+		procVols := 0
+		for i := range spec.Volumes {
+			if v := &spec.Volumes[i]; v.HostPath != nil && v.HostPath.Path == "/proc" {
+				procVols++
+			}
+		}
+		eq(t, "volumes of the host's /proc", procVols, 1)
+		// No netns dir: the agent keeps the pod's namespace from the ADD.
+		if m := r.volumeMounts(t, "/host/var/run/netns"); m != nil {
+			t.Errorf("netns dir mounted: %+v", m)
+		}
+		for i := range spec.Volumes {
+			if v := &spec.Volumes[i]; v.HostPath != nil && strings.HasSuffix(v.HostPath.Path, "/netns") {
+				t.Errorf("netns dir volume: %+v", *v)
+			}
+		}
+		eq(t, "hostNetwork", spec.HostNetwork, hostNetwork)
+		var switchEnv []corev1.EnvVar
+		for _, e := range c.Env {
+			if e.Name == "ALLOW_SWITCH_TO_HOST_NS" {
+				switchEnv = append(switchEnv, e)
+			}
+		}
+		if hostNetwork {
+			eq(t, "dnsPolicy", spec.DNSPolicy, corev1.DNSClusterFirstWithHostNet)
+			eq(t, "env ALLOW_SWITCH_TO_HOST_NS", switchEnv, []corev1.EnvVar(nil))
+		} else {
+			eq(t, "dnsPolicy", spec.DNSPolicy, corev1.DNSPolicy(""))
+			eq(t, "env ALLOW_SWITCH_TO_HOST_NS", switchEnv, []corev1.EnvVar{{Name: "ALLOW_SWITCH_TO_HOST_NS", Value: "true"}})
+		}
+		// Istio's capabilities, unprivileged: SYS_ADMIN enters other
+		// network namespaces, SYS_PTRACE reads other processes' ones.
+		sc := c.SecurityContext
+		eq(t, "privileged", *sc.Privileged, false)
+		eq(t, "capabilities", sc.Capabilities, &corev1.Capabilities{Drop: []corev1.Capability{"ALL"},
+			Add: []corev1.Capability{"NET_ADMIN", "NET_RAW", "SYS_PTRACE", "SYS_ADMIN", "DAC_OVERRIDE"}})
+	}
+}
+
+// wantAmbientRBAC: ambient mode's role, exactly, bound to the agent, and
+// the base role's DaemonSet rule kept.
+func wantAmbientRBAC(t *testing.T, r *rendered) {
+	t.Helper()
+	eq(t, "istio-cni-ambient rules", r.rules(t, "istio-cni-ambient"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"patch", "update"}},
+		{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+	})
+	var b rbacv1.ClusterRoleBinding
+	r.decode(t, "ClusterRoleBinding/istio-cni-ambient", &b)
+	eq(t, "istio-cni-ambient roleRef", b.RoleRef, rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "istio-cni-ambient"})
+	eq(t, "istio-cni-ambient subjects", b.Subjects, []rbacv1.Subject{{Kind: "ServiceAccount", Name: "istio-cni", Namespace: "istio-system"}})
+	found := false
+	for _, rule := range r.rules(t, "istio-cni") {
+		found = found || reflect.DeepEqual(rule, rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"},
+			ResourceNames: []string{"istio-cni-node"}, Verbs: []string{"get", "watch"}})
+	}
+	if !found {
+		t.Errorf("istio-cni rules %+v lack apps/daemonsets get, watch on istio-cni-node", r.rules(t, "istio-cni"))
 	}
 }
 
@@ -666,8 +940,8 @@ func TestRenderGoldenAndDryRun(t *testing.T) {
 	}
 }
 
-// TestRenderFailures: the values Istio's chart fails on (and ambient mode,
-// which this chart does not provide) fail here, naming the value.
+// TestRenderFailures: the values Istio's chart fails on fail here, naming
+// the value.
 func TestRenderFailures(t *testing.T) {
 	for _, tc := range []struct{ values, want string }{
 		{"platform: eks\n", "platform=eks: unknown platform"},
@@ -679,11 +953,6 @@ func TestRenderFailures(t *testing.T) {
 		{"compatibilityVersion: \"1.19\"\n", "compatibilityVersion=1.19: unknown compatibility version"},
 		{"compatibilityVersion: \"2.0\"\n", "compatibilityVersion=2.0: unknown compatibility version"},
 		{"global:\n  compatibilityVersion: \"1.10\"\n", "global.compatibilityVersion=1.10: unknown compatibility version"},
-		{"ambient:\n  enabled: true\n", "ambient.enabled=true: ambient mode is not provided by this chart"},
-		{"cni:\n  ambient:\n    enabled: true\n", "ambient.enabled=true: ambient mode is not provided by this chart"},
-		{"profile: ambient\n", "profile=ambient (it sets ambient.enabled=true): ambient mode is not provided"},
-		{"profile: openshift-ambient\n", "profile=openshift-ambient (it sets ambient.enabled=true): ambient mode is not provided"},
-		{"global:\n  profile: ambient-windows\n", "global.profile=ambient-windows (it sets ambient.enabled=true)"},
 		{"defaults:\n  hub: x\n", "defaults="},
 		{"global:\n  resourceScope: everything\n", "global.resourceScope=everything"},
 	} {
@@ -704,9 +973,11 @@ const (
 	fails    = "fails"    // the render fails naming the value
 )
 
-var istioValues = []struct {
-	key, values, handling, why string
-}{
+// istioValue is one value of Istio's chart, a values file setting it, and
+// how this chart handles it.
+type istioValue struct{ key, values, handling, why string }
+
+var istioValues = []istioValue{
 	{"hub", "hub: example.com/x\n", works, ""},
 	{"tag", "tag: 1.2.3\n", works, ""},
 	{"variant", "variant: distroless\n", works, ""},
@@ -716,7 +987,7 @@ var istioValues = []struct {
 	{"cniBinDir", "cniBinDir: /x\n", works, ""},
 	{"cniConfDir", "cniConfDir: /x\n", works, ""},
 	{"cniConfFileName", "cniConfFileName: 10-x.conflist\n", works, ""},
-	{"cniNetnsDir", "cniNetnsDir: /x\n", noEffect, "only ambient mode mounts it (Istio's unused volume in sidecar mode is left out)"},
+	{"cniNetnsDir", "cniNetnsDir: /x\n", noEffect, "not needed: the agent keeps the pod's namespace from the ADD and finds older pods' through /proc (Istio mounts it in ambient mode only; see istioAmbientValues)"},
 	{"istioOwnedCNIConfig", "istioOwnedCNIConfig: true\n", works, ""},
 	{"istioOwnedCNIConfigFileName", "istioOwnedCNIConfigFileName: 03-x.conflist\n", works, ""},
 	{"excludeNamespaces", "excludeNamespaces: [a]\n", works, ""},
@@ -726,14 +997,15 @@ var istioValues = []struct {
 	{"podLabels", "podLabels: {a: b}\n", works, ""},
 	{"chained", "chained: false\n", works, ""},
 	{"provider", "provider: multus\n", works, ""},
-	{"ambient.enabled", "ambient:\n  enabled: true\n", fails, ""},
-	{"ambient.enablementSelectors", "ambient:\n  enablementSelectors: []\n", noEffect, "ambient only"},
+	{"ambient.enabled", "ambient:\n  enabled: true\n", works, ""},
+	// The ConfigMap carries these with ambient off too, as Istio's does.
+	{"ambient.enablementSelectors", "ambient:\n  enablementSelectors: []\n", works, ""},
 	{"ambient.configDir", "ambient:\n  configDir: /x\n", noEffect, "unused in Istio too"},
-	{"ambient.dnsCapture", "ambient:\n  dnsCapture: false\n", noEffect, "ambient only"},
-	{"ambient.ipv6", "ambient:\n  ipv6: false\n", noEffect, "ambient only"},
-	{"ambient.reconcileIptablesOnStartup", "ambient:\n  reconcileIptablesOnStartup: false\n", noEffect, "ambient only"},
-	{"ambient.shareHostNetworkNamespace", "ambient:\n  shareHostNetworkNamespace: true\n", noEffect, "ambient only"},
-	{"ambient.enableAmbientDetectionRetry", "ambient:\n  enableAmbientDetectionRetry: true\n", noEffect, "ambient only"},
+	{"ambient.dnsCapture", "ambient:\n  dnsCapture: false\n", works, ""},
+	{"ambient.ipv6", "ambient:\n  ipv6: false\n", works, ""},
+	{"ambient.reconcileIptablesOnStartup", "ambient:\n  reconcileIptablesOnStartup: false\n", works, ""},
+	{"ambient.shareHostNetworkNamespace", "ambient:\n  shareHostNetworkNamespace: true\n", noEffect, "only with ambient.enabled, as in Istio (see istioAmbientValues)"},
+	{"ambient.enableAmbientDetectionRetry", "ambient:\n  enableAmbientDetectionRetry: true\n", works, ""},
 	{"repair.enabled", "repair:\n  enabled: false\n", works, ""},
 	{"repair.repairPods", "repair:\n  repairPods: false\n", works, ""},
 	{"repair.deletePods", "repair:\n  repairPods: false\n  deletePods: true\n", works, ""},
@@ -756,7 +1028,7 @@ var istioValues = []struct {
 	{"ownerName", "ownerName: x\n", works, ""},
 	{"env", "env: {A: b}\n", works, ""},
 	{"profile", "profile: demo\n", works, ""},
-	{"compatibilityVersion", "compatibilityVersion: \"1.28\"\n", noEffect, "the defaults it restores are ambient's"},
+	{"compatibilityVersion", "compatibilityVersion: \"1.28\"\n", works, ""},
 	{"platform", "platform: k3s\n", works, ""},
 	{"global.hub", "global:\n  hub: example.com/x\n", works, ""},
 	{"global.tag", "global:\n  tag: x\n", works, ""},
@@ -772,7 +1044,7 @@ var istioValues = []struct {
 	{"global.resourceScope", "global:\n  resourceScope: cluster\n", works, ""},
 	{"global.platform", "global:\n  platform: k3s\n", works, ""},
 	{"global.profile", "global:\n  profile: demo\n", works, ""},
-	{"global.compatibilityVersion", "global:\n  compatibilityVersion: \"1.28\"\n", noEffect, "the defaults it restores are ambient's"},
+	{"global.compatibilityVersion", "global:\n  compatibilityVersion: \"1.28\"\n", works, ""},
 	{"defaults", "defaults:\n  hub: x\n", fails, ""},
 	// Older releases' keys that Istio's newest chart no longer reads.
 	{"privileged", "privileged: true\n", noEffect, "Istio's chart no longer reads it; the agent runs unprivileged with capabilities, as Istio's"},
@@ -783,15 +1055,30 @@ var istioValues = []struct {
 	{"cni.*", "cni:\n  tag: x\n", works, ""},
 }
 
+// istioAmbientValues: the values whose effect depends on ambient mode,
+// compared with ambient mode's render (each values text follows ambientOn).
+const ambientOn = "ambient:\n  enabled: true\n"
+
+var istioAmbientValues = []istioValue{
+	{"ambient.shareHostNetworkNamespace", "  shareHostNetworkNamespace: true\n", works, ""},
+	{"ambient.configDir", "  configDir: /x\n", noEffect, "unused in Istio too"},
+	{"cniNetnsDir", "cniNetnsDir: /x\n", noEffect, "not needed: the agent keeps the pod's namespace from the ADD and finds older pods' through /proc"},
+}
+
 func TestIstioValues(t *testing.T) {
-	base, err := testenv.RenderChart("", "")
+	t.Run("ambient-off", func(t *testing.T) { checkIstioValues(t, "", istioValues) })
+	t.Run("ambient-on", func(t *testing.T) { checkIstioValues(t, ambientOn, istioAmbientValues) })
+}
+
+func checkIstioValues(t *testing.T, base string, table []istioValue) {
+	baseFiles, err := testenv.RenderChart(base, "")
 	if err != nil {
 		t.Fatal(err)
 	}
-	baseText := (&rendered{files: base}).text()
-	for _, v := range istioValues {
+	baseText := (&rendered{files: baseFiles}).text()
+	for _, v := range table {
 		t.Run(v.key, func(t *testing.T) {
-			files, err := testenv.RenderChart(v.values, "")
+			files, err := testenv.RenderChart(base+v.values, "")
 			switch v.handling {
 			case fails:
 				name := strings.TrimSuffix(v.key, ".*")
@@ -839,6 +1126,70 @@ func TestAgentInvocation(t *testing.T) {
 		if v, ok := env[k]; ok {
 			t.Errorf("env %s=%q, want it left to the caller", k, v)
 		}
+	}
+}
+
+// istioAmbientValuesFile is Istio's ambient install as operators write
+// it: the ambient profile, the legacy cni.* layout, selectors of their own.
+const istioAmbientValuesFile = `profile: ambient
+cni:
+  hub: docker.io/istio
+  tag: 1.30.1
+  ambient:
+    dnsCapture: false
+    enablementSelectors:
+      - podSelector:
+          matchLabels: {mesh: ambient}
+  env:
+    ENABLE_AMBIENT_DETECTION_RETRY: "true"
+global:
+  platform: k3s
+`
+
+// TestAgentInvocationAmbient: ambient mode's settings from Istio's values
+// reach the agent's environment under Istio's names.
+func TestAgentInvocationAmbient(t *testing.T) {
+	for _, tc := range []struct {
+		name, values string
+		want         map[string]string // "<absent>": not set
+		selectors    []ambient.Selector
+	}{
+		{"istio-values-file", istioAmbientValuesFile, map[string]string{
+			"AMBIENT_ENABLED": "true", "AMBIENT_DNS_CAPTURE": "false", "AMBIENT_IPV6": "true",
+			"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "true", "ALLOW_SWITCH_TO_HOST_NS": "true",
+			// env wins over the chart's key, as in Istio.
+			"ENABLE_AMBIENT_DETECTION_RETRY": "true",
+			"REPAIR_REPAIR_PODS":             "true",
+		}, []ambient.Selector{{PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"mesh": "ambient"}}}}},
+		{"host-network", "ambient:\n  enabled: true\n  shareHostNetworkNamespace: true\n  reconcileIptablesOnStartup: false\n  ipv6: false\n", map[string]string{
+			"AMBIENT_ENABLED": "true", "AMBIENT_DNS_CAPTURE": "true", "AMBIENT_IPV6": "false",
+			"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "false", "ENABLE_AMBIENT_DETECTION_RETRY": "false",
+			"ALLOW_SWITCH_TO_HOST_NS": "<absent>",
+		}, ambient.DefaultSelectors().Source()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			files, err := testenv.RenderChart(tc.values, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			args, env, err := testenv.AgentInvocation(files)
+			if err != nil {
+				t.Fatal(err)
+			}
+			eq(t, "args", args, []string{"install-cni", "--log_output_level=info"})
+			for k, want := range tc.want {
+				got, ok := env[k]
+				if !ok {
+					got = "<absent>"
+				}
+				eq(t, "env "+k, got, want)
+			}
+			sel, err := ambient.ParseSelectors(env["AMBIENT_ENABLEMENT_SELECTOR"])
+			if err != nil {
+				t.Fatalf("AMBIENT_ENABLEMENT_SELECTOR %q: %v", env["AMBIENT_ENABLEMENT_SELECTOR"], err)
+			}
+			eq(t, "the agent's selectors", sel.Source(), tc.selectors)
+		})
 	}
 }
 

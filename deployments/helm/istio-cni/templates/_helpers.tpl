@@ -6,7 +6,9 @@ and the platform named in your values, then your values, then your cni.*
 values. Unlike Istio, where a platform's cni.* settings land after your
 top-level values, anything you give (but an empty string) wins over every
 named set.
-It also fails the render on values this chart cannot honour.
+It also fails the render on values this chart cannot honour: an unknown
+profile, compatibility version or platform, a bad global.resourceScope,
+values under defaults.
 */}}
 {{- define "istio-cni.init" -}}
 {{- if not (hasKey $ "IstioCNIEffectiveValues") -}}
@@ -50,13 +52,6 @@ It also fails the render on values this chart cannot honour.
 {{- $_ := mustMergeOverwrite $v (omit $user "cni") $userCNI -}}
 {{- $_ := unset $v "cni" -}}
 {{- if not (kindIs "map" $v.global) }}{{ $_ := set $v "global" dict }}{{ end -}}
-{{- if ($v.ambient | default dict).enabled -}}
-{{- $by := "ambient.enabled=true" -}}
-{{- range $named -}}
-{{- if (get (index . 1) "ambient" | default dict).enabled }}{{ $by = printf "%s (it sets ambient.enabled=true)" (index . 0) }}{{ end -}}
-{{- end -}}
-{{- fail (printf "%s: ambient mode is not provided by this chart yet; install Istio's own istio-cni chart for ambient, or use sidecar mode (ambient.enabled=false)" $by) -}}
-{{- end -}}
 {{- $scope := lower (toString ($v.global.resourceScope | default "all")) -}}
 {{- if not (has $scope (list "all" "cluster" "namespace")) -}}
 {{- fail (printf "global.resourceScope=%v: must be all, cluster or namespace" $v.global.resourceScope) -}}
@@ -124,6 +119,18 @@ app: istio-cni
 {{- $n := .Values.nativeNftables -}}
 {{- if and (kindIs "bool" $n) (not $n) }}{{ $n = .Values.global.nativeNftables | default false }}{{ end -}}
 {{- $n -}}
+{{- end -}}
+
+{{/* Ambient mode (ambient.enabled). */}}
+{{- define "istio-cni.ambient" -}}
+{{- if (.Values.ambient | default dict).enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* The agent in the node's network namespace: ambient.shareHostNetworkNamespace,
+which, as in Istio, counts only with ambient mode on. */}}
+{{- define "istio-cni.hostNetwork" -}}
+{{- $a := .Values.ambient | default dict -}}
+{{- if and $a.enabled $a.shareHostNetworkNamespace }}true{{ end -}}
 {{- end -}}
 
 {{/* The one repair mode in effect, by Istio's precedence (empty: repair off). */}}
