@@ -8,6 +8,7 @@ package chart
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -36,6 +37,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/istio-cni-go/istio-cni/internal/ambient"
+	"github.com/istio-cni-go/istio-cni/internal/enablement"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -747,10 +749,10 @@ func wantSelectors(want []enablementSelector) func(*testing.T, *rendered) {
 		for _, w := range want {
 			var e ambient.Selector
 			if w.PodSelector != nil {
-				e.PodSelector = *w.PodSelector
+				e.PodSelector = asSelector(t, w.PodSelector)
 			}
 			if w.NamespaceSelector != nil {
-				e.NamespaceSelector = *w.NamespaceSelector
+				e.NamespaceSelector = asSelector(t, w.NamespaceSelector)
 			}
 			wantSrc = append(wantSrc, e)
 		}
@@ -863,7 +865,7 @@ func wantAmbientPod(hostNetwork bool) func(*testing.T, *rendered) {
 func wantAmbientRBAC(t *testing.T, r *rendered) {
 	t.Helper()
 	eq(t, "istio-cni-ambient rules", r.rules(t, "istio-cni-ambient"), []rbacv1.PolicyRule{
-		{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"patch", "update"}},
+		{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"patch"}},
 		{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	})
@@ -1160,7 +1162,7 @@ func TestAgentInvocationAmbient(t *testing.T) {
 			// env wins over the chart's key, as in Istio.
 			"ENABLE_AMBIENT_DETECTION_RETRY": "true",
 			"REPAIR_REPAIR_PODS":             "true",
-		}, []ambient.Selector{{PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"mesh": "ambient"}}}}},
+		}, []ambient.Selector{{PodSelector: enablement.LabelSelector{MatchLabels: map[string]string{"mesh": "ambient"}}}}},
 		{"host-network", "ambient:\n  enabled: true\n  shareHostNetworkNamespace: true\n  reconcileIptablesOnStartup: false\n  ipv6: false\n", map[string]string{
 			"AMBIENT_ENABLED": "true", "AMBIENT_DNS_CAPTURE": "true", "AMBIENT_IPV6": "false",
 			"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "false", "ENABLE_AMBIENT_DETECTION_RETRY": "false",
@@ -1277,4 +1279,19 @@ func TestLint(t *testing.T) {
 			}
 		}
 	}
+}
+
+// asSelector is a Kubernetes label selector in the agent's own type,
+// through their shared JSON form.
+func asSelector(t *testing.T, ls *metav1.LabelSelector) enablement.LabelSelector {
+	t.Helper()
+	var out enablement.LabelSelector
+	b, err := json.Marshal(ls)
+	if err == nil {
+		err = json.Unmarshal(b, &out)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
