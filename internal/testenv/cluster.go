@@ -282,10 +282,14 @@ func (c *Cluster) PluginKubeconfig(ctx context.Context, path string) error {
 	return WriteKubeconfig(path, c.URL, c.CAFile, tok)
 }
 
-// PluginToken ensures the istio-cni service account (read access to pods)
-// and mints a token for it, as a projected service account volume holds.
+// PluginToken ensures the istio-cni service account (read access to pods,
+// and to namespaces as the chart's ambient role grants) and mints a token
+// for it, as a projected service account volume holds.
 func (c *Cluster) PluginToken(ctx context.Context) (string, error) {
-	return c.TokenFor(ctx, "istio-cni", []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}})
+	return c.TokenFor(ctx, "istio-cni", []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}},
+		{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"get"}},
+	})
 }
 
 // TokenFor ensures a service account in kube-system bound to a cluster
