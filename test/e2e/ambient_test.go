@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -15,11 +16,13 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/istio-cni-go/istio-cni/internal/ambient"
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/zds"
 	"github.com/istio-cni-go/istio-cni/internal/ztunnelsim"
 )
 
@@ -27,6 +30,7 @@ import (
 // stand-in ztunnel connected to it.
 type ambientNode struct {
 	*host
+	args []string
 	sim  *ztunnelsim.Sim
 	cni  *libcni.CNIConfig
 	list *libcni.NetworkConfigList
@@ -37,8 +41,9 @@ func newAmbientNode(t *testing.T, subnet string) *ambientNode {
 	ensureDaemonSet(t, false)
 	h := ptpHost(t, subnet)
 	sock := h.RunDir + "-ztunnel.sock"
-	h.start("--kubernetes-node-name", testenv.NodeName, "--ambient-enabled", "--ambient-dns-capture=true",
-		"--ztunnel-uds-address", sock, "--repair-host-proc", "/proc")
+	args := []string{"--kubernetes-node-name", testenv.NodeName, "--ambient-enabled", "--ambient-dns-capture=true",
+		"--ztunnel-uds-address", sock, "--repair-host-proc", "/proc"}
+	h.start(args...)
 	h.waitReadyz(200, 20*time.Second)
 	sim, err := ztunnelsim.Start(ztunnelsim.Config{Path: sock, Listeners: true, Reconnect: true})
 	if err != nil {
@@ -63,7 +68,7 @@ func newAmbientNode(t *testing.T, subnet string) *ambientNode {
 		// leave it to the next one.
 		_ = (&iptables.Applier{}).RemoveHost("/proc/self/ns/net")
 	})
-	return &ambientNode{host: h, sim: sim, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil), list: list}
+	return &ambientNode{host: h, args: args, sim: sim, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil), list: list}
 }
 
 // add creates the pod object and runs the node's chain for it as a
@@ -89,6 +94,19 @@ func (n *ambientNode) add(t *testing.T, spec testenv.PodSpec, containerID string
 		t.Fatalf("ADD result %v: %v", res, err)
 	}
 	ip, _ := netip.AddrFromSlice(r.IPs[0].Address.IP.To4())
+	// The kubelet reports the sandbox's address once the chain is done.
+	pods := cluster.Client.CoreV1().Pods(spec.Namespace)
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		p, err := pods.Get(context.Background(), spec.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		p.Status.Phase, p.Status.PodIP, p.Status.PodIPs = corev1.PodRunning, ip.String(), []corev1.PodIP{{IP: ip.String()}}
+		_, err = pods.UpdateStatus(context.Background(), p, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
 	return pod, k8sPod, ip, nil
 }
 
@@ -187,6 +205,50 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 	if plain.RulesPresent(&iptables.Applier{}) {
 		t.Fatal("a pod not enrolled has rules")
 	}
+
+	t.Run("agent-restart", func(t *testing.T) {
+		// A rolling update: the DaemonSet stays, the agent is replaced.
+		// The new agent finds the pod's namespace by its UID (the
+		// sandbox's cgroup) and hands it to ztunnel again; the pod keeps
+		// its rules, probe entry and annotation throughout.
+		stop, err := pod.StartSandboxProcess()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer stop()
+		ensureDaemonSet(t, true)
+		if code := n.stop(syscall.SIGTERM); code != 0 {
+			t.Fatalf("agent exit code %d", code)
+		}
+		if got := readLine(t, pod, testenv.RemoteV4+":80"); !strings.HasPrefix(got, fmt.Sprint(ztunnelsim.PortOutbound)) {
+			t.Fatalf("the app's outbound with the agent away: %q", got)
+		}
+		n.start(n.args...)
+		n.waitReadyz(200, 20*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		st, err := n.sim.Wait(ctx, func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+		if err != nil {
+			t.Fatalf("the restarted agent never sent ztunnel its snapshot: %v", err)
+		}
+		var resent bool
+		for _, ev := range st.Events {
+			if ev.Conn == 2 && ev.Req.Kind == zds.KindAdd && ev.Req.UID == uid && ev.Inode == netnsInode(t, pod) {
+				resent = true
+			}
+		}
+		if !resent {
+			t.Fatalf("the restarted agent's snapshot did not hand over the pod's namespace: %+v", st.Events)
+		}
+		if got := readLine(t, pod, testenv.RemoteV4+":80"); !strings.HasPrefix(got, fmt.Sprint(ztunnelsim.PortOutbound)) {
+			t.Fatalf("the app's outbound after the restart: %q", got)
+		}
+		if probes, err := (&iptables.Applier{}).ProbeEntries("/proc/self/ns/net"); err != nil || probes[ip] != uid {
+			t.Fatalf("probe set after the restart %v (%v); want %s for %s", probes, err, ip, uid)
+		}
+		waitAnnotation(t, testNS, "ambient-app", ambient.RedirectionEnabled)
+		ensureDaemonSet(t, false)
+	})
 
 	t.Run("fallback-refuses-enrolled-pods", func(t *testing.T) {
 		// The agent dies; the plugin stays in the node's config and the
