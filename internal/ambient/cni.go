@@ -2,6 +2,7 @@ package ambient
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -81,4 +82,37 @@ func (c *Controller) namespaceForAdd(ctx context.Context, namespace string) (map
 		}
 	}
 	return nil, apierrors.NewNotFound(corev1.Resource("namespaces"), namespace)
+}
+
+// CheckOnCNI is the CNI server's CHECK: for a pod the policy enrols, the
+// pod's rules and routing in netns are compared with what its annotations
+// ask for, and ztunnel's acknowledgement is looked up; false means the
+// pod is not enrolled (the sidecar path checks it).
+func (c *Controller) CheckOnCNI(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error) {
+	pod, err := c.podForAdd(ctx, namespace, name, uid)
+	if err != nil {
+		return false, fmt.Errorf("ambient mode: cannot read pod %s/%s: %w", namespace, name, err)
+	}
+	nsLabels, err := c.namespaceForAdd(ctx, namespace)
+	if err != nil {
+		return false, fmt.Errorf("ambient mode: cannot read namespace %s of pod %s/%s: %w", namespace, namespace, name, err)
+	}
+	if d := decide(c.cfg.Policy, pod, nsLabels); !d.Enrol {
+		return false, nil
+	}
+	params, err := PodParams(pod, c.cfg.Defaults)
+	if err != nil {
+		return true, err
+	}
+	if err := c.cfg.InPod.CheckAmbient(fdPath(netns), params); err != nil {
+		return true, fmt.Errorf("ambient redirection: %w", err)
+	}
+	c.mu.Lock()
+	st := c.pods[string(pod.UID)]
+	acked := st != nil && st.acked
+	c.mu.Unlock()
+	if !acked {
+		return true, errors.New("ztunnel has not acknowledged the pod (it is pending)")
+	}
+	return true, nil
 }

@@ -91,6 +91,9 @@ type Ambient interface {
 	// EnrolOnAdd decides the pod and enrols it with its network
 	// namespace; false means it is not enrolled and nothing was done.
 	EnrolOnAdd(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error)
+	// CheckOnCNI decides the pod and, when it is enrolled, checks its
+	// redirection in netns; false means it is not enrolled.
+	CheckOnCNI(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error)
 }
 
 // ambientTimeout bounds an ambient enrolment on ADD, within the relay's
@@ -474,6 +477,13 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 			ctx, cancel := context.WithTimeout(ctx, ambientTimeout)
 			defer cancel()
 			return s.Ambient.EnrolOnAdd(ctx, string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME), string(a.K8S_POD_UID), netns)
+		}
+	}
+	if s.Ambient != nil && netns != nil && req.Command == "CHECK" {
+		p.AmbientCheck = func(ctx context.Context, a *plugin.K8sArgs) (bool, error) {
+			ctx, cancel := context.WithTimeout(ctx, ambientTimeout)
+			defer cancel()
+			return s.Ambient.CheckOnCNI(ctx, string(a.K8S_POD_NAMESPACE), string(a.K8S_POD_NAME), string(a.K8S_POD_UID), netns)
 		}
 	}
 	var err error

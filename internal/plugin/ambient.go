@@ -13,26 +13,32 @@ type NamespaceReader interface {
 	NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error)
 }
 
-// refuseAmbient fails the ADD of a pod the ambient selectors enrol when
-// no node agent serves it (this process is the fallback): only the agent
-// can hand a pod's namespace to ztunnel, and the reference's way, to
-// start the pod outside the mesh, is what this plugin never does. A
-// namespace that cannot be read fails the ADD too.
-func (p *Plugin) refuseAmbient(ctx context.Context, conf *Config, pod *podinfo.Pod) error {
+// ambientDecision decides, in this process, whether the ambient
+// selectors enrol the pod (the fallback's own decision; the agent's is
+// Plugin.Ambient). A pod the policy keeps out needs no API request; a
+// namespace that cannot be read is an error, never a "no".
+func (p *Plugin) ambientDecision(ctx context.Context, conf *Config, pod *podinfo.Pod) (enablement.Decision, error) {
 	policy := enablement.Policy{Selectors: conf.selectors, ExcludeNamespaces: conf.ExcludeNamespaces, SystemNamespace: conf.PodNamespace}
 	facts := enablement.Pod{Namespace: pod.Namespace, Name: pod.Name, Labels: pod.Labels, Annotations: pod.Annotations, HostNetwork: pod.HostNetwork}
-	// A pod the policy keeps out needs no API request.
-	if policy.Exclusion(facts) != "" {
-		return nil
+	if reason := policy.Exclusion(facts); reason != "" {
+		return enablement.Decision{Reason: reason}, nil
 	}
 	nsLabels, err := p.namespaceLabels(ctx, conf, pod.Namespace)
 	if err != nil {
-		return fmt.Errorf("ambient mode: cannot read namespace %s to tell whether pod %s/%s is enrolled: %w",
+		return enablement.Decision{}, fmt.Errorf("ambient mode: cannot read namespace %s to tell whether pod %s/%s is enrolled: %w",
 			pod.Namespace, pod.Namespace, pod.Name, err)
 	}
-	d := policy.Decide(facts, nsLabels)
-	if !d.Enrol {
-		return nil
+	return policy.Decide(facts, nsLabels), nil
+}
+
+// refuseAmbient fails the ADD of a pod the ambient selectors enrol when
+// no node agent serves it (this process is the fallback): only the agent
+// can hand a pod's namespace to ztunnel, and the reference's way, to
+// start the pod outside the mesh, is what this plugin never does.
+func (p *Plugin) refuseAmbient(ctx context.Context, conf *Config, pod *podinfo.Pod) error {
+	d, err := p.ambientDecision(ctx, conf, pod)
+	if err != nil || !d.Enrol {
+		return err
 	}
 	reason := p.FallbackReason
 	if reason == "" {

@@ -53,6 +53,10 @@ type Plugin struct {
 	// on ADD: true means it enrolled the pod in the ambient mesh, which
 	// then gets no sidecar rules; an error fails the ADD.
 	Ambient func(ctx context.Context, a *K8sArgs) (bool, error)
+	// AmbientCheck is Ambient's CHECK: true means the pod is enrolled
+	// and its ambient redirection is as it should be; an error names
+	// what differs.
+	AmbientCheck func(ctx context.Context, a *K8sArgs) (bool, error)
 	// Namespaces reads namespaces' labels when this process decides
 	// ambient enrolment itself (the fallback); nil means the API server
 	// with the agent's kubeconfig.
@@ -375,9 +379,32 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	if req.conf.PrevResult == nil {
 		return types.NewError(types.ErrInvalidNetworkConfig, "CHECK needs prevResult: istio-cni must be chained after the primary plugin", "")
 	}
+	if p.AmbientCheck != nil && skipByName(req.conf, req.args) == "" {
+		enrolled, err := p.AmbientCheck(context.Background(), req.args)
+		if err != nil {
+			req.log.Error("check failed", "error", err.Error())
+			return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+		}
+		if enrolled {
+			return nil
+		}
+	}
 	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+	}
+	if req.conf.AmbientEnabled && p.AmbientCheck == nil && d.Pod != nil {
+		// An enrolled pod's redirection is the agent's, with ztunnel; the
+		// fallback cannot tell more than Istio's plugin, whose CHECK does
+		// nothing.
+		ad, err := p.ambientDecision(context.Background(), req.conf, d.Pod)
+		if err != nil {
+			return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+		}
+		if ad.Enrol {
+			req.log.Debug("ambient pod: its redirection is checked by the node agent")
+			return nil
+		}
 	}
 	want := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
 	if d.Skip == "" {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -79,6 +80,9 @@ func (n *ambientNode) add(t *testing.T, spec testenv.PodSpec, containerID string
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() {
+		_ = cluster.Client.CoreV1().Pods(spec.Namespace).Delete(context.Background(), spec.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+	})
 	pod, err := testenv.NewPod(spec.Namespace, spec.Name, string(k8sPod.UID), containerID)
 	if err != nil {
 		t.Fatal(err)
@@ -193,6 +197,20 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 	waitAnnotation(t, testNS, "ambient-app", ambient.RedirectionEnabled)
 	n.WaitLog(10*time.Second, testenv.LogLine("enrolled in the ambient mesh", testNS+"/ambient-app"))
 
+	// CHECK verifies the pod's ambient redirection: as it should be, then
+	// with the connmark rules gone (the restart below puts them back).
+	if err := n.cni.CheckNetworkList(context.Background(), n.list, pod.RT); err != nil {
+		t.Fatalf("CHECK of the enrolled pod: %v", err)
+	}
+	if err := pod.InPod(func() error {
+		return exec.Command("iptables", "-t", "mangle", "-F", "ISTIO_PRERT").Run()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.cni.CheckNetworkList(context.Background(), n.list, pod.RT); err == nil || !strings.Contains(err.Error(), "ambient redirection") {
+		t.Fatalf("CHECK of the enrolled pod with its connmark rules flushed: %v; want the difference named", err)
+	}
+
 	// A pod no selector enrols takes the sidecar path, where it gets
 	// nothing (it has no sidecar).
 	plain, plainPod, _, err := n.add(t, testenv.PodSpec{Namespace: testNS, Name: "ambient-plain"}, "cambientplain")
@@ -247,6 +265,18 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 			t.Fatalf("probe set after the restart %v (%v); want %s for %s", probes, err, ip, uid)
 		}
 		waitAnnotation(t, testNS, "ambient-app", ambient.RedirectionEnabled)
+		// The new agent re-applies the pod's rules as it takes it over
+		// (its work queue, after the snapshot).
+		for deadline := time.Now().Add(15 * time.Second); ; {
+			err := n.cni.CheckNetworkList(context.Background(), n.list, pod.RT)
+			if err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("CHECK after the restart: %v", err)
+			}
+			time.Sleep(50 * time.Millisecond) // polling the agent, an outside process
+		}
 		ensureDaemonSet(t, false)
 	})
 
