@@ -229,6 +229,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 	}
 	am := &o.Ambient
 	var repairNode string
+	var ambientDisableSafeUpgrade bool
 	defs := []optDef{
 		{name: "mounted-cni-net-dir", help: "host CNI config dir as mounted in the agent", def: "/host/etc/cni/net.d", set: str(&in.MountedCNINetDir), istio: true},
 		{name: "cni-conf-name", help: "CNI config file to use (empty: the runtime's choice)", set: str(&in.CNIConfName), istio: true},
@@ -282,12 +283,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "ambient-dns-capture", help: "ambient pods' DNS goes to ztunnel (pod annotation ambient.istio.io/dns-capture overrides)", def: "false", set: boolean(&am.DNSCapture), istio: true},
 		{name: "ambient-ipv6", help: "ambient pods get IPv6 rules too", def: "false", set: boolean(&am.IPv6), istio: true},
 		{name: "ambient-reconcile-pod-rules-on-startup", help: "accepted; the rules of enrolled pods are always re-applied at start and verified periodically", def: "false", set: boolean(&am.ReconcileOnStartup), istio: true},
-		{name: "ambient-disable-safe-upgrade", help: "Istio's name of disable-safe-upgrade in ambient mode", def: "false", set: func(v string) error {
-			var b bool
-			err := boolean(&b)(v)
-			o.DisableSafeUpgrade = o.DisableSafeUpgrade || b
-			return err
-		}, istio: true},
+		{name: "ambient-disable-safe-upgrade", help: "Istio's name of disable-safe-upgrade in ambient mode", def: "false", set: boolean(&ambientDisableSafeUpgrade), istio: true},
 		{name: "ztunnel-uds-address", help: "ztunnel's socket, where the agent serves ztunnel in ambient mode", def: "/var/run/ztunnel/ztunnel.sock", set: str(&am.ZtunnelSocket), istio: true},
 		{name: "enable-ambient-detection-retry", help: "written into the plugin's config as Istio does; this plugin never starts an enrolled pod unmeshed, retry or not", def: "false", set: boolean(&in.Entry.AmbientDetectionRetry), istio: true},
 		{name: "allow-switch-to-host-ns", help: "the agent runs in a pod network of its own and writes the node's rules into the host's network namespace (repair-host-proc's 1/ns/net)", def: "false", set: boolean(&am.SwitchToHostNS), istio: true},
@@ -405,6 +401,8 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
 		}
 	}
+	// Either name forces the clean-up, whichever is read first.
+	o.DisableSafeUpgrade = o.DisableSafeUpgrade || ambientDisableSafeUpgrade
 	// An older chart's spelling of EXCLUDE_NAMESPACES.
 	if v, ok := lookupEnv("EXCLUDED_NAMESPACES"); ok && len(in.Entry.ExcludeNamespaces) == 0 {
 		_ = list(&in.Entry.ExcludeNamespaces)(v)

@@ -1,10 +1,18 @@
 package agent
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/ambient"
+	"github.com/istio-cni-go/istio-cni/internal/enablement"
+	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
 )
 
 func TestParseOptions(t *testing.T) {
@@ -159,5 +167,219 @@ func TestNftablesAuto(t *testing.T) {
 	}
 	if _, err := HostHasIPTables(filepath.Join(bare, "missing")); err == nil {
 		t.Fatal("missing root not reported")
+	}
+}
+
+// TestAmbientOptionDefaults: with nothing set, ambient mode is off, its
+// settings have Istio's binary defaults and our waits, and nothing goes
+// into the plugin entry (the installer then writes Istio's [] and false).
+func TestAmbientOptionDefaults(t *testing.T) {
+	o, err := ParseOptions(nil, envOf(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	am, e := o.Ambient, o.Loop.Install.Entry
+	if e.AmbientEnabled || e.EnablementSelectors != nil || e.AmbientDetectionRetry || am.Selectors != nil || am.SelectorsYAML != "" {
+		t.Fatalf("ambient off by default: entry %+v, ambient %+v", e, am)
+	}
+	if am.DNSCapture || am.IPv6 || am.ReconcileOnStartup || am.SwitchToHostNS || o.DisableSafeUpgrade {
+		t.Fatalf("boolean defaults (Istio's binary's, all false): %+v, DisableSafeUpgrade %v", am, o.DisableSafeUpgrade)
+	}
+	if am.ZtunnelSocket != "/var/run/ztunnel/ztunnel.sock" {
+		t.Fatalf("ZTUNNEL_UDS_ADDRESS default %q", am.ZtunnelSocket)
+	}
+	if am.ZtunnelWait != ambient.DefaultZtunnelWait || am.VerifyInterval != ambient.DefaultVerifyInterval || am.HostInterval != ambient.DefaultHostInterval {
+		t.Fatalf("waits %v %v %v", am.ZtunnelWait, am.VerifyInterval, am.HostInterval)
+	}
+	if len(o.Notes) != 0 {
+		t.Fatalf("notes without ambient mode: %q", o.Notes)
+	}
+}
+
+// TestAmbientOptions: each of ambient mode's settings, from the
+// environment with Istio's name and from its flag.
+func TestAmbientOptions(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		args  []string
+		env   map[string]string
+		check func(o *Config) bool
+	}{
+		{"AMBIENT_ENABLED", nil, map[string]string{"AMBIENT_ENABLED": "true"}, func(o *Config) bool {
+			return o.Loop.Install.Entry.AmbientEnabled && o.Ambient.Selectors != nil
+		}},
+		{"AMBIENT_DNS_CAPTURE", nil, map[string]string{"AMBIENT_DNS_CAPTURE": "true"}, func(o *Config) bool { return o.Ambient.DNSCapture }},
+		{"--ambient-dns-capture", []string{"--ambient-dns-capture"}, nil, func(o *Config) bool { return o.Ambient.DNSCapture }},
+		{"AMBIENT_IPV6", nil, map[string]string{"AMBIENT_IPV6": "true"}, func(o *Config) bool { return o.Ambient.IPv6 }},
+		{"AMBIENT_IPV6 empty is false", nil, map[string]string{"AMBIENT_IPV6": ""}, func(o *Config) bool { return !o.Ambient.IPv6 }},
+		{"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", nil, map[string]string{"AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "true"}, func(o *Config) bool {
+			return o.Ambient.ReconcileOnStartup
+		}},
+		{"AMBIENT_DISABLE_SAFE_UPGRADE", nil, map[string]string{"AMBIENT_DISABLE_SAFE_UPGRADE": "true"}, func(o *Config) bool { return o.DisableSafeUpgrade }},
+		{"--ambient-disable-safe-upgrade", []string{"--ambient-disable-safe-upgrade=true"}, nil, func(o *Config) bool { return o.DisableSafeUpgrade }},
+		{"AMBIENT_DISABLE_SAFE_UPGRADE false keeps DISABLE_SAFE_UPGRADE", nil,
+			map[string]string{"AMBIENT_DISABLE_SAFE_UPGRADE": "false", "DISABLE_SAFE_UPGRADE": "true"}, func(o *Config) bool { return o.DisableSafeUpgrade }},
+		{"AMBIENT_DISABLE_SAFE_UPGRADE false", nil, map[string]string{"AMBIENT_DISABLE_SAFE_UPGRADE": "false"}, func(o *Config) bool { return !o.DisableSafeUpgrade }},
+		{"ZTUNNEL_UDS_ADDRESS", nil, map[string]string{"ZTUNNEL_UDS_ADDRESS": "/run/zt/z.sock"}, func(o *Config) bool { return o.Ambient.ZtunnelSocket == "/run/zt/z.sock" }},
+		{"--ztunnel-uds-address", []string{"--ztunnel-uds-address=/a.sock"}, map[string]string{"ZTUNNEL_UDS_ADDRESS": "/b.sock"}, func(o *Config) bool {
+			return o.Ambient.ZtunnelSocket == "/a.sock"
+		}},
+		{"ENABLE_AMBIENT_DETECTION_RETRY goes into the entry", nil, map[string]string{"ENABLE_AMBIENT_DETECTION_RETRY": "true"}, func(o *Config) bool {
+			return o.Loop.Install.Entry.AmbientDetectionRetry
+		}},
+		{"ALLOW_SWITCH_TO_HOST_NS", nil, map[string]string{"ALLOW_SWITCH_TO_HOST_NS": "true"}, func(o *Config) bool { return o.Ambient.SwitchToHostNS }},
+		{"AMBIENT_ZTUNNEL_WAIT", nil, map[string]string{"AMBIENT_ZTUNNEL_WAIT": "1500ms"}, func(o *Config) bool { return o.Ambient.ZtunnelWait == 1500*time.Millisecond }},
+		{"AMBIENT_ZTUNNEL_WAIT empty is the default", nil, map[string]string{"AMBIENT_ZTUNNEL_WAIT": ""}, func(o *Config) bool {
+			return o.Ambient.ZtunnelWait == ambient.DefaultZtunnelWait
+		}},
+		{"AMBIENT_VERIFY_INTERVAL", nil, map[string]string{"AMBIENT_VERIFY_INTERVAL": "2m"}, func(o *Config) bool { return o.Ambient.VerifyInterval == 2*time.Minute }},
+		{"AMBIENT_HOST_INTERVAL", nil, map[string]string{"AMBIENT_HOST_INTERVAL": "45s"}, func(o *Config) bool { return o.Ambient.HostInterval == 45*time.Second }},
+		{"HOST_PROBE_SNAT_IP Istio's default", nil, map[string]string{"HOST_PROBE_SNAT_IP": "169.254.7.127"}, func(*Config) bool { return true }},
+		{"HOST_PROBE_SNAT_IP empty", nil, map[string]string{"HOST_PROBE_SNAT_IP": ""}, func(*Config) bool { return true }},
+		{"HOST_PROBE_SNAT_IPV6 Istio's default in another spelling", nil,
+			map[string]string{"HOST_PROBE_SNAT_IPV6": "FD16:9254:7127:1337:FFFF:FFFF:FFFF:FFFF"}, func(*Config) bool { return true }},
+	} {
+		o, err := ParseOptions(c.args, envOf(c.env))
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		if !c.check(o) {
+			t.Errorf("%s: not taken: ambient %+v, entry %+v, DisableSafeUpgrade %v", c.name, o.Ambient, o.Loop.Install.Entry, o.DisableSafeUpgrade)
+		}
+	}
+}
+
+// TestAmbientOptionErrors: a value the agent cannot honour stops it,
+// naming the variable.
+func TestAmbientOptionErrors(t *testing.T) {
+	on := func(kv ...string) map[string]string {
+		m := map[string]string{"AMBIENT_ENABLED": "true"}
+		for i := 0; i+1 < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	for _, c := range []struct {
+		env  map[string]string
+		want string
+	}{
+		{on("HOST_PROBE_SNAT_IP", "10.0.0.1"), "HOST_PROBE_SNAT_IP"},
+		{on("HOST_PROBE_SNAT_IP", "not-an-ip"), "HOST_PROBE_SNAT_IP"},
+		{map[string]string{"HOST_PROBE_SNAT_IP": "169.254.7.1"}, "HOST_PROBE_SNAT_IP"},
+		{on("HOST_PROBE_SNAT_IPV6", "fd16::1"), "HOST_PROBE_SNAT_IPV6"},
+		{on("AMBIENT_ZTUNNEL_WAIT", "0s"), "AMBIENT_ZTUNNEL_WAIT"},
+		{on("AMBIENT_ZTUNNEL_WAIT", "-1s"), "AMBIENT_ZTUNNEL_WAIT"},
+		{on("AMBIENT_ZTUNNEL_WAIT", "soon"), "AMBIENT_ZTUNNEL_WAIT"},
+		{on("AMBIENT_VERIFY_INTERVAL", "0"), "AMBIENT_VERIFY_INTERVAL"},
+		{on("AMBIENT_HOST_INTERVAL", "-5m"), "AMBIENT_HOST_INTERVAL"},
+		{on("AMBIENT_DNS_CAPTURE", "yes please"), "AMBIENT_DNS_CAPTURE"},
+		{on("AMBIENT_ENABLED", "maybe"), "AMBIENT_ENABLED"},
+		{on("ZTUNNEL_UDS_ADDRESS", ""), "ZTUNNEL_UDS_ADDRESS"},
+		{on("AMBIENT_ENABLEMENT_SELECTOR", "- podSelecter: {matchLabels: {a: b}}"), "AMBIENT_ENABLEMENT_SELECTOR"},
+		{on("AMBIENT_ENABLEMENT_SELECTOR", "- podSelector: {matchExpressions: [{key: a, operator: Equals, values: [b]}]}"), "AMBIENT_ENABLEMENT_SELECTOR"},
+		{on("AMBIENT_ENABLEMENT_SELECTOR", "- podSelector: {matchLabels: ["), "AMBIENT_ENABLEMENT_SELECTOR"},
+		{on("AMBIENT_ENABLEMENT_SELECTOR", "podSelector: {}"), "AMBIENT_ENABLEMENT_SELECTOR"},
+	} {
+		_, err := ParseOptions(nil, envOf(c.env))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want an error naming %s", c.env, err, c.want)
+		}
+	}
+	// The selectors are read only in ambient mode.
+	if _, err := ParseOptions(nil, envOf(map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "- podSelecter: {}"})); err != nil {
+		t.Errorf("selectors without ambient mode: %v", err)
+	}
+	if _, err := ParseOptions(nil, envOf(map[string]string{"ZTUNNEL_UDS_ADDRESS": ""})); err != nil {
+		t.Errorf("an empty ztunnel socket without ambient mode: %v", err)
+	}
+}
+
+// TestAmbientSelectorsIntoTheEntry: in ambient mode the selectors, as
+// given or Istio's default, are parsed for the agent and written as JSON
+// into the plugin's entry; both select the same pods, and the plugin's
+// entry parses with the plugin's own parser.
+func TestAmbientSelectorsIntoTheEntry(t *testing.T) {
+	const custom = `
+- podSelector:
+    matchLabels: {app: web}
+  namespaceSelector:
+    matchExpressions: [{key: team, operator: In, values: [a]}]
+`
+	type pn struct{ pod, ns map[string]string }
+	pods := map[string]pn{
+		"pod label":       {map[string]string{"istio.io/dataplane-mode": "ambient"}, nil},
+		"namespace label": {nil, map[string]string{"istio.io/dataplane-mode": "ambient"}},
+		"opted out":       {map[string]string{"istio.io/dataplane-mode": "none"}, map[string]string{"istio.io/dataplane-mode": "ambient"}},
+		"web in team a":   {map[string]string{"app": "web"}, map[string]string{"team": "a"}},
+		"web in team b":   {map[string]string{"app": "web"}, map[string]string{"team": "b"}},
+	}
+	for _, c := range []struct {
+		name     string
+		args     []string
+		env      map[string]string
+		enrolled []string
+	}{
+		{"default", nil, nil, []string{"pod label", "namespace label"}},
+		{"empty is the default", nil, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "  "}, []string{"pod label", "namespace label"}},
+		{"custom", nil, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": custom}, []string{"web in team a"}},
+		{"flag wins", []string{"--ambient-enablement-selector=" + custom}, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "[]"}, []string{"web in team a"}},
+		{"none", nil, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "[]"}, nil},
+		// YAML's null is no list, as empty text: the default, for the
+		// agent and, through the entry, for the plugin alike.
+		{"yaml null", nil, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "~"}, []string{"pod label", "namespace label"}},
+		{"JSON", nil, map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": `[{"podSelector":{"matchLabels":{"app":"web"}}}]`}, []string{"web in team a", "web in team b"}},
+	} {
+		env := map[string]string{"AMBIENT_ENABLED": "true"}
+		for k, v := range c.env {
+			env[k] = v
+		}
+		o, err := ParseOptions(c.args, envOf(env))
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		raw := o.Loop.Install.Entry.EnablementSelectors
+		if !json.Valid(raw) || len(raw) == 0 || raw[0] != '[' {
+			t.Errorf("%s: entry's enablement_selectors %q is not a JSON list", c.name, raw)
+			continue
+		}
+		fromEntry, err := enablement.Parse(string(raw))
+		if err != nil {
+			t.Errorf("%s: the entry's selectors %s do not parse: %v", c.name, raw, err)
+			continue
+		}
+		conf := install.Entry(o.Loop.Install.Entry)
+		if _, err := plugin.ParseConfig(conf); err != nil {
+			t.Errorf("%s: the plugin refuses the entry %s: %v", c.name, conf, err)
+		}
+		for name, p := range pods {
+			want := slices.Contains(c.enrolled, name)
+			if got := o.Ambient.Selectors.Match(p.pod, p.ns); got != want {
+				t.Errorf("%s: the agent's selectors match %s: %v, want %v", c.name, name, got, want)
+			}
+			if got := fromEntry.Match(p.pod, p.ns); got != want {
+				t.Errorf("%s: the entry's selectors %s match %s: %v, want %v", c.name, raw, name, got, want)
+			}
+		}
+	}
+}
+
+// TestReconcileOnStartupNote: false (Istio's binary default) is noted in
+// ambient mode, since the agent always reconciles; true is not.
+func TestReconcileOnStartupNote(t *testing.T) {
+	o, err := ParseOptions(nil, envOf(map[string]string{"AMBIENT_ENABLED": "true"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if notes := strings.Join(o.Notes, "\n"); !strings.Contains(notes, "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP=false") {
+		t.Fatalf("no note about AMBIENT_RECONCILE_POD_RULES_ON_STARTUP=false: %q", o.Notes)
+	}
+	o, err = ParseOptions(nil, envOf(map[string]string{"AMBIENT_ENABLED": "true", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "true"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if notes := strings.Join(o.Notes, "\n"); strings.Contains(notes, "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP") {
+		t.Fatalf("a note about a setting that is obeyed: %q", o.Notes)
 	}
 }

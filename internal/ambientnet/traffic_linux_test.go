@@ -66,6 +66,8 @@ func backends() []backendCase {
 		{name: "iptables-nft", pod: nftVariant, host: nftVariant},
 		// The test process stands in for the kubelet.
 		{name: "nftables", pod: nft, host: nft, uid: &root},
+		// No kubelet found: the node's own connections, by their socket.
+		{name: "nftables-any-local-socket", pod: nft, host: nft},
 	}
 }
 

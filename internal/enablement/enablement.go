@@ -73,6 +73,11 @@ func Parse(text string) (*Selectors, error) {
 	if err := yaml.UnmarshalStrict([]byte(text), &src); err != nil {
 		return nil, fmt.Errorf("ambient enablement selectors: %w", err)
 	}
+	if src == nil {
+		// YAML's null in any spelling ("~", a comment alone) is no list:
+		// the default, as empty text is. Only [] enrols no pod.
+		return Parse(DefaultYAML)
+	}
 	s := &Selectors{source: src}
 	for i := range src {
 		ps, err := src[i].PodSelector.compile()
@@ -142,6 +147,9 @@ func (s *Selectors) Match(podLabels, nsLabels map[string]string) bool {
 	}
 	return false
 }
+
+// Empty reports whether no pod can match (the list is []).
+func (s *Selectors) Empty() bool { return len(s.pod) == 0 }
 
 // Source returns the selectors as parsed.
 func (s *Selectors) Source() []Selector { return slices.Clone(s.source) }

@@ -78,9 +78,6 @@ func (a *Applier) CheckAmbient(netnsPath string, p ruleset.AmbientParams) error 
 // back; calling it when it is there changes nothing. It reports whether
 // it wrote.
 func (a *Applier) EnsureHost(netnsPath string, p ruleset.HostParams) (bool, error) {
-	if p.KubeletUID == nil {
-		return false, errors.New("the node's nftables probe SNAT needs the kubelet's uid (nftables cannot match \"a local socket exists\")")
-	}
 	rs, err := BuildHostProbe(ruleset.BuildHostProbe(p))
 	if err != nil {
 		return false, err

@@ -59,7 +59,13 @@ func TestHostProbeGolden(t *testing.T) {
 		}
 		testutil.CompareGolden(t, name, rs.Text())
 	}
-	if _, err := BuildHostProbe(ruleset.BuildHostProbe(ruleset.HostParams{})); err == nil || !strings.Contains(err.Error(), "--socket-exists") {
-		t.Fatalf("a rule by socket existence translated, or said nothing useful: %v", err)
+	// Without the kubelet's uid, the node's own connections are matched
+	// as iptables' --socket-exists does: by having a local socket.
+	rs, err := BuildHostProbe(ruleset.BuildHostProbe(ruleset.HostParams{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if text := rs.Text(); !strings.Contains(text, "skuid >= 0") || strings.Contains(text, "skuid 0 ") {
+		t.Fatalf("the probe SNAT without the kubelet's uid:\n%s", text)
 	}
 }

@@ -5,6 +5,7 @@ package nftables
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -394,6 +395,15 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 				return Rule{}, err
 			}
 			continue
+		case "--socket-exists":
+			// nftables has no "a local socket exists", but loading the
+			// socket's owner fails (the rule does not match) on a packet
+			// without a full local socket: a comparison every uid passes
+			// is that test. Forwarded traffic never has one.
+			if neg {
+				return Rule{}, errors.New("! --socket-exists is not supported")
+			}
+			b.add("skuid >= 0", &expr.Meta{Key: expr.MetaKeySKUID, Register: 1}, &expr.Cmp{Op: expr.CmpOpGte, Register: 1, Data: hostU32(0)})
 		case "--uid-owner", "--gid-owner":
 			v, err := next()
 			if err != nil {

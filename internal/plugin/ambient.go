@@ -23,6 +23,9 @@ func (p *Plugin) ambientDecision(ctx context.Context, conf *Config, pod *podinfo
 	if reason := policy.Exclusion(facts); reason != "" {
 		return enablement.Decision{Reason: reason}, nil
 	}
+	if conf.selectors != nil && conf.selectors.Empty() {
+		return enablement.Decision{Reason: "no enablement selector is configured"}, nil
+	}
 	nsLabels, err := p.namespaceLabels(ctx, conf, pod.Namespace)
 	if err != nil {
 		return enablement.Decision{}, fmt.Errorf("ambient mode: cannot read namespace %s to tell whether pod %s/%s is enrolled: %w",

@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"time"
 
@@ -37,6 +38,10 @@ type config struct {
 	listPods int
 	// listsOnly runs the list series alone.
 	listsOnly bool
+	// ambientPods is pods per ambient series and backend; ambientOnly
+	// runs the ambient series alone.
+	ambientPods int
+	ambientOnly bool
 	// cluster, when its pods are above zero, runs the cluster series
 	// instead (cluster.go).
 	cluster clusterConfig
@@ -53,6 +58,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.IntVar(&c.rounds, "rounds", 3, "rounds of the parallel series")
 	fs.IntVar(&c.listPods, "list-pods", 15, "pods per list length and backend in the list series")
 	fs.BoolVar(&c.listsOnly, "lists-only", false, "run only the list series (and the primary plugin alone, alternated with it)")
+	fs.IntVar(&c.ambientPods, "ambient-pods", 30, "pods per ambient series and backend (0 skips ambient mode)")
+	fs.BoolVar(&c.ambientOnly, "ambient-only", false, "run only the ambient series (primary alone, a sidecar pod and an enrolled pod alternated, and running pods enrolled)")
 	c.cluster.register(fs)
 	c.flat.register(fs)
 	err := fs.Parse(args)
@@ -106,6 +113,16 @@ func run(ctx context.Context, cfg config) error {
 			return err
 		}
 		reportFlat(res)
+		return nil
+	}
+	if cfg.ambientOnly {
+		s, err := b.ambientSeries(ctx, cfg.ambientPods)
+		if err != nil {
+			return err
+		}
+		res := newResults()
+		res.add(s)
+		reportAmbient(res)
 		return nil
 	}
 	if cfg.listsOnly {
@@ -212,10 +229,12 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 	res.add(s)
 	// The same with the node agent running: the relay hands each command
 	// to it, and pods come from its cache.
-	stopAgent, err := b.startAgent(ctx)
+	stopSidecarAgent, err := b.startAgent(ctx)
 	if err != nil {
 		return nil, err
 	}
+	var stopOnce sync.Once
+	stopAgent := func() { stopOnce.Do(stopSidecarAgent) }
 	defer stopAgent()
 	res.agentCPUCounted = b.agentCPU != nil
 	if s, err = b.sequential(ctx, cfg.seqPods, series{"seq/primary (agent up)", b.node.Primary},
@@ -256,6 +275,14 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 	}
 	if res.memory, err = b.memory(ctx); err != nil {
 		return nil, err
+	}
+	if cfg.ambientPods > 0 {
+		// Ambient mode needs agents of its own: the sidecar one goes.
+		stopAgent()
+		if s, err = b.ambientSeries(ctx, cfg.ambientPods); err != nil {
+			return nil, err
+		}
+		res.add(s)
 	}
 	return res, nil
 }

@@ -82,12 +82,27 @@ func (b *bench) prepare(ctx context.Context) (*testenv.Pod, error) {
 // preparePod is prepare for a pod with annotations, whose namespace
 // holds a legacy iptables table when legacy is set.
 func (b *bench) preparePod(ctx context.Context, ann map[string]string, legacy bool) (*testenv.Pod, error) {
+	pod, err := b.preparePodSpec(ctx, testenv.PodSpec{Sidecar: true, Annotations: ann})
+	if err != nil || !legacy {
+		return pod, err
+	}
+	if err := seedLegacy(pod); err != nil {
+		pod.Close()
+		return nil, err
+	}
+	return pod, nil
+}
+
+// preparePodSpec creates a pod shaped by spec (in the bench's namespace,
+// named by the bench) and its sandbox namespace, untimed.
+func (b *bench) preparePodSpec(ctx context.Context, spec testenv.PodSpec) (*testenv.Pod, error) {
 	b.mu.Lock()
 	b.seq++
 	n := b.seq
 	b.mu.Unlock()
 	name := fmt.Sprintf("p%d", n)
-	p, err := testenv.CreatePod(ctx, b.cluster.Client, testenv.PodSpec{Namespace: "bench", Name: name, Sidecar: true, Annotations: ann})
+	spec.Namespace, spec.Name = "bench", name
+	p, err := testenv.CreatePod(ctx, b.cluster.Client, spec)
 	if err != nil {
 		return nil, err
 	}
@@ -98,15 +113,7 @@ func (b *bench) preparePod(ctx context.Context, ann map[string]string, legacy bo
 			return nil, err
 		}
 	}
-	pod, err := testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
-	if err != nil || !legacy {
-		return pod, err
-	}
-	if err := seedLegacy(pod); err != nil {
-		pod.Close()
-		return nil, err
-	}
-	return pod, nil
+	return testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
 }
 
 func waitAgentKnows(ctx context.Context, a *podinfo.AgentClient, ns, name string) error {

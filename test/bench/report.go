@@ -87,6 +87,7 @@ func report(cfg config, r *results) {
 	reportMemory(r.memory)
 	reportLists(r)
 	reportFlat(r)
+	reportAmbient(r)
 }
 
 // reportCPU prints CPU per pod for the parallel ADDs: what a burst of pod
@@ -227,4 +228,30 @@ func burstStats(bs []burstFigures) (all, lasts []time.Duration, rounds string) {
 		rounds += fmt.Sprintf("%.2f", pct(b.startup, .5).Seconds())
 	}
 	return all, lasts, rounds
+}
+
+// reportAmbient prints the ambient series: per backend, an enrolled
+// pod's ADD beside a sidecar pod's and the primary's alone, measured
+// alternately in the same run, and the enrolment of a running pod.
+func reportAmbient(r *results) {
+	p := func(k string, q float64) time.Duration { return pct(r.samples[k], q) }
+	fmt.Println("ambient mode (agent with a stand-in ztunnel that binds its listeners in each pod), sequential:")
+	for _, backend := range ambientBackends {
+		pre := "amb/" + backend + "/"
+		if len(r.samples[pre+"enrolled ADD"]) == 0 {
+			continue
+		}
+		fmt.Printf("  %s: ADD p50/p99 primary alone %s / %s, sidecar pod %s / %s, enrolled pod %s / %s (%.2fx the primary's p50)\n",
+			backend, ms(p(pre+"primary ADD", .5)), ms(p(pre+"primary ADD", .99)),
+			ms(p(pre+"sidecar ADD", .5)), ms(p(pre+"sidecar ADD", .99)),
+			ms(p(pre+"enrolled ADD", .5)), ms(p(pre+"enrolled ADD", .99)),
+			ratioOf(p(pre+"enrolled ADD", .5), p(pre+"primary ADD", .5)))
+		fmt.Printf("  %s: istio-cni's own share p50/p99, sidecar pod %s / %s, enrolled pod %s / %s (rules, ztunnel's acknowledgement, probe set)\n",
+			backend, ms(p(pre+"sidecar istio-cni ADD", .5)), ms(p(pre+"sidecar istio-cni ADD", .99)),
+			ms(p(pre+"enrolled istio-cni ADD", .5)), ms(p(pre+"enrolled istio-cni ADD", .99)))
+		if ds := r.samples[pre+"enrol running pod"]; len(ds) > 0 {
+			fmt.Printf("  %s: a running pod labelled into the mesh, label patched to ztunnel's acknowledgement p50/p99: %s / %s (n=%d)\n",
+				backend, ms(pct(ds, .5)), ms(pct(ds, .99)), len(ds))
+		}
+	}
 }

@@ -138,11 +138,17 @@ func (b *bench) burst(ctx context.Context, s *samples, se series, cmd string, po
 // the node's run dir, where the plugin looks for the agent. From then on,
 // pods are created only once the agent serves them.
 func (b *bench) startAgent(ctx context.Context) (func(), error) {
+	return b.startAgentIn(ctx, "agent")
+}
+
+// startAgentIn is startAgent with the agent's files under dir (one per
+// agent run) and extra flags.
+func (b *bench) startAgentIn(ctx context.Context, dir string, extra ...string) (func(), error) {
 	agentBin, err := testenv.BuildCommand(b.dir, "install-cni")
 	if err != nil {
 		return nil, err
 	}
-	h, err := testenv.NewAgentHost(ctx, filepath.Join(b.dir, "agent"), b.cluster, filepath.Join(b.node.BinDir, "istio-cni"))
+	h, err := testenv.NewAgentHost(ctx, filepath.Join(b.dir, dir), b.cluster, filepath.Join(b.node.BinDir, "istio-cni"))
 	if err != nil {
 		return nil, err
 	}
@@ -152,8 +158,8 @@ func (b *bench) startAgent(ctx context.Context) (func(), error) {
 	if err := os.WriteFile(filepath.Join(b.confDir, "10-calico.conflist"), calicoConf, 0o644); err != nil {
 		return nil, err
 	}
-	if err := h.Start(agentBin, "--conflict-limit", "100000", "--disable-safe-upgrade",
-		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods"); err != nil {
+	if err := h.Start(agentBin, append([]string{"--conflict-limit", "100000", "--disable-safe-upgrade",
+		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods"}, extra...)...); err != nil {
 		return nil, err
 	}
 	stop := func() { _, _ = h.Stop(10 * time.Second) }

@@ -20,8 +20,11 @@ import (
 	"k8s.io/client-go/util/retry"
 
 	"github.com/istio-cni-go/istio-cni/internal/ambient"
+	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/zds"
 	"github.com/istio-cni-go/istio-cni/internal/ztunnelsim"
@@ -31,19 +34,20 @@ import (
 // stand-in ztunnel connected to it.
 type ambientNode struct {
 	*host
+	nft  bool
 	args []string
 	sim  *ztunnelsim.Sim
 	cni  *libcni.CNIConfig
 	list *libcni.NetworkConfigList
 }
 
-func newAmbientNode(t *testing.T, subnet string) *ambientNode {
+func newAmbientNode(t *testing.T, subnet string, nft bool) *ambientNode {
 	t.Helper()
 	ensureDaemonSet(t, false)
 	h := ptpHost(t, subnet)
 	sock := h.RunDir + "-ztunnel.sock"
 	args := []string{"--kubernetes-node-name", testenv.NodeName, "--ambient-enabled", "--ambient-dns-capture=true",
-		"--ztunnel-uds-address", sock, "--repair-host-proc", "/proc"}
+		"--ztunnel-uds-address", sock, "--repair-host-proc", "/proc", fmt.Sprintf("--native-nftables=%v", nft)}
 	h.start(args...)
 	h.waitReadyz(200, 20*time.Second)
 	sim, err := ztunnelsim.Start(ztunnelsim.Config{Path: sock, Listeners: true, Reconnect: true})
@@ -67,9 +71,9 @@ func newAmbientNode(t *testing.T, subnet string) *ambientNode {
 	t.Cleanup(func() {
 		// The node's probe SNAT is the agent's; a test's node must not
 		// leave it to the next one.
-		_ = (&iptables.Applier{}).RemoveHost("/proc/self/ns/net")
+		_ = node(nft).RemoveHost("/proc/self/ns/net")
 	})
-	return &ambientNode{host: h, args: args, sim: sim, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil), list: list}
+	return &ambientNode{host: h, nft: nft, args: args, sim: sim, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil), list: list}
 }
 
 // add creates the pod object and runs the node's chain for it as a
@@ -159,6 +163,22 @@ func waitAnnotation(t *testing.T, ns, name, want string) {
 	}
 }
 
+// node is the backend of the node's ambient rules and probe set.
+func node(nft bool) ambientnet.Host {
+	_, h := ambientnet.Backends(nft, "")
+	return h
+}
+
+// inPod is the backend of the pods' rules, as a sidecar-path checker.
+func inPod(nft bool) interface {
+	Check(string, *ruleset.Plan) error
+} {
+	if nft {
+		return &nftables.Applier{}
+	}
+	return &iptables.Applier{}
+}
+
 // TestAmbientAgentEnrolsOnAdd: with the real agent binary in ambient mode,
 // a stand-in ztunnel connected to it and the node's chain run through
 // libcni, an enrolled pod's ADD hands its namespace to ztunnel (the same
@@ -168,7 +188,13 @@ func waitAnnotation(t *testing.T, ns, name, want string) {
 // the agent gone, the fallback fails the enrolled pod's ADD, naming why,
 // while it starts the other.
 func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
-	n := newAmbientNode(t, "10.246.0.0/24")
+	for _, nft := range []bool{false, true} {
+		t.Run(map[bool]string{false: "iptables", true: "nftables"}[nft], func(t *testing.T) { ambientEnrolsOnAdd(t, nft) })
+	}
+}
+
+func ambientEnrolsOnAdd(t *testing.T, nft bool) {
+	n := newAmbientNode(t, "10.246.0.0/24", nft)
 	enrolled := testenv.PodSpec{Namespace: testNS, Name: "ambient-app", Labels: map[string]string{ambient.LabelDataplaneMode: ambient.ModeAmbient}}
 	pod, k8sPod, ip, err := n.add(t, enrolled, "cambientapp")
 	if err != nil {
@@ -187,7 +213,7 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 	if got, want := readLine(t, pod, testenv.RemoteV4+":80"), fmt.Sprintf("%d %s:80", ztunnelsim.PortOutbound, testenv.RemoteV4); got != want {
 		t.Fatalf("the app's outbound connection: %q, want %q", got, want)
 	}
-	probes, err := (&iptables.Applier{}).ProbeEntries("/proc/self/ns/net")
+	probes, err := node(nft).ProbeEntries("/proc/self/ns/net")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,6 +229,9 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 		t.Fatalf("CHECK of the enrolled pod: %v", err)
 	}
 	if err := pod.InPod(func() error {
+		if nft {
+			return exec.Command("nft", "flush", "chain", "inet", "istio-ambient-mangle", "istio-prerouting").Run()
+		}
 		return exec.Command("iptables", "-t", "mangle", "-F", "ISTIO_PRERT").Run()
 	}); err != nil {
 		t.Fatal(err)
@@ -220,7 +249,7 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 	if _, ok := n.sim.State().Workloads[string(plainPod.UID)]; ok {
 		t.Fatal("ztunnel was handed a pod no selector enrols")
 	}
-	if plain.RulesPresent(&iptables.Applier{}) {
+	if plain.RulesPresent(inPod(nft)) {
 		t.Fatal("a pod not enrolled has rules")
 	}
 
@@ -261,7 +290,7 @@ func TestAmbientAgentEnrolsOnAdd(t *testing.T) {
 		if got := readLine(t, pod, testenv.RemoteV4+":80"); !strings.HasPrefix(got, fmt.Sprint(ztunnelsim.PortOutbound)) {
 			t.Fatalf("the app's outbound after the restart: %q", got)
 		}
-		if probes, err := (&iptables.Applier{}).ProbeEntries("/proc/self/ns/net"); err != nil || probes[ip] != uid {
+		if probes, err := node(nft).ProbeEntries("/proc/self/ns/net"); err != nil || probes[ip] != uid {
 			t.Fatalf("probe set after the restart %v (%v); want %s for %s", probes, err, ip, uid)
 		}
 		waitAnnotation(t, testNS, "ambient-app", ambient.RedirectionEnabled)
