@@ -484,6 +484,10 @@ func (c *Controller) reconcile(ctx context.Context, uid string) error {
 	if c.upToDate(pod, ips) {
 		return nil
 	}
+	if c.enrolledAsAsked(pod, ips) {
+		// Enrolled on its ADD, annotated here.
+		return c.annotate(ctx, pod, RedirectionEnabled)
+	}
 	if len(ips) == 0 && !c.holds(uid) {
 		// Not started yet: its ADD enrols it, or an update with its IPs.
 		return nil
@@ -508,6 +512,11 @@ func podIPs(p *corev1.Pod) []netip.Addr {
 
 // upToDate: enrolled as the pod now asks, acknowledged and annotated.
 func (c *Controller) upToDate(pod *corev1.Pod, ips []netip.Addr) bool {
+	return pod.Annotations[AnnotationRedirection] == RedirectionEnabled && c.enrolledAsAsked(pod, ips)
+}
+
+// enrolledAsAsked: upToDate but for the annotation.
+func (c *Controller) enrolledAsAsked(pod *corev1.Pod, ips []netip.Addr) bool {
 	params, err := PodParams(pod, c.cfg.Defaults)
 	if err != nil {
 		return false
@@ -516,8 +525,7 @@ func (c *Controller) upToDate(pod *corev1.Pod, ips []netip.Addr) bool {
 	defer c.mu.Unlock()
 	st := c.pods[string(pod.UID)]
 	return st != nil && st.netns != nil && st.applied && st.acked &&
-		equalParams(st.params, params) && (len(ips) == 0 || slices.Equal(st.ips, c.probeIPs(ips))) &&
-		pod.Annotations[AnnotationRedirection] == RedirectionEnabled
+		equalParams(st.params, params) && (len(ips) == 0 || slices.Equal(st.ips, c.probeIPs(ips)))
 }
 
 func equalParams(a, b ruleset.AmbientParams) bool {
@@ -615,7 +623,7 @@ func (c *Controller) enrol(ctx context.Context, pod *corev1.Pod, netns *os.File,
 	uid := string(pod.UID)
 	unlock := c.uids.Lock(uid)
 	defer unlock()
-	err := c.enrolLocked(ctx, pod, netns, ips, wait)
+	err := c.enrolLocked(ctx, pod, netns, ips, wait, source == "cni")
 	var zerr *errZtunnel
 	switch {
 	case err == nil:
@@ -629,7 +637,7 @@ func (c *Controller) enrol(ctx context.Context, pod *corev1.Pod, netns *os.File,
 	return err
 }
 
-func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os.File, ips []netip.Addr, wait time.Duration) error {
+func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os.File, ips []netip.Addr, wait time.Duration, onADD bool) error {
 	uid := string(pod.UID)
 	params, err := PodParams(pod, c.cfg.Defaults)
 	if err != nil {
@@ -719,6 +727,13 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	st.acked = true
 	st.lastEvent = ""
 	c.mu.Unlock()
+	if onADD && pod.Annotations[AnnotationRedirection] != RedirectionEnabled {
+		// The pod's traffic is ztunnel's now; its annotation is news for
+		// others, which an API round trip (or an API server away) must
+		// not hold the sandbox's start for: the work queue writes it.
+		c.queue.Add(uid)
+		return nil
+	}
 	return c.annotate(ctx, pod, RedirectionEnabled)
 }
 

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,9 +22,11 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
@@ -851,5 +854,48 @@ func TestAgentRestart(t *testing.T) {
 		if n := e.c.counts()["unreachable"]; n != 1 {
 			t.Errorf("unreachable pods = %d, want 1 (b)", n)
 		}
+	})
+}
+
+// An ADD's enrolment does not wait for the pod's annotation: with the API
+// server refusing the patch, the ADD succeeds once the rules, the probe
+// set and ztunnel are done, and the work queue writes the annotation once
+// the API server takes it.
+func TestAnnotationOffTheADDPath(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		var refuse atomic.Bool
+		refuse.Store(true)
+		var refused atomic.Int32
+		e.cs.PrependReactor("patch", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if a.GetSubresource() == "status" && refuse.Load() {
+				refused.Add(1)
+				return true, nil, errors.New("the API server is away")
+			}
+			return false, nil, nil
+		})
+		sim := e.startSim(nil)
+		uid, pns := newUID(), e.podNS("10.7.9.1")
+		e.createPod(nsAmbient, "p", uid, nil, "")
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "p", uid, f)
+		if err != nil || !enrolled {
+			t.Fatalf("EnrolOnAdd = %v, %v; want the pod enrolled though its annotation cannot be written", enrolled, err)
+		}
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		e.requireRules(pns, defaultParams)
+		e.requireProbes(map[string]string{"10.7.9.1": uid})
+		deadline := time.Now().Add(waitLimit)
+		for refused.Load() == 0 {
+			if time.Now().After(deadline) {
+				t.Fatal("the annotation was never tried")
+			}
+			time.Sleep(5 * time.Millisecond) // polling the work queue's goroutine
+		}
+		refuse.Store(false)
+		e.waitPod(nsAmbient, "p", "enabled", redirection(RedirectionEnabled))
 	})
 }
