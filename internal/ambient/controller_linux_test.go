@@ -899,3 +899,37 @@ func TestAnnotationOffTheADDPath(t *testing.T) {
 		e.waitPod(nsAmbient, "p", "enabled", redirection(RedirectionEnabled))
 	})
 }
+
+// A ztunnel that stops answering: the ADD fails within the ack deadline
+// (never hangs the runtime), the pod is pending with an Event, and once
+// ztunnel answers again (its reconnect) the pod is handed over.
+func TestStalledZtunnel(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		e.stop()
+		e.cfg.ZDS.AckTimeout = 200 * time.Millisecond
+		e.start()
+		e.waitSim(sim, "reconnected to the new agent", func(st ztunnelsim.State) bool { return st.Connected && st.Snapshots >= 2 })
+		sim.Stall(true)
+		uid, pns := newUID(), e.podNS("10.7.9.2")
+		e.createPod(nsAmbient, "stalled", uid, nil, "")
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		start := time.Now()
+		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "stalled", uid, f)
+		if err == nil || !enrolled || !strings.Contains(err.Error(), nsAmbient+"/stalled") {
+			t.Fatalf("EnrolOnAdd with ztunnel stalled = %v, %v; want an error naming the pod", enrolled, err)
+		}
+		if d := time.Since(start); d > e.cfg.ZtunnelWait+2*time.Second {
+			t.Fatalf("the ADD took %v with ztunnel stalled", d)
+		}
+		e.waitPod(nsAmbient, "stalled", "pending", redirection(RedirectionPending))
+		e.waitEvent(nsAmbient, "stalled", "AmbientPending")
+		sim.Stall(false)
+		e.waitPod(nsAmbient, "stalled", "enabled", redirection(RedirectionEnabled))
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+	})
+}
