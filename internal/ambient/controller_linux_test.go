@@ -69,10 +69,13 @@ type backend struct {
 func backends() []backend {
 	root := uint32(0)
 	ipt := &iptables.Applier{Force: iptables.VariantNFT}
+	legacy := &iptables.Applier{Force: iptables.VariantLegacy}
 	nft := &nftables.Applier{}
 	return []backend{
 		{name: "iptables-nft", pod: ipt, host: ipt, dump: []string{"iptables-nft-save"}, ours: "ISTIO_",
 			flush: []string{"iptables-nft", "-t", "nat", "-F"}},
+		{name: "iptables-legacy", pod: legacy, host: legacy, dump: []string{"iptables-legacy-save"}, ours: "ISTIO_",
+			flush: []string{"iptables-legacy", "-t", "nat", "-F"}},
 		// The test process stands in for the kubelet.
 		{name: "nftables", pod: nft, host: nft, uid: &root, dump: []string{"nft", "list", "ruleset"}, ours: "istio-ambient-",
 			flush: []string{"nft", "flush", "ruleset"}},
@@ -932,4 +935,43 @@ func TestStalledZtunnel(t *testing.T) {
 		e.waitPod(nsAmbient, "stalled", "enabled", redirection(RedirectionEnabled))
 		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
 	})
+}
+
+// A dual-stack pod with AMBIENT_IPV6: rules for both families, both
+// addresses in the probe sets (found in the namespace on ADD, before the
+// kubelet reports them), and both gone with the pod.
+func TestDualStack(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.name, func(t *testing.T) {
+			e := newEnv(t, b, func(c *Config) {
+				c.Defaults.IPv6 = true
+				c.HostParams.IPv6 = true
+			})
+			sim := e.startSim(nil)
+			uid, pns := newUID(), e.podNS("10.7.9.3")
+			e.sh(pns, "ip", "-6", "addr", "add", "fd07::3/128", "dev", "eth0", "nodad")
+			e.createPod(nsAmbient, "dual", uid, nil, "")
+			f, err := os.Open(pns.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "dual", uid, f); err != nil || !enrolled {
+				t.Fatalf("EnrolOnAdd = %v, %v", enrolled, err)
+			}
+			e.requireRules(pns, ruleset.AmbientParams{DNSCapture: true, IPv6: true})
+			e.requireProbes(map[string]string{"10.7.9.3": uid, "fd07::3": uid})
+			e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+			e.waitPod(nsAmbient, "dual", "enabled", redirection(RedirectionEnabled))
+			e.deletePod(nsAmbient, "dual")
+			e.waitSim(sim, "pod deleted", deleted(uid))
+			deadline := time.Now().Add(waitLimit)
+			for len(e.probes()) != 0 {
+				if time.Now().After(deadline) {
+					t.Fatalf("probe set after the pod's deletion: %v", e.probes())
+				}
+				time.Sleep(5 * time.Millisecond) // polling the controller's work
+			}
+		})
+	}
 }
