@@ -1,7 +1,6 @@
 package iptables
 
 import (
-	"bytes"
 	"fmt"
 	"os"
 	"os/exec"
@@ -182,55 +181,109 @@ func TestReplaceKeepsForeignRules(t *testing.T) {
 	}
 }
 
-// TestCommandsDoNotSeeNSS proves that the commands the applier starts run
-// in the pod's network namespace with the node's nsswitch.conf reading
-// empty (so `--uid-owner` lookups cannot reach LDAP or SSSD), and that the
-// rest of the process still sees the real file afterwards, on any thread.
+// TestCommandsDoNotSeeNSS proves that, on a node whose nsswitch.conf
+// sends user lookups to a network service, the commands the applier
+// starts run in the pod's network namespace with that file reading empty
+// (so `--uid-owner` lookups cannot reach LDAP or SSSD), that the rest of
+// the process still sees the real file afterwards, on any thread, and
+// that a file naming local services only is left alone (no private mount
+// namespace is made).
 func TestCommandsDoNotSeeNSS(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "cat", "readlink")
-	host, err := os.ReadFile(nsswitchPath)
-	if err != nil || len(host) == 0 {
-		t.Fatalf("this test needs a non-empty %s on the machine (%v)", nsswitchPath, err)
-	}
-	pod := newNS(t)
-	var st unix.Stat_t
-	if err := unix.Stat(pod.Path(), &st); err != nil {
-		t.Fatal(err)
-	}
-	err = inPodNetns(pod.Path(), func(ns.NetNS) error {
-		out, err := exec.Command("cat", nsswitchPath).Output()
-		if err != nil {
-			return err
-		}
-		if len(out) != 0 {
-			return fmt.Errorf("a command started for the pod reads %s: %q", nsswitchPath, out)
-		}
-		link, err := exec.Command("readlink", "/proc/self/ns/net").Output()
-		if err != nil {
-			return err
-		}
-		if want := fmt.Sprintf("net:[%d]", st.Ino); strings.TrimSpace(string(link)) != want {
-			return fmt.Errorf("command ran in %s, want the pod's %s", strings.TrimSpace(string(link)), want)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	for i := 0; i < 16; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			runtime.LockOSThread()
-			defer runtime.UnlockOSThread()
-			if got, err := os.ReadFile(nsswitchPath); err != nil || !bytes.Equal(got, host) {
-				t.Errorf("after a pod command, the process reads %s as %q (%v)", nsswitchPath, got, err)
+	for _, c := range []struct {
+		name, conf string
+		hidden     bool
+	}{
+		{"ldap", "passwd: files ldap\ngroup: files ldap\nhosts: files dns\n", true},
+		{"sss after an action", "passwd: files [NOTFOUND=return] sss\n", true},
+		{"local only", "passwd: files systemd\ngroup: files systemd\nhosts: files dns mdns4\n", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "nsswitch.conf")
+			if err := os.WriteFile(path, []byte(c.conf), 0o644); err != nil {
+				t.Fatal(err)
 			}
-		}()
+			saved := nsswitchPath
+			nsswitchPath = path
+			t.Cleanup(func() { nsswitchPath = saved })
+			pod := newNS(t)
+			var st unix.Stat_t
+			if err := unix.Stat(pod.Path(), &st); err != nil {
+				t.Fatal(err)
+			}
+			err := inPodNetns(pod.Path(), func(ns.NetNS) error {
+				out, err := exec.Command("cat", path).Output()
+				if err != nil {
+					return err
+				}
+				if c.hidden && len(out) != 0 {
+					return fmt.Errorf("a command started for the pod reads %s: %q", path, out)
+				}
+				if !c.hidden && string(out) != c.conf {
+					return fmt.Errorf("a command started for the pod reads %s as %q; a local-only file needs no hiding", path, out)
+				}
+				link, err := exec.Command("readlink", "/proc/self/ns/net").Output()
+				if err != nil {
+					return err
+				}
+				if want := fmt.Sprintf("net:[%d]", st.Ino); strings.TrimSpace(string(link)) != want {
+					return fmt.Errorf("command ran in %s, want the pod's %s", strings.TrimSpace(string(link)), want)
+				}
+				mnt, err := exec.Command("readlink", "/proc/self/ns/mnt").Output()
+				if err != nil {
+					return err
+				}
+				own, err := os.Readlink("/proc/self/ns/mnt")
+				if err != nil {
+					return err
+				}
+				if sameMnt := strings.TrimSpace(string(mnt)) == own; sameMnt == c.hidden {
+					return fmt.Errorf("command's mount namespace %s, the process's %s; want a private one only for hiding", strings.TrimSpace(string(mnt)), own)
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var wg sync.WaitGroup
+			for i := 0; i < 16; i++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					runtime.LockOSThread()
+					defer runtime.UnlockOSThread()
+					if got, err := os.ReadFile(path); err != nil || string(got) != c.conf {
+						t.Errorf("after a pod command, the process reads %s as %q (%v)", path, got, err)
+					}
+				}()
+			}
+			wg.Wait()
+		})
 	}
-	wg.Wait()
+}
+
+func TestNSSLocal(t *testing.T) {
+	for conf, want := range map[string]bool{
+		"": true,
+		"passwd: files systemd\ngroup: files systemd\n": true,
+		"passwd:compat\n":                         true,
+		"passwd: files [SUCCESS=return] systemd":  true,
+		"passwd: files # ldap\n":                  true,
+		"hosts: files dns ldap\nnetgroup: nis\n":  true,
+		"passwd: files sss\n":                     false,
+		"group: files ldap\n":                     false,
+		"passwd: files [NOTFOUND=return] winbind": false,
+		"passwd: files [ NOTFOUND=return ] nis":   false,
+		"passwd: files extrausers\n":              false,
+	} {
+		if got := nssLocal([]byte(conf)); got != want {
+			t.Errorf("nssLocal(%q) = %v, want %v", conf, got, want)
+		}
+	}
+	if nssReachesOut(filepath.Join(t.TempDir(), "missing")) {
+		t.Error("a missing nsswitch.conf reaches out")
+	}
 }
 
 // userNSPod is a network namespace that belongs to a user namespace of

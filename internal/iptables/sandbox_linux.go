@@ -1,26 +1,32 @@
 package iptables
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"runtime"
+	"strings"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 )
 
-// nsswitchPath is where glibc reads which name services to ask.
-const nsswitchPath = "/etc/nsswitch.conf"
+// nsswitchPath is where glibc reads which name services to ask (a
+// variable for tests).
+var nsswitchPath = "/etc/nsswitch.conf"
 
 // inPodNetns runs fn on an OS thread inside the pod's network namespace,
 // as ns.WithNetNSPath does, so the iptables commands fn starts act on the
-// pod. When the node has an nsswitch.conf, that thread also gets a private
-// mount namespace in which the file reads empty: `--uid-owner 1337` makes
-// iptables look 1337 up as a user name before reading it as a number, and
-// with LDAP or SSSD behind NSS that lookup goes to the network and can hold
-// a pod's start for tens of seconds (Istio does the same, istio/istio#48416).
-// Where the file does not exist (the agent's image), glibc only reads local
-// files and nothing needs hiding.
+// pod. When the node's nsswitch.conf sends user or group lookups beyond
+// local files, that thread also gets a private mount namespace in which
+// the file reads empty: `--uid-owner 1337` makes iptables look 1337 up as
+// a user name before reading it as a number, and with LDAP or SSSD behind
+// NSS that lookup goes to the network and can hold a pod's start for tens
+// of seconds (Istio hides it always, istio/istio#48416). Where the file
+// does not exist (the agent's image) or names local services only, nothing
+// needs hiding, and the mount namespace, whose copy of a node's hundreds
+// of mounts costs milliseconds per pod, is not made.
 func inPodNetns(netnsPath string, fn func(ns.NetNS) error) error {
 	return inPodNetnsHiding(netnsPath, nil, fn)
 }
@@ -37,8 +43,8 @@ var DefaultHidden = []string{"/var/run/secrets", "/run/secrets", "/var/run/istio
 // private mount namespace, or fails: for a pod's user namespace, running
 // with them visible is not an option.
 func inPodNetnsHiding(netnsPath string, hide []string, fn func(ns.NetNS) error) error {
-	_, statErr := os.Stat(nsswitchPath)
-	if statErr != nil && len(hide) == 0 {
+	hideNSS := nssReachesOut(nsswitchPath)
+	if !hideNSS && len(hide) == 0 {
 		return ns.WithNetNSPath(netnsPath, fn)
 	}
 	target, err := ns.GetNS(netnsPath)
@@ -52,7 +58,7 @@ func inPodNetnsHiding(netnsPath string, hide []string, fn func(ns.NetNS) error) 
 		// process's, so Go must end the thread with this goroutine rather
 		// than run other code on it.
 		runtime.LockOSThread()
-		if err := privateMounts(statErr == nil); err != nil {
+		if err := privateMounts(hideNSS); err != nil {
 			if len(hide) > 0 {
 				errc <- fmt.Errorf("a private mount namespace for a user-namespaced pod's commands: %w", err)
 				return
@@ -98,4 +104,55 @@ func privateMounts(nss bool) error {
 		}
 	}
 	return nil
+}
+
+// localNSS are the name services that answer from the node itself: files,
+// their compat form, Berkeley DB files, and systemd's (nss-systemd,
+// dynamic users and userdb over a local socket).
+var localNSS = map[string]bool{"files": true, "compat": true, "db": true, "systemd": true}
+
+// nssReachesOut reports whether the nsswitch.conf at path may send a user
+// or group lookup beyond the node's own services (ldap, sss, nis,
+// winbind, or anything not known to be local). A file that is missing
+// means glibc's local defaults; one that cannot be read is taken as
+// reaching out.
+func nssReachesOut(path string) bool {
+	data, err := os.ReadFile(path) //nolint:gosec // G304: the node's nsswitch.conf
+	if errors.Is(err, fs.ErrNotExist) {
+		return false
+	}
+	if err != nil {
+		return true
+	}
+	return !nssLocal(data)
+}
+
+// nssLocal reports whether the passwd and group databases of an
+// nsswitch.conf use local services only ([action] items aside); a
+// database not listed gets glibc's local default.
+func nssLocal(conf []byte) bool {
+	for line := range strings.SplitSeq(string(conf), "\n") {
+		if i := strings.IndexByte(line, '#'); i >= 0 {
+			line = line[:i]
+		}
+		db, services, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		if db = strings.TrimSpace(db); db != "passwd" && db != "group" {
+			continue
+		}
+		inAction := false
+		for _, f := range strings.Fields(services) {
+			switch {
+			case strings.HasPrefix(f, "["):
+				inAction = !strings.HasSuffix(f, "]")
+			case inAction:
+				inAction = !strings.HasSuffix(f, "]")
+			case !localNSS[f]:
+				return false
+			}
+		}
+	}
+	return true
 }
