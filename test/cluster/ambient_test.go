@@ -552,7 +552,12 @@ func ambientChartOnNode(t *testing.T, backend, standinBin string, listLegacy boo
 			t.Fatal(err)
 		}
 	}
-	t.Cleanup(func() { deleteAllPods(t, later, fresh) })
+	t.Cleanup(func() {
+		deleteAllPods(t, later, fresh)
+		// Unlabelled again, so that a rerun starts from the same place.
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:null}}}`, ambient.LabelDataplaneMode)
+		_, _ = cluster.Client.CoreV1().Namespaces().Patch(context.Background(), later, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	})
 	pods := cluster.Client.CoreV1().Pods(later)
 	if _, err := pods.Create(ctx, ambientPod(later, "before", nil), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
