@@ -4,6 +4,8 @@
 //	app proxy sidecar ADDR... a stand-in sidecar (its arguments start as
 //	                        Istio's proxy's do): answer with the original
 //	                        destination (SO_ORIGINAL_DST) of each connection
+//	app http ADDR           answer HTTP requests with 200 and print each
+//	                        one's method, path and peer (a probe's source)
 //	app dial-loop ADDR      connect twice a second and print the answer
 //	app spin N              keep N threads busy: a pod loading its node
 package main
@@ -12,6 +14,7 @@ import (
 	"bufio"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"strconv"
 	"time"
@@ -21,7 +24,7 @@ import (
 
 func main() {
 	if len(os.Args) < 3 {
-		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app proxy ADDR... | app dial-loop ADDR | app spin N")
+		fmt.Fprintln(os.Stderr, "usage: app serve ADDR | app proxy ADDR... | app http ADDR | app dial-loop ADDR | app spin N")
 		os.Exit(2)
 	}
 	switch os.Args[1] {
@@ -47,6 +50,14 @@ func main() {
 			})
 		}
 		select {}
+	case "http":
+		srv := &http.Server{Addr: os.Args[2], ReadHeaderTimeout: 5 * time.Second,
+			Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				fmt.Printf("http %s %s from %s\n", r.Method, r.URL.Path, r.RemoteAddr)
+				fmt.Fprintln(w, "ok")
+			})}
+		fmt.Fprintln(os.Stderr, srv.ListenAndServe())
+		os.Exit(1)
 	case "spin":
 		n, err := strconv.Atoi(os.Args[2])
 		if err != nil || n < 1 {
