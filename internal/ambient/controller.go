@@ -274,8 +274,7 @@ func (c *Controller) run(ctx context.Context) error {
 			}
 		}()
 	}
-	wg.Add(3)
-	go func() { defer wg.Done(); c.watchZtunnel(ctx, srv) }()
+	wg.Add(2)
 	go func() { defer wg.Done(); c.every(ctx, c.cfg.HostInterval, func() { c.syncHost(false) }) }()
 	go func() { defer wg.Done(); c.every(ctx, c.cfg.VerifyInterval, func() { c.verifyAll(ctx) }) }()
 	<-ctx.Done()
@@ -441,6 +440,9 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	err := c.reconcile(ctx, uid)
 	var perm *permanentError
 	switch {
+	case errors.Is(err, errAwaitSnapshot):
+		c.log.Debug("pod taken over; ztunnel's next snapshot carries it", "uid", uid)
+		c.queue.Forget(uid)
 	case err == nil, errors.As(err, &perm), ctx.Err() != nil:
 		c.queue.Forget(uid)
 	default:
@@ -610,6 +612,10 @@ func dupFile(f *os.File) (*os.File, error) {
 	return os.NewFile(uintptr(nfd), "netns"), nil
 }
 
+// errAwaitSnapshot: the pod waits for the next ztunnel's snapshot, which
+// requeues it (SnapshotDone); no back-off retry is needed before.
+var errAwaitSnapshot = errors.New("waiting for ztunnel's snapshot")
+
 // errZtunnel wraps a failure of the ztunnel step: the pod is pending.
 type errZtunnel struct{ err error }
 
@@ -626,6 +632,7 @@ func (c *Controller) enrol(ctx context.Context, pod *corev1.Pod, netns *os.File,
 	err := c.enrolLocked(ctx, pod, netns, ips, wait, source == "cni")
 	var zerr *errZtunnel
 	switch {
+	case errors.Is(err, errAwaitSnapshot):
 	case err == nil:
 		c.m.enrols.WithLabelValues(source, "enabled").Inc()
 		c.m.duration.WithLabelValues(source).Observe(time.Since(start).Seconds())
@@ -716,6 +723,13 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 		c.mu.Lock()
 		st.acked = false
 		c.mu.Unlock()
+		if !onADD && errors.Is(err, zds.ErrNotConnected) && pod.Annotations[AnnotationRedirection] == RedirectionEnabled {
+			// Taken over from a previous agent before any ztunnel
+			// connected: ztunnel still runs the pod (it did not restart,
+			// the agent did), and its next snapshot carries it. Marking it
+			// pending would be untrue, and a rollout would flip every pod.
+			return errAwaitSnapshot
+		}
 		if aerr := c.annotate(ctx, pod, RedirectionPending); aerr != nil {
 			err = errors.Join(err, aerr)
 		}
@@ -773,36 +787,39 @@ func (c *Controller) waitConnected(ctx context.Context) error {
 	return c.server().WaitConnected(ctx)
 }
 
-// watchZtunnel retries the pods ztunnel has not acknowledged as soon as
-// a ztunnel connects, rather than at their next back-off.
-func (c *Controller) watchZtunnel(ctx context.Context, srv *zds.Server) {
-	prev := 0
-	for {
-		n, changed := srv.Connections()
-		if n > prev {
-			c.mu.Lock()
-			var retry []string
-			for uid, st := range c.pods {
-				if !st.acked {
-					retry = append(retry, uid)
-				}
-			}
-			c.mu.Unlock()
-			for _, uid := range retry {
-				c.queue.Add(uid)
-			}
-			// Pods annotated pending by a previous agent, not yet held.
-			for _, o := range c.podInf.GetStore().List() {
-				if p, ok := o.(*corev1.Pod); ok && p.Annotations[AnnotationRedirection] == RedirectionPending {
-					c.queue.Add(string(p.UID))
-				}
-			}
+// SnapshotAcked records ztunnel's acknowledgement of a pod's namespace
+// in a new connection's snapshot (zds.SnapshotObserver).
+func (c *Controller) SnapshotAcked(uid string, netns *os.File) {
+	if netns == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st := c.pods[uid]; st != nil && st.netns == netns {
+		st.acked = true
+	}
+}
+
+// SnapshotDone retries, once a new ztunnel has its snapshot, the pods it
+// has not acknowledged (not in the snapshot, refused there, or waiting
+// since before it connected), and those a previous agent left pending.
+// Retrying on the connection alone, before the snapshot's end, would
+// send every enrolled pod twice.
+func (c *Controller) SnapshotDone() {
+	c.mu.Lock()
+	var retry []string
+	for uid, st := range c.pods {
+		if !st.acked {
+			retry = append(retry, uid)
 		}
-		prev = n
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			return
+	}
+	c.mu.Unlock()
+	for _, uid := range retry {
+		c.queue.Add(uid)
+	}
+	for _, o := range c.podInf.GetStore().List() {
+		if p, ok := o.(*corev1.Pod); ok && p.Annotations[AnnotationRedirection] == RedirectionPending {
+			c.queue.Add(string(p.UID))
 		}
 	}
 }

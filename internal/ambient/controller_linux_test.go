@@ -104,6 +104,7 @@ type env struct {
 	stop  func()
 	links int
 	pids  int
+	logs  *logBuffer
 }
 
 // watchSignal tells when the informers' watches are in place: the fake
@@ -176,6 +177,7 @@ func newEnv(t *testing.T, b backend, mod func(*Config)) *env {
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
 	)
 	logs := &logBuffer{}
+	e.logs = logs
 	t.Cleanup(func() {
 		if t.Failed() {
 			logs.mu.Lock()
@@ -974,4 +976,77 @@ func TestDualStack(t *testing.T) {
 			}
 		})
 	}
+}
+
+// waitLog waits for the controller's log to hold a line with every part.
+func (e *env) waitLog(parts ...string) {
+	e.t.Helper()
+	deadline := time.Now().Add(waitLimit)
+	for {
+		e.logs.mu.Lock()
+		text := e.logs.buf.String()
+		e.logs.mu.Unlock()
+		for line := range strings.SplitSeq(text, "\n") {
+			all := true
+			for _, p := range parts {
+				all = all && strings.Contains(line, p)
+			}
+			if all {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("no log line with %q", parts)
+		}
+		time.Sleep(5 * time.Millisecond) // polling the controller's goroutines
+	}
+}
+
+// A rollout: the new agent takes over enrolled pods before ztunnel has
+// reconnected to it. The pods stay enabled (ztunnel still runs them: the
+// agent restarted, not ztunnel), no Event says otherwise, and ztunnel's
+// new connection gets each pod once, in its snapshot.
+func TestRolloutKeepsPodsEnabled(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		var pending atomic.Int32
+		e.cs.PrependReactor("patch", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if p, ok := a.(k8stesting.PatchAction); ok && strings.Contains(string(p.GetPatch()), RedirectionPending) {
+				pending.Add(1)
+			}
+			return false, nil, nil
+		})
+		sim := e.startSim(nil)
+		uid, pns := newUID(), e.podNS("10.7.9.4")
+		e.running(uid, pns)
+		e.createPod(nsAmbient, "r", uid, nil, "10.7.9.4")
+		e.waitPod(nsAmbient, "r", "enabled", redirection(RedirectionEnabled))
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		sim.Close()
+
+		e.stop()
+		e.start()
+		e.waitLog("taken over", uid)
+		sim2 := e.startSim(nil)
+		e.requireRules(pns, defaultParams)
+		e.waitSim(sim2, "pod added in the snapshot", hasWorkload(uid, inode(t, pns)))
+		// Anything queued by the snapshot's end has run once the pod's
+		// verify passes; a second add would show as a no-op event.
+		e.c.verify(uid)
+		st := sim2.State()
+		adds := 0
+		for _, ev := range st.Events {
+			if ev.Req.Kind == zds.KindAdd && ev.Req.UID == uid {
+				adds++
+			}
+		}
+		if adds != 1 {
+			t.Errorf("the new ztunnel connection got %d adds of the pod, want 1 (its snapshot's): %+v", adds, st.Events)
+		}
+		if n := pending.Load(); n != 0 {
+			t.Errorf("the pod was patched pending %d times during the rollout", n)
+		}
+		if p := e.waitPod(nsAmbient, "r", "enabled", redirection(RedirectionEnabled)); p == nil {
+			t.Fatal("pod r")
+		}
+	})
 }

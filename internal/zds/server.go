@@ -60,6 +60,15 @@ type Snapshotter interface {
 	Snapshot() []Pod
 }
 
+// SnapshotObserver, when the Snapshotter implements it, hears of each
+// pod a new connection's ztunnel acknowledged in its snapshot (with the
+// namespace handed over, nil for a keep), then of the snapshot's end:
+// what was acknowledged there need not be sent again.
+type SnapshotObserver interface {
+	SnapshotAcked(uid string, netns *os.File)
+	SnapshotDone()
+}
+
 // SnapshotFunc makes a function a Snapshotter.
 type SnapshotFunc func() []Pod
 
@@ -664,6 +673,8 @@ func (s *Server) sendSnapshot(c *conn) error {
 		}
 		if res.nack != "" {
 			c.log.Warn("ztunnel refused a pod of the snapshot", "request", req.Kind.String(), "uid", p.UID, "reason", res.nack)
+		} else if obs, ok := s.cfg.Snapshotter.(SnapshotObserver); ok {
+			obs.SnapshotAcked(p.UID, p.Netns)
 		}
 		if req.Kind == KindAdd {
 			adds++
@@ -681,6 +692,9 @@ func (s *Server) sendSnapshot(c *conn) error {
 		c.log.Warn("ztunnel refused the end of the snapshot", "reason", res.nack)
 	}
 	c.log.Info("snapshot sent to ztunnel", "adds", adds, "keeps", keeps)
+	if obs, ok := s.cfg.Snapshotter.(SnapshotObserver); ok {
+		obs.SnapshotDone()
+	}
 	return nil
 }
 
