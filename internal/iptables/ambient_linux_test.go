@@ -2,6 +2,7 @@ package iptables
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os/exec"
 	"strings"
@@ -209,4 +210,91 @@ func TestHostProbeLifecycle(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestHostVariantChoice: without FORCE_IPTABLES_BINARY the node's probe
+// SNAT stays in the variant that holds it, even once a stray legacy table
+// exists (a tool listing it loads one), goes where the node's own rules
+// are when it is new, and is removed from every variant.
+func TestHostVariantChoice(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-legacy", "iptables-nft", "iptables-legacy-save", "iptables-nft-save")
+	p := ruleset.HostParams{IPv6: true}
+	has := func(t *testing.T, n ns.NetNS, variant string) bool {
+		t.Helper()
+		return strings.Contains(runIn(t, n, "iptables-"+variant+"-save", "-t", "nat"), "-A ISTIO_POSTRT")
+	}
+	t.Run("stays-in-nft-beside-a-stray-legacy-table", func(t *testing.T) {
+		n := newNS(t)
+		a := &Applier{}
+		if _, err := a.EnsureHost(n.Path(), p); err != nil {
+			t.Fatal(err)
+		}
+		if !has(t, n, "nft") {
+			t.Fatal("a new node's probe SNAT is not in the nft variant")
+		}
+		runIn(t, n, "iptables-legacy", "-t", "nat", "-L", "-n")
+		if changed, err := a.EnsureHost(n.Path(), p); err != nil || changed {
+			t.Fatalf("re-assert beside a stray legacy table: wrote %v, %v", changed, err)
+		}
+		if has(t, n, "legacy") || !has(t, n, "nft") {
+			t.Fatal("the probe SNAT moved to the stray legacy table")
+		}
+		if err := a.RemoveHost(n.Path()); err != nil {
+			t.Fatal(err)
+		}
+		if has(t, n, "nft") || has(t, n, "legacy") {
+			t.Fatal("rules left after remove")
+		}
+	})
+	t.Run("goes-where-the-node's-rules-are", func(t *testing.T) {
+		n := newNS(t)
+		for i := 1; i <= 3; i++ {
+			runIn(t, n, "iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-d", fmt.Sprintf("198.18.9.%d", i), "-j", "MASQUERADE")
+		}
+		a := &Applier{}
+		if _, err := a.EnsureHost(n.Path(), p); err != nil {
+			t.Fatal(err)
+		}
+		if !has(t, n, "legacy") || has(t, n, "nft") {
+			t.Fatal("the probe SNAT is not beside the node's legacy rules")
+		}
+		if err := a.RemoveHost(n.Path()); err != nil {
+			t.Fatal(err)
+		}
+		if has(t, n, "legacy") {
+			t.Fatal("rules left after remove")
+		}
+	})
+	t.Run("one-copy", func(t *testing.T) {
+		// Ours in both variants (an agent forced to one, then not): the
+		// one beside the node's rules stays, the other goes.
+		n := newNS(t)
+		for _, v := range []string{VariantNFT, VariantLegacy} {
+			if _, err := (&Applier{Force: v}).EnsureHost(n.Path(), p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		runIn(t, n, "iptables-nft", "-t", "nat", "-A", "POSTROUTING", "-d", "198.18.9.9", "-j", "MASQUERADE")
+		if changed, err := (&Applier{}).EnsureHost(n.Path(), p); err != nil || !changed {
+			t.Fatalf("re-assert with two copies: wrote %v, %v", changed, err)
+		}
+		if !has(t, n, "nft") || has(t, n, "legacy") {
+			t.Fatal("want the nft copy only")
+		}
+	})
+}
+
+func runIn(t *testing.T, n ns.NetNS, args ...string) string {
+	t.Helper()
+	var out []byte
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		t.Fatalf("%v: %v: %s", args, err, out)
+	}
+	return string(out)
 }

@@ -196,6 +196,26 @@ func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, 
 	return fr, nil
 }
 
+// variantOf finds a variant's four binaries (suffix "-legacy", "-nft" or
+// "" for the plain ones).
+func (a *Applier) variantOf(name, suffix string) (*variant, error) {
+	v := &variant{name: name, legacy: name == VariantLegacy}
+	var err error
+	for _, p := range []struct {
+		dst  *string
+		base string
+	}{{&v.save4, "iptables"}, {&v.restore4, "iptables"}, {&v.save6, "ip6tables"}, {&v.restore6, "ip6tables"}} {
+		kind := "-save"
+		if p.dst == &v.restore4 || p.dst == &v.restore6 {
+			kind = "-restore"
+		}
+		if *p.dst, err = a.lookPath(p.base + suffix + kind); err != nil {
+			return nil, err
+		}
+	}
+	return v, nil
+}
+
 type variant struct {
 	name                             string
 	save4, restore4, save6, restore6 string
@@ -221,23 +241,7 @@ func (v *variant) restore(f ruleset.Family) string {
 // Reading /proc replaces Istio's probe commands, which cost several
 // process starts per pod.
 func (a *Applier) detect(tables nsTables, fam ruleset.Family) (*variant, error) {
-	mk := func(name, suffix string) (*variant, error) {
-		v := &variant{name: name, legacy: name == VariantLegacy}
-		var err error
-		for _, p := range []struct {
-			dst  *string
-			base string
-		}{{&v.save4, "iptables"}, {&v.restore4, "iptables"}, {&v.save6, "ip6tables"}, {&v.restore6, "ip6tables"}} {
-			kind := "-save"
-			if p.dst == &v.restore4 || p.dst == &v.restore6 {
-				kind = "-restore"
-			}
-			if *p.dst, err = a.lookPath(p.base + suffix + kind); err != nil {
-				return nil, err
-			}
-		}
-		return v, nil
-	}
+	mk := func(name, suffix string) (*variant, error) { return a.variantOf(name, suffix) }
 	switch a.Force {
 	case VariantLegacy:
 		return mk(VariantLegacy, "-legacy")

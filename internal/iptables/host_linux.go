@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"sort"
 	"strings"
 
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -189,37 +190,122 @@ func probeSets(v6 bool) []probeSet {
 func (a *Applier) syncHostRules(plan *ruleset.Plan) (bool, error) {
 	changed := false
 	for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
-		v, err := a.detect(&tableSnapshot{}, fam)
+		views, err := a.hostViews(fam)
 		if err != nil {
 			return changed, err
 		}
-		out, err := a.hostRun(v.save(fam), "", "-t", "nat")
-		if err != nil {
-			return changed, fmt.Errorf("reading the node's %s nat rules with %s: %w", fam, v.save(fam), err)
-		}
-		all, err := ParseSave(out)
-		if err != nil {
-			return changed, err
-		}
-		st := hostOwned(all)
 		set := planSet(plan, fam)
-		var text string
-		switch {
-		case st.Empty() && set.Empty():
-		case st.Empty():
-			text = set.Restore()
-		case len(Diff(st, set)) > 0:
-			text = ReplaceText(st, set)
+		for i, hv := range views {
+			want := set
+			if i > 0 {
+				// Ours left in another variant (written before the node's
+				// rules moved, or by a tool's stray table): removed, so the
+				// node holds one copy and an uninstall leaves none.
+				want = &ruleset.Set{Family: fam}
+			}
+			var text string
+			switch {
+			case hv.ours.Empty() && want.Empty():
+			case hv.ours.Empty():
+				text = want.Restore()
+			case len(Diff(hv.ours, want)) > 0:
+				text = ReplaceText(hv.ours, want)
+			}
+			if text == "" {
+				continue
+			}
+			if _, err := a.hostRun(hv.v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
+				return changed, fmt.Errorf("programming the node's %s probe SNAT with %s: %w", fam, hv.v.restore(fam), err)
+			}
+			changed = true
 		}
-		if text == "" {
-			continue
-		}
-		if _, err := a.hostRun(v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
-			return changed, fmt.Errorf("programming the node's %s probe SNAT with %s: %w", fam, v.restore(fam), err)
-		}
-		changed = true
 	}
 	return changed, nil
+}
+
+// hostView is one variant's view of the node's nat table: our rules in
+// it, and how many rules the node has there.
+type hostView struct {
+	v     *variant
+	ours  *State
+	rules int
+}
+
+// hostViews reads the node's nat table through each variant there is,
+// the one to write first. The pods' choice (legacy whenever a legacy
+// table exists) does not fit the node, where one stray legacy table (a
+// tool that lists it loads it) would move the rules away from the
+// node's own. So: with FORCE_IPTABLES_BINARY, that variant; else the
+// variant that already holds ours; else the one holding more of the
+// node's rules (kube-proxy's, the CNI's), as Istio compares them; else
+// nft. A legacy table that does not exist is not read, which would load
+// it.
+func (a *Applier) hostViews(fam ruleset.Family) ([]hostView, error) {
+	if a.Force != "" {
+		v, err := a.detect(&tableSnapshot{}, fam)
+		if err != nil {
+			return nil, err
+		}
+		hv, err := a.hostRead(v, fam)
+		if err != nil {
+			return nil, err
+		}
+		return []hostView{hv}, nil
+	}
+	var views []hostView
+	for _, c := range []struct{ name, suffix string }{{VariantNFT, "-nft"}, {VariantLegacy, "-legacy"}} {
+		v, err := a.variantOf(c.name, c.suffix)
+		if err != nil {
+			continue
+		}
+		if v.legacy && !hasLegacyTables(fam) {
+			views = append(views, hostView{v: v, ours: &State{}})
+			continue
+		}
+		hv, err := a.hostRead(v, fam)
+		if err != nil {
+			return nil, err
+		}
+		views = append(views, hv)
+	}
+	if len(views) == 0 {
+		v, err := a.variantOf(VariantPlain, "")
+		if err != nil {
+			return nil, fmt.Errorf("no usable iptables found on the node: %w", err)
+		}
+		hv, err := a.hostRead(v, fam)
+		if err != nil {
+			return nil, err
+		}
+		return []hostView{hv}, nil
+	}
+	sort.SliceStable(views, func(i, j int) bool {
+		oi, oj := !views[i].ours.Empty(), !views[j].ours.Empty()
+		if oi != oj {
+			return oi
+		}
+		return views[i].rules > views[j].rules
+	})
+	return views, nil
+}
+
+// hostRead reads the node's nat table with one variant.
+func (a *Applier) hostRead(v *variant, fam ruleset.Family) (hostView, error) {
+	out, err := a.hostRun(v.save(fam), "", "-t", "nat")
+	if err != nil {
+		return hostView{}, fmt.Errorf("reading the node's %s nat rules with %s: %w", fam, v.save(fam), err)
+	}
+	all, err := ParseSave(out)
+	if err != nil {
+		return hostView{}, err
+	}
+	n := 0
+	for line := range strings.SplitSeq(out, "\n") {
+		if strings.HasPrefix(line, "-A ") {
+			n++
+		}
+	}
+	return hostView{v: v, ours: hostOwned(all), rules: n}, nil
 }
 
 // hostOwned keeps, of the node's nat rules, ISTIO_POSTRT and the jumps

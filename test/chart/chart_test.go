@@ -792,7 +792,7 @@ func wantNoAmbient(t *testing.T, r *rendered) {
 	if e, ok := r.envVar(t, "ALLOW_SWITCH_TO_HOST_NS"); ok {
 		t.Errorf("env %+v without ambient mode", e)
 	}
-	for _, path := range []string{"/var/run/ztunnel", "/host/var/run/netns"} {
+	for _, path := range []string{"/var/run/ztunnel", "/host/var/run/netns", "/run/xtables.lock"} {
 		if m := r.volumeMounts(t, path); m != nil {
 			t.Errorf("%s mounted without ambient mode: %+v", path, m)
 		}
@@ -818,6 +818,12 @@ func wantAmbientPod(hostNetwork bool) func(*testing.T, *rendered) {
 		dirOrCreate := corev1.HostPathDirectoryOrCreate
 		eq(t, "ztunnel volume", r.volume(t, "cni-ztunnel-sock-dir"), &corev1.Volume{Name: "cni-ztunnel-sock-dir",
 			VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/var/run/ztunnel", Type: &dirOrCreate}}})
+		// The node's xtables lock, for the probe SNAT on legacy nodes.
+		eq(t, "/run/xtables.lock mounts", r.volumeMounts(t, "/run/xtables.lock"),
+			[]corev1.VolumeMount{{Name: "xtables-lock", MountPath: "/run/xtables.lock"}})
+		fileOrCreate := corev1.HostPathFileOrCreate
+		eq(t, "xtables lock volume", r.volume(t, "xtables-lock"), &corev1.Volume{Name: "xtables-lock",
+			VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/run/xtables.lock", Type: &fileOrCreate}}})
 		// The host's /proc, read-only, once whatever else wants it.
 		eq(t, "/host/proc mounts", r.volumeMounts(t, "/host/proc"),
 			[]corev1.VolumeMount{{Name: "cni-host-procfs", MountPath: "/host/proc", ReadOnly: true}})

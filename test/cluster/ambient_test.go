@@ -63,17 +63,13 @@ func TestAmbientChartOnNode(t *testing.T) {
 	for _, backend := range []string{"iptables", "nftables"} {
 		t.Run(backend, func(t *testing.T) { ambientChartOnNode(t, backend, standin, false) })
 	}
-	// Opt-in, as it fails today and leaves the node with a legacy nat
-	// table: someone lists the node's legacy nat table (iptables-legacy-save,
+	// Someone lists the node's legacy nat table (iptables-legacy-save,
 	// which creates it empty) while the agent runs with the nft variant.
-	// The next agent then takes the node for a legacy one, cannot write
-	// there (its container has no /run, so iptables-legacy-restore cannot
-	// open /run/xtables.lock) and at uninstall removes nothing of the nft
-	// variant's rules, nor the sets they use.
+	// The next agent must keep the probe SNAT where it is (it once took
+	// the node for a legacy one, could not write there without the node's
+	// xtables lock, and at uninstall left the nft variant's rules and
+	// sets behind). Last: it leaves the node a legacy nat table.
 	t.Run("iptables-legacy-listed", func(t *testing.T) {
-		if os.Getenv("ISTIO_CNI_TEST_LEGACY_LISTED") != "1" {
-			t.Skip("a known failure of the agent's iptables variant detection; set ISTIO_CNI_TEST_LEGACY_LISTED=1 to run it")
-		}
 		ambientChartOnNode(t, "iptables", standin, true)
 	})
 }
@@ -896,12 +892,9 @@ func rollingUpdate(t *testing.T, z *testenv.ZtunnelStandin, nft bool, old *corev
 		}
 	}
 	if seen := flaps(); len(seen) != 0 {
-		// The pods stayed with ztunnel throughout (checked above), yet the
-		// new agent, reconciling them before ztunnel connected, marked
-		// them pending for a moment: see the report of issue #14's cluster
-		// proof. Logged, not failed, until the agent leaves an acknowledged
-		// pod's annotation alone while no ztunnel is connected.
-		t.Logf("FINDING: enrolled pods' %s changed during the rollout although ztunnel kept them:\n%s",
+		// The pods stayed with ztunnel throughout (checked above): the new
+		// agent must not mark them otherwise while ztunnel reconnects.
+		t.Fatalf("enrolled pods' %s changed during the rollout although ztunnel kept them:\n%s",
 			ambient.AnnotationRedirection, strings.Join(seen, "\n"))
 	}
 	probed := enrolled[0].pod
