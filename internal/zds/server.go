@@ -641,6 +641,12 @@ func (s *Server) next(c *conn, what string) ([]byte, error) {
 	select {
 	case f := <-c.frames:
 		if f.err != nil {
+			select {
+			case <-s.stop:
+				// Close closed the connection under the read: say why.
+				return nil, errors.New("the agent's ZDS server is stopping")
+			default:
+			}
 			return nil, fmt.Errorf("waiting for the %s: %w", what, f.err)
 		}
 		return f.b, nil
