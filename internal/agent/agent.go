@@ -209,6 +209,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	cniCtx, stopCNI := context.WithCancel(context.Background())
 	restCtx, stopRest := context.WithCancel(context.Background())
 	p := &parts{stopCNI: stopCNI, stopRest: stopRest}
+	// Last, once ambient mode's controller has stopped and the node's
+	// rules are removed or kept.
+	defer func() {
+		a.mu.Lock()
+		amb := a.ambient
+		a.mu.Unlock()
+		if amb != nil {
+			amb.closeNetns()
+		}
+	}()
 	defer p.stopTheWatch()
 	defer p.stop()
 	present, err := a.start(restCtx, cniCtx, &cfg, p)

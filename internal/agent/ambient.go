@@ -3,6 +3,8 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 
@@ -17,16 +19,45 @@ type ambientPart struct {
 	c         *ambient.Controller
 	host      ambientnet.Host
 	hostNetns string
+	// closeNetns releases the node's namespace, once nothing uses it.
+	closeNetns func()
 }
 
-// hostNetns is where the node's rules go: the host's namespace, entered
-// through its /proc when the agent runs in a pod network of its own (as
-// Istio's chart runs it), else the agent's own.
-func hostNetns(cfg *Config) string {
-	if cfg.Ambient.SwitchToHostNS {
-		return filepath.Join(cfg.HostProcDir, "1", "ns", "net")
+// hostNetns opens the node's network namespace, where the node's rules
+// go, and names it by the agent's descriptor (held until close), so a
+// kubelet restart cannot change what the name means. When the agent runs
+// in a pod network of its own (ALLOW_SWITCH_TO_HOST_NS), that is the
+// kubelet's namespace, found in the host's /proc, else PID 1's as Istio
+// takes it (the same on a plain node; the kubelet's is right where the
+// node is itself a namespace of a bigger machine, as in kind or this
+// project's test node); else the agent's own.
+func hostNetns(cfg *Config, log *slog.Logger) (path string, closeFn func(), err error) {
+	if !cfg.Ambient.SwitchToHostNS {
+		return "/proc/self/ns/net", func() {}, nil
 	}
-	return "/proc/self/ns/net"
+	pid1 := filepath.Join(cfg.HostProcDir, "1", "ns", "net")
+	path = cfg.Ambient.NodeNetns
+	switch path {
+	case "pid1":
+		path = pid1
+	case "", "kubelet":
+		rel, kerr := ambientnet.KubeletNetns(os.DirFS(cfg.HostProcDir))
+		switch {
+		case kerr == nil:
+			path = filepath.Join(cfg.HostProcDir, rel)
+		case path == "kubelet":
+			return "", nil, fmt.Errorf("the kubelet's network namespace (AMBIENT_NODE_NETNS=kubelet): %w", kerr)
+		default:
+			path = pid1
+			log.Info("the node's network namespace is taken as PID 1's", "reason", kerr.Error())
+		}
+	}
+	f, err := os.Open(path) //nolint:gosec // G304: the host's /proc, or the path configured
+	if err != nil {
+		return "", nil, fmt.Errorf("opening the node's network namespace: %w", err)
+	}
+	log.Info("the node's probe SNAT goes into this network namespace", "path", path)
+	return fmt.Sprintf("/proc/self/fd/%d", f.Fd()), func() { _ = f.Close() }, nil
 }
 
 // newAmbient builds the controller from the agent's settings; it runs in
@@ -49,7 +80,11 @@ func (a *Agent) newAmbient(cfg *Config) (*ambientPart, error) {
 			hp.KubeletUID = &uid
 		}
 	}
-	p := &ambientPart{host: host, hostNetns: hostNetns(cfg)}
+	netnsPath, closeNetns, err := hostNetns(cfg, a.log)
+	if err != nil {
+		return nil, err
+	}
+	p := &ambientPart{host: host, hostNetns: netnsPath, closeNetns: closeNetns}
 	am := cfg.Ambient
 	c, err := ambient.New(ambient.Config{
 		Node: cfg.NodeName, Kube: a.Clientset, Namespaces: a.Namespaces,
@@ -66,6 +101,7 @@ func (a *Agent) newAmbient(cfg *Config) (*ambientPart, error) {
 		Log:        a.log,
 	})
 	if err != nil {
+		closeNetns()
 		return nil, err
 	}
 	p.c = c

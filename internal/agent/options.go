@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -101,6 +102,10 @@ type AmbientOptions struct {
 	// in a pod network of its own; false means the agent's own namespace
 	// is the node's (the chart's shareHostNetworkNamespace).
 	SwitchToHostNS bool
+	// NodeNetns is which namespace is the node's with SwitchToHostNS:
+	// "" (the kubelet's, else PID 1's), "kubelet" (the kubelet's or
+	// fail), "pid1" (Istio's), or a path.
+	NodeNetns string
 	// ZtunnelWait bounds how long an enrolled pod's ADD waits for ztunnel
 	// to be connected; VerifyInterval and HostInterval are the periodic
 	// checks of the pods' rules and of the node's probe SNAT.
@@ -287,6 +292,13 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "ztunnel-uds-address", help: "ztunnel's socket, where the agent serves ztunnel in ambient mode", def: "/var/run/ztunnel/ztunnel.sock", set: str(&am.ZtunnelSocket), istio: true},
 		{name: "enable-ambient-detection-retry", help: "written into the plugin's config as Istio does; this plugin never starts an enrolled pod unmeshed, retry or not", def: "false", set: boolean(&in.Entry.AmbientDetectionRetry), istio: true},
 		{name: "allow-switch-to-host-ns", help: "the agent runs in a pod network of its own and writes the node's rules into the host's network namespace (repair-host-proc's 1/ns/net)", def: "false", set: boolean(&am.SwitchToHostNS), istio: true},
+		{name: "ambient-node-netns", help: "with allow-switch-to-host-ns, the node's network namespace: empty (the kubelet's, found in the host's /proc, else PID 1's), kubelet (the kubelet's or fail), pid1 (Istio's choice) or a path", set: func(v string) error {
+			if v != "" && v != "kubelet" && v != "pid1" && !filepath.IsAbs(v) {
+				return fmt.Errorf("want kubelet, pid1 or an absolute path")
+			}
+			am.NodeNetns = v
+			return nil
+		}},
 		{name: "ambient-ztunnel-wait", help: "how long an enrolled pod's ADD waits for ztunnel to be connected", def: ambient.DefaultZtunnelWait.String(), set: positive(&am.ZtunnelWait)},
 		{name: "ambient-verify-interval", help: "how often every enrolled pod's rules and ztunnel's acknowledgement are verified", def: ambient.DefaultVerifyInterval.String(), set: positive(&am.VerifyInterval)},
 		{name: "ambient-host-interval", help: "how often the node's probe SNAT rules and set are re-asserted", def: ambient.DefaultHostInterval.String(), set: positive(&am.HostInterval)},

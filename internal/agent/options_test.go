@@ -383,3 +383,17 @@ func TestReconcileOnStartupNote(t *testing.T) {
 		t.Fatalf("a note about a setting that is obeyed: %q", o.Notes)
 	}
 }
+
+func TestAmbientNodeNetns(t *testing.T) {
+	for v, ok := range map[string]bool{"": true, "kubelet": true, "pid1": true, "/host/proc/1/ns/net": true, "host": false, "proc/1/ns/net": false} {
+		o, err := ParseOptions(nil, envOf(map[string]string{"AMBIENT_ENABLED": "true", "AMBIENT_NODE_NETNS": v}))
+		switch {
+		case ok && err != nil:
+			t.Errorf("AMBIENT_NODE_NETNS=%q: %v", v, err)
+		case ok && o.Ambient.NodeNetns != v:
+			t.Errorf("AMBIENT_NODE_NETNS=%q read as %q", v, o.Ambient.NodeNetns)
+		case !ok && (err == nil || !strings.Contains(err.Error(), "AMBIENT_NODE_NETNS")):
+			t.Errorf("AMBIENT_NODE_NETNS=%q: %v, want an error naming it", v, err)
+		}
+	}
+}

@@ -63,6 +63,51 @@ func KubeletUID(proc fs.FS) (uint32, error) {
 	return 0, fmt.Errorf("no kubelet process (%s) found in the process list", strings.Join(kubeletNames, ", "))
 }
 
+// KubeletNetns finds the kubelet's network namespace, the node's, in a
+// /proc tree: "<pid>/ns/net" of a kubelet process (the names of
+// KubeletUID, by preference). Every process of that name must be in one
+// namespace. The caller opens it at once and holds it: the path names
+// another process, or none, after a kubelet restart.
+func KubeletNetns(proc fs.FS) (string, error) {
+	entries, err := fs.ReadDir(proc, ".")
+	if err != nil {
+		return "", fmt.Errorf("reading the process list: %w", err)
+	}
+	type found struct{ pid, ns string }
+	byName := map[string][]found{}
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil || !e.IsDir() {
+			continue
+		}
+		comm, err := fs.ReadFile(proc, e.Name()+"/comm")
+		if err != nil {
+			continue
+		}
+		name := strings.TrimSpace(string(comm))
+		if !slices.Contains(kubeletNames, name) {
+			continue
+		}
+		link, err := fs.ReadLink(proc, e.Name()+"/ns/net")
+		if err != nil {
+			continue
+		}
+		byName[name] = append(byName[name], found{e.Name(), link})
+	}
+	for _, name := range kubeletNames {
+		procs := byName[name]
+		if len(procs) == 0 {
+			continue
+		}
+		for _, f := range procs[1:] {
+			if f.ns != procs[0].ns {
+				return "", fmt.Errorf("%s processes %s and %s are in different network namespaces (%s, %s)", name, procs[0].pid, f.pid, procs[0].ns, f.ns)
+			}
+		}
+		return procs[0].pid + "/ns/net", nil
+	}
+	return "", fmt.Errorf("no kubelet process (%s) found in the process list", strings.Join(kubeletNames, ", "))
+}
+
 // fsUID reads the file-system uid, the fourth of the "Uid:" line of a
 // status file.
 func fsUID(status []byte) (uint32, error) {

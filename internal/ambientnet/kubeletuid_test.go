@@ -49,3 +49,41 @@ func TestKubeletUID(t *testing.T) {
 		t.Fatalf("the real /proc: %v", err)
 	}
 }
+
+func TestKubeletNetns(t *testing.T) {
+	mk := func(procs map[string][2]string) fstest.MapFS {
+		fsys := fstest.MapFS{"self": &fstest.MapFile{Mode: os.ModeDir}}
+		for pid, p := range procs {
+			fsys[pid+"/comm"] = &fstest.MapFile{Data: []byte(p[0] + "\n")}
+			fsys[pid+"/ns/net"] = &fstest.MapFile{Mode: os.ModeSymlink, Data: []byte(p[1])}
+		}
+		return fsys
+	}
+	for _, c := range []struct {
+		name  string
+		procs map[string][2]string
+		want  string
+		err   string
+	}{
+		{"kubelet", map[string][2]string{"1": {"systemd", "net:[1]"}, "812": {"kubelet", "net:[2]"}}, "812/ns/net", ""},
+		{"kubelet preferred over k3s", map[string][2]string{"5": {"k3s", "net:[1]"}, "9": {"kubelet", "net:[2]"}}, "9/ns/net", ""},
+		{"k3s agent", map[string][2]string{"5": {"k3s-agent", "net:[1]"}}, "5/ns/net", ""},
+		{"two in one namespace", map[string][2]string{"5": {"kubelet", "net:[3]"}, "6": {"kubelet", "net:[3]"}}, "", ""},
+		{"two namespaces", map[string][2]string{"5": {"kubelet", "net:[3]"}, "6": {"kubelet", "net:[4]"}}, "", "different network namespaces"},
+		{"none", map[string][2]string{"1": {"systemd", "net:[1]"}}, "", "no kubelet process"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := KubeletNetns(mk(c.procs))
+			switch {
+			case c.err != "" && (err == nil || !strings.Contains(err.Error(), c.err)):
+				t.Fatalf("error %v, want one saying %q", err, c.err)
+			case c.err == "" && err != nil:
+				t.Fatal(err)
+			case c.want != "" && got != c.want:
+				t.Fatalf("got %q, want %q", got, c.want)
+			case c.err == "" && c.want == "" && got != "5/ns/net" && got != "6/ns/net":
+				t.Fatalf("got %q, want one of the kubelets'", got)
+			}
+		})
+	}
+}

@@ -44,12 +44,10 @@ const ambientAppPort = 8080
 // ztunnel and hands them to ztunnel again, and the uninstall removes the
 // node's probe SNAT.
 //
-// The agent runs in the node's network namespace
-// (ambient.shareHostNetworkNamespace). The chart's default, a pod network
-// with ALLOW_SWITCH_TO_HOST_NS, writes the node's rules into the network
-// namespace of PID 1 of the host /proc: this test's node is a network
-// namespace of its own on a shared machine, PID 1 is the machine's init,
-// and the agent would program the machine's own namespace.
+// The iptables case runs the chart's default layout (the agent in a pod
+// network, switching to the node's namespace, found as the kubelet's);
+// the nftables case runs the agent in the node's network namespace
+// (ambient.shareHostNetworkNamespace). See ambientValues.
 func TestAmbientChartOnNode(t *testing.T) {
 	ensureAgentImage(t)
 	ctx := context.Background()
@@ -113,20 +111,30 @@ func privateZtunnelDir(t *testing.T) {
 	})
 }
 
-// ambientValues are the chart values of the node, with ambient mode on
-// and the agent in the node's network namespace.
-func ambientValues(nft bool) map[string]any {
+// ambientValues are the chart values of the node, with ambient mode on.
+// With hostNetwork the agent runs in the node's network namespace
+// (ambient.shareHostNetworkNamespace); else in a pod network of its own
+// as the chart's default, switching to the node's for the probe SNAT,
+// which it must find as the kubelet's (AMBIENT_NODE_NETNS=kubelet): this
+// test's node is a network namespace of a shared machine, whose PID 1,
+// Istio's choice, is the machine's own init.
+func ambientValues(nft, hostNetwork bool) map[string]any {
 	values := testenv.NodeChartValues(cluster, node, nft)
 	env := values["env"].(map[string]any)
-	env["ALLOW_SWITCH_TO_HOST_NS"] = "false"
-	values["ambient"] = map[string]any{"enabled": true, "shareHostNetworkNamespace": true}
+	if hostNetwork {
+		env["ALLOW_SWITCH_TO_HOST_NS"] = "false"
+		values["ambient"] = map[string]any{"enabled": true, "shareHostNetworkNamespace": true}
+	} else {
+		env["AMBIENT_NODE_NETNS"] = "kubelet"
+		values["ambient"] = map[string]any{"enabled": true}
+	}
 	return values
 }
 
 // checkNodeNamespaceOnly renders the chart with values and fails unless
-// the agent runs in the node's network namespace and will not switch to
-// PID 1's: see TestAmbientChartOnNode.
-func checkNodeNamespaceOnly(t *testing.T, values map[string]any) {
+// the agent can only write into the node's network namespace: its own
+// (hostNetwork, no switching), or the kubelet's and never PID 1's.
+func checkNodeNamespaceOnly(t *testing.T, values map[string]any, hostNetwork bool) {
 	t.Helper()
 	b, err := yaml.Marshal(values)
 	if err != nil {
@@ -145,9 +153,12 @@ func checkNodeNamespaceOnly(t *testing.T, values map[string]any) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(ds, "hostNetwork: true") || env["ALLOW_SWITCH_TO_HOST_NS"] != "false" {
-		t.Fatalf("refusing to install: the agent would not run in the node's network namespace only (ALLOW_SWITCH_TO_HOST_NS=%q):\n%s",
-			env["ALLOW_SWITCH_TO_HOST_NS"], ds)
+	switch {
+	case hostNetwork && strings.Contains(ds, "hostNetwork: true") && env["ALLOW_SWITCH_TO_HOST_NS"] == "false":
+	case !hostNetwork && !strings.Contains(ds, "hostNetwork: true") && env["ALLOW_SWITCH_TO_HOST_NS"] == "true" && env["AMBIENT_NODE_NETNS"] == "kubelet":
+	default:
+		t.Fatalf("refusing to install: the agent could write into a network namespace other than the node's (ALLOW_SWITCH_TO_HOST_NS=%q, AMBIENT_NODE_NETNS=%q):\n%s",
+			env["ALLOW_SWITCH_TO_HOST_NS"], env["AMBIENT_NODE_NETNS"], ds)
 	}
 }
 
@@ -567,8 +578,11 @@ func ambientChartOnNode(t *testing.T, backend, standinBin string, listLegacy boo
 		t.Fatal("a probe SNATed before ambient mode was installed")
 	}
 
-	values := ambientValues(nft)
-	checkNodeNamespaceOnly(t, values)
+	// iptables in the chart's default layout, nftables in the node's
+	// network namespace: both layouts proven.
+	hostNetwork := nft
+	values := ambientValues(nft, hostNetwork)
+	checkNodeNamespaceOnly(t, values, hostNetwork)
 	z, err := testenv.StartZtunnelStandin(standinBin, t.TempDir(), filepath.Join(testenv.ZtunnelSocketDir, "ztunnel.sock"))
 	if err != nil {
 		t.Fatal(err)
@@ -595,8 +609,8 @@ func ambientChartOnNode(t *testing.T, backend, standinBin string, listLegacy boo
 		}
 	})
 	agent := waitAgentReady(t, "")
-	if !agent.Spec.HostNetwork {
-		t.Fatal("the agent pod is not in the node's network namespace")
+	if agent.Spec.HostNetwork != hostNetwork {
+		t.Fatalf("the agent pod's hostNetwork is %v, want %v", agent.Spec.HostNetwork, hostNetwork)
 	}
 	standinWait(t, z, "connected with the agent's snapshot", 60*time.Second, func(s ztunnelsim.State) bool {
 		return s.Connected && s.Snapshots >= 1
