@@ -1050,3 +1050,35 @@ func TestRolloutKeepsPodsEnabled(t *testing.T) {
 		}
 	})
 }
+
+// An ambient annotation that does not parse fails the pod's ADD naming
+// the annotation and its value, with an Event, and nothing is applied:
+// the pod neither starts unmeshed nor with capture it asked not to have.
+func TestInvalidAnnotationFailsTheADD(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		uid, pns := newUID(), e.podNS("10.7.9.5")
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: nsAmbient, Name: "bad", UID: k8stypes.UID(uid),
+				Annotations: map[string]string{AnnotationDNSCapture: "sometimes"}},
+			Spec: corev1.PodSpec{NodeName: node},
+		}
+		if _, err := e.cs.CoreV1().Pods(nsAmbient).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "bad", uid, f)
+		if !enrolled || err == nil || !strings.Contains(err.Error(), AnnotationDNSCapture) || !strings.Contains(err.Error(), "sometimes") {
+			t.Fatalf("EnrolOnAdd = %v, %v; want the ADD failed naming the annotation and its value", enrolled, err)
+		}
+		e.waitEvent(nsAmbient, "bad", "AmbientInvalidAnnotation")
+		e.requireNoRules(pns)
+		if _, ok := sim.State().Workloads[uid]; ok {
+			t.Fatal("ztunnel was handed a pod whose annotation does not parse")
+		}
+	})
+}
