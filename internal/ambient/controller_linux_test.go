@@ -1082,3 +1082,72 @@ func TestInvalidAnnotationFailsTheADD(t *testing.T) {
 		}
 	})
 }
+
+// A node at the kubelet's default limit: 110 enrolled pods running when a
+// namespace is labelled are all enrolled (rules, probe entries, ztunnel),
+// and a new agent hands every one of them to ztunnel in its snapshot.
+func TestFullNode(t *testing.T) {
+	const pods = 110
+	b := backends()[0]
+	e := newEnv(t, b, nil)
+	sim := e.startSim(nil)
+	type pod struct {
+		uid string
+		n   ns.NetNS
+		ip  string
+	}
+	var all []pod
+	for i := range pods {
+		ip := fmt.Sprintf("10.8.%d.%d", i/200, 1+i%200)
+		p := pod{newUID(), e.podNS(ip), ip}
+		e.running(p.uid, p.n)
+		e.createPod(nsPlain, fmt.Sprintf("full-%d", i), p.uid, nil, ip)
+		all = append(all, p)
+	}
+	start := time.Now()
+	e.updateNamespace(nsPlain, ambientLabel)
+	e.waitSim(sim, "every pod added", func(st ztunnelsim.State) bool {
+		n := 0
+		for _, p := range all {
+			if w, ok := st.Workloads[p.uid]; ok && len(w.Listening) > 0 {
+				n++
+			}
+		}
+		return n == pods
+	})
+	t.Logf("%d running pods enrolled by their namespace's label in %v", pods, time.Since(start))
+	want := map[string]string{}
+	for _, p := range all {
+		want[p.ip] = p.uid
+	}
+	e.requireProbes(want)
+	for _, p := range all[:5] {
+		e.requireRules(p.n, defaultParams)
+	}
+
+	e.stop()
+	e.start()
+	st := e.waitSim(sim, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+	adds := map[string]bool{}
+	for _, ev := range st.Events {
+		if ev.Conn == 2 && ev.Req.Kind == zds.KindAdd {
+			adds[ev.Req.UID] = true
+		}
+	}
+	if len(adds) != pods {
+		t.Fatalf("the new agent's snapshot added %d pods, want %d", len(adds), pods)
+	}
+	e.requireProbes(want)
+}
+
+func (e *env) updateNamespace(name string, lbls map[string]string) {
+	e.t.Helper()
+	n, err := e.cs.CoreV1().Namespaces().Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	n.Labels = lbls
+	if _, err := e.cs.CoreV1().Namespaces().Update(context.Background(), n, metav1.UpdateOptions{}); err != nil {
+		e.t.Fatal(err)
+	}
+}
