@@ -298,3 +298,30 @@ func runIn(t *testing.T, n ns.NetNS, args ...string) string {
 	}
 	return string(out)
 }
+
+// TestAmbientUserNamespacedPod: a pod with hostUsers: false gets its
+// ambient rules (whose owner and mark matches the kernel takes only from
+// its own user namespace) and routing, read back as written, and has
+// them removed, with each variant.
+func TestAmbientUserNamespacedPod(t *testing.T) {
+	testutil.RequireTools(t, "nsenter", "iptables-legacy-restore", "iptables-nft-restore")
+	p := ruleset.AmbientParams{DNSCapture: true}
+	for _, variant := range []string{VariantLegacy, VariantNFT} {
+		t.Run(variant, func(t *testing.T) {
+			pod := userNSPod(t)
+			a := &Applier{Force: variant}
+			if _, err := a.ApplyAmbient(pod.Path(), p); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.CheckAmbient(pod.Path(), p); err != nil {
+				t.Fatalf("the rules as written: %v", err)
+			}
+			if _, err := a.RemoveAmbient(pod.Path()); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.CheckAmbient(pod.Path(), p); err == nil {
+				t.Fatal("the rules are still there after the removal")
+			}
+		})
+	}
+}
