@@ -25,20 +25,29 @@ const lookupTimeout = 5 * time.Second
 // a "no": the reference's plugin starts such a pod unmeshed (it fails
 // open), this one does not.
 func (c *Controller) EnrolOnAdd(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error) {
-	pod, err := c.podForAdd(ctx, namespace, name, uid)
+	pod, d, err := c.decideForCNI(ctx, namespace, name, uid)
 	if err != nil {
-		return false, fmt.Errorf("ambient mode: cannot read pod %s/%s: %w", namespace, name, err)
+		return false, err
 	}
-	nsLabels, err := c.namespaceForAdd(ctx, namespace)
-	if err != nil {
-		return false, fmt.Errorf("ambient mode: cannot read namespace %s of pod %s/%s: %w", namespace, namespace, name, err)
-	}
-	d := decide(c.cfg.Policy, pod, nsLabels)
 	if !d.Enrol {
 		c.log.Debug("pod not enrolled in the ambient mesh", "pod", namespace+"/"+name, "reason", d.Reason)
 		return false, nil
 	}
 	return true, c.AddPod(ctx, pod, netns)
+}
+
+// decideForCNI reads the pod of a CNI command and its namespace's labels
+// and decides it.
+func (c *Controller) decideForCNI(ctx context.Context, namespace, name, uid string) (*corev1.Pod, Decision, error) {
+	pod, err := c.podForAdd(ctx, namespace, name, uid)
+	if err != nil {
+		return nil, Decision{}, fmt.Errorf("ambient mode: cannot read pod %s/%s: %w", namespace, name, err)
+	}
+	nsLabels, err := c.namespaceForAdd(ctx, namespace)
+	if err != nil {
+		return nil, Decision{}, fmt.Errorf("ambient mode: cannot read namespace %s of pod %s/%s: %w", namespace, namespace, name, err)
+	}
+	return pod, decide(c.cfg.Policy, pod, nsLabels), nil
 }
 
 // podForAdd is the pod of an ADD: the informer's copy when it is this
@@ -89,15 +98,11 @@ func (c *Controller) namespaceForAdd(ctx context.Context, namespace string) (map
 // ask for, and ztunnel's acknowledgement is looked up; false means the
 // pod is not enrolled (the sidecar path checks it).
 func (c *Controller) CheckOnCNI(ctx context.Context, namespace, name, uid string, netns *os.File) (bool, error) {
-	pod, err := c.podForAdd(ctx, namespace, name, uid)
+	pod, d, err := c.decideForCNI(ctx, namespace, name, uid)
 	if err != nil {
-		return false, fmt.Errorf("ambient mode: cannot read pod %s/%s: %w", namespace, name, err)
+		return false, err
 	}
-	nsLabels, err := c.namespaceForAdd(ctx, namespace)
-	if err != nil {
-		return false, fmt.Errorf("ambient mode: cannot read namespace %s of pod %s/%s: %w", namespace, namespace, name, err)
-	}
-	if d := decide(c.cfg.Policy, pod, nsLabels); !d.Enrol {
+	if !d.Enrol {
 		return false, nil
 	}
 	params, err := PodParams(pod, c.cfg.Defaults)

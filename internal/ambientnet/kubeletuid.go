@@ -21,11 +21,44 @@ var kubeletNames = []string{"kubelet", "kubelite", "k3s-server", "k3s-agent", "k
 // or the host's /proc mounted in the agent's pod). It takes the
 // file-system uid: the kernel gives a socket its creator's.
 func KubeletUID(proc fs.FS) (uint32, error) {
+	procs, err := kubeletProcs(proc)
+	if err != nil {
+		return 0, err
+	}
+	for _, name := range kubeletNames {
+		var uids []uint32
+		for _, pid := range procs[name] {
+			status, err := fs.ReadFile(proc, pid+"/status")
+			if err != nil {
+				continue
+			}
+			uid, err := fsUID(status)
+			if err != nil {
+				return 0, fmt.Errorf("process %s (%s): %w", pid, name, err)
+			}
+			uids = append(uids, uid)
+		}
+		if len(uids) == 0 {
+			continue
+		}
+		n := len(uids)
+		slices.Sort(uids)
+		if uids = slices.Compact(uids); len(uids) > 1 {
+			return 0, fmt.Errorf("%d %s processes run as different uids %v: cannot tell which is the kubelet", n, name, uids)
+		}
+		return uids[0], nil
+	}
+	return 0, errNoKubelet
+}
+
+// kubeletProcs lists the pids of the processes named as the kubelet
+// runs (kubeletNames), by name.
+func kubeletProcs(proc fs.FS) (map[string][]string, error) {
 	entries, err := fs.ReadDir(proc, ".")
 	if err != nil {
-		return 0, fmt.Errorf("reading the process list: %w", err)
+		return nil, fmt.Errorf("reading the process list: %w", err)
 	}
-	found := map[string][]uint32{}
+	out := map[string][]string{}
 	for _, e := range entries {
 		if _, err := strconv.Atoi(e.Name()); err != nil || !e.IsDir() {
 			continue
@@ -35,33 +68,14 @@ func KubeletUID(proc fs.FS) (uint32, error) {
 			// Gone since the listing, or not ours to read.
 			continue
 		}
-		name := strings.TrimSpace(string(comm))
-		if !slices.Contains(kubeletNames, name) {
-			continue
+		if name := strings.TrimSpace(string(comm)); slices.Contains(kubeletNames, name) {
+			out[name] = append(out[name], e.Name())
 		}
-		status, err := fs.ReadFile(proc, e.Name()+"/status")
-		if err != nil {
-			continue
-		}
-		uid, err := fsUID(status)
-		if err != nil {
-			return 0, fmt.Errorf("process %s (%s): %w", e.Name(), name, err)
-		}
-		found[name] = append(found[name], uid)
 	}
-	for _, name := range kubeletNames {
-		uids := found[name]
-		if len(uids) == 0 {
-			continue
-		}
-		slices.Sort(uids)
-		if uids = slices.Compact(uids); len(uids) > 1 {
-			return 0, fmt.Errorf("%d %s processes run as different uids %v: cannot tell which is the kubelet", len(found[name]), name, uids)
-		}
-		return uids[0], nil
-	}
-	return 0, fmt.Errorf("no kubelet process (%s) found in the process list", strings.Join(kubeletNames, ", "))
+	return out, nil
 }
+
+var errNoKubelet = fmt.Errorf("no kubelet process (%s) found in the process list", strings.Join(kubeletNames, ", "))
 
 // KubeletNetns finds the kubelet's network namespace, the node's, in a
 // /proc tree: "<pid>/ns/net" of a kubelet process (the names of
@@ -69,43 +83,29 @@ func KubeletUID(proc fs.FS) (uint32, error) {
 // namespace. The caller opens it at once and holds it: the path names
 // another process, or none, after a kubelet restart.
 func KubeletNetns(proc fs.FS) (string, error) {
-	entries, err := fs.ReadDir(proc, ".")
+	procs, err := kubeletProcs(proc)
 	if err != nil {
-		return "", fmt.Errorf("reading the process list: %w", err)
-	}
-	type found struct{ pid, ns string }
-	byName := map[string][]found{}
-	for _, e := range entries {
-		if _, err := strconv.Atoi(e.Name()); err != nil || !e.IsDir() {
-			continue
-		}
-		comm, err := fs.ReadFile(proc, e.Name()+"/comm")
-		if err != nil {
-			continue
-		}
-		name := strings.TrimSpace(string(comm))
-		if !slices.Contains(kubeletNames, name) {
-			continue
-		}
-		link, err := fs.ReadLink(proc, e.Name()+"/ns/net")
-		if err != nil {
-			continue
-		}
-		byName[name] = append(byName[name], found{e.Name(), link})
+		return "", err
 	}
 	for _, name := range kubeletNames {
-		procs := byName[name]
-		if len(procs) == 0 {
-			continue
-		}
-		for _, f := range procs[1:] {
-			if f.ns != procs[0].ns {
-				return "", fmt.Errorf("%s processes %s and %s are in different network namespaces (%s, %s)", name, procs[0].pid, f.pid, procs[0].ns, f.ns)
+		first, firstNS := "", ""
+		for _, pid := range procs[name] {
+			link, err := fs.ReadLink(proc, pid+"/ns/net")
+			if err != nil {
+				continue
+			}
+			switch {
+			case first == "":
+				first, firstNS = pid, link
+			case link != firstNS:
+				return "", fmt.Errorf("%s processes %s and %s are in different network namespaces (%s, %s)", name, first, pid, firstNS, link)
 			}
 		}
-		return procs[0].pid + "/ns/net", nil
+		if first != "" {
+			return first + "/ns/net", nil
+		}
 	}
-	return "", fmt.Errorf("no kubelet process (%s) found in the process list", strings.Join(kubeletNames, ", "))
+	return "", errNoKubelet
 }
 
 // fsUID reads the file-system uid, the fourth of the "Uid:" line of a

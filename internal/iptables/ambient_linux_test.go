@@ -122,16 +122,7 @@ func TestHostProbeLifecycle(t *testing.T) {
 			p := ruleset.HostParams{IPv6: true}
 			run := func(args ...string) string {
 				t.Helper()
-				var out []byte
-				err := n.Do(func(ns.NetNS) error {
-					var err error
-					out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-					return err
-				})
-				if err != nil {
-					t.Fatalf("%v: %v: %s", args, err, out)
-				}
-				return string(out)
+				return runIn(t, n, args...)
 			}
 			ensure := func(want bool) {
 				t.Helper()

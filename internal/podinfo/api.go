@@ -185,13 +185,17 @@ var (
 // ValidateName checks a namespace and pod name as Kubernetes does, so
 // that nothing else reaches a URL.
 func ValidateName(namespace, name string) error {
-	if len(namespace) > 63 || !dns1123Label.MatchString(namespace) {
+	if !validNamespace(namespace) {
 		return fmt.Errorf("invalid pod namespace %q", namespace)
 	}
 	if len(name) > 253 || !dns1123Subdomain.MatchString(name) {
 		return fmt.Errorf("invalid pod name %q", name)
 	}
 	return nil
+}
+
+func validNamespace(namespace string) bool {
+	return len(namespace) <= 63 && dns1123Label.MatchString(namespace)
 }
 
 // GetPod does one consistent GET (never from a possibly stale cache: an
@@ -201,28 +205,21 @@ func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, e
 	if err := ValidateName(namespace, name); err != nil {
 		return nil, &PermanentError{err}
 	}
-	body, status, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name)))
+	body, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name)))
 	if err != nil {
 		return nil, err
 	}
-	switch status {
-	case http.StatusOK:
-		return DecodeJSON(body)
-	case http.StatusNotFound:
-		return nil, ErrNotFound
-	case http.StatusUnauthorized, http.StatusForbidden:
-		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", status, snippet(body))}
-	default:
-		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
-	}
+	return DecodeJSON(body)
 }
 
 // get does one GET with the plugin's credentials and returns the body
-// (at most 8 MiB) and the status.
-func (c *APIClient) get(ctx context.Context, u string) ([]byte, int, error) {
+// (at most 8 MiB) of a 200; any other answer is an error: ErrNotFound,
+// a PermanentError for refused credentials (no retry can help), else
+// one naming the status.
+func (c *APIClient) get(ctx context.Context, u string) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, http.NoBody)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
 	req.Header.Set("Accept", "application/json")
 	req.Header.Set("User-Agent", "istio-cni")
@@ -231,37 +228,16 @@ func (c *APIClient) get(ctx context.Context, u string) ([]byte, int, error) {
 	}
 	resp, err := c.client.Do(req)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
 	if err != nil {
-		return nil, 0, fmt.Errorf("reading the API server's answer: %w", err)
+		return nil, fmt.Errorf("reading the API server's answer: %w", err)
 	}
-	return body, resp.StatusCode, nil
-}
-
-// NamespaceLabels reads a namespace's labels (ambient mode's selectors
-// read them), with one GET the caller bounds with ctx.
-func (c *APIClient) NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error) {
-	if len(namespace) > 63 || !dns1123Label.MatchString(namespace) {
-		return nil, &PermanentError{fmt.Errorf("invalid namespace %q", namespace)}
-	}
-	body, status, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s", c.server, url.PathEscape(namespace)))
-	if err != nil {
-		return nil, err
-	}
-	switch status {
+	switch status := resp.StatusCode; status {
 	case http.StatusOK:
-		var ns struct {
-			Metadata struct {
-				Labels map[string]string `json:"labels"`
-			} `json:"metadata"`
-		}
-		if err := json.Unmarshal(body, &ns); err != nil {
-			return nil, fmt.Errorf("decoding namespace %s: %w", namespace, err)
-		}
-		return ns.Metadata.Labels, nil
+		return body, nil
 	case http.StatusNotFound:
 		return nil, ErrNotFound
 	case http.StatusUnauthorized, http.StatusForbidden:
@@ -269,6 +245,27 @@ func (c *APIClient) NamespaceLabels(ctx context.Context, namespace string) (map[
 	default:
 		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
 	}
+}
+
+// NamespaceLabels reads a namespace's labels (ambient mode's selectors
+// read them), with one GET the caller bounds with ctx.
+func (c *APIClient) NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error) {
+	if !validNamespace(namespace) {
+		return nil, &PermanentError{fmt.Errorf("invalid namespace %q", namespace)}
+	}
+	body, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s", c.server, url.PathEscape(namespace)))
+	if err != nil {
+		return nil, err
+	}
+	var ns struct {
+		Metadata struct {
+			Labels map[string]string `json:"labels"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(body, &ns); err != nil {
+		return nil, fmt.Errorf("decoding namespace %s: %w", namespace, err)
+	}
+	return ns.Metadata.Labels, nil
 }
 
 func snippet(b []byte) string {
