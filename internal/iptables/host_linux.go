@@ -118,10 +118,7 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 // it deleted.
 func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool, error) {
 	ip = ip.Unmap()
-	name := ruleset.ProbeSetV4
-	if ip.Is6() {
-		name = ruleset.ProbeSetV6
-	}
+	name := ruleset.ProbeSetOf(ip)
 	deleted := false
 	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
 		c, err := dialIPSet()

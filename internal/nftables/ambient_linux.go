@@ -265,10 +265,7 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 // whether it deleted.
 func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool, error) {
 	ip = ip.Unmap()
-	name := ruleset.ProbeSetV4
-	if ip.Is6() {
-		name = ruleset.ProbeSetV6
-	}
+	name := ruleset.ProbeSetOf(ip)
 	deleted := false
 	err := a.inHost(netnsPath, func(conn *nftables.Conn) error {
 		set, have, err := probeSet(conn, name)

@@ -133,6 +133,14 @@ type HostParams struct {
 	KubeletUID *uint32
 }
 
+// ProbeSetOf names the probe set an address belongs in.
+func ProbeSetOf(ip netip.Addr) string {
+	if ip.Unmap().Is6() {
+		return ProbeSetV6
+	}
+	return ProbeSetV4
+}
+
 // BuildHostProbe computes the node's rules that SNAT its own TCP
 // connections to enrolled pods (the addresses in ProbeSetV4/V6) to the
 // probe source. The jump goes first in POSTROUTING: a masquerade before

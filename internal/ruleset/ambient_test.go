@@ -1,6 +1,7 @@
 package ruleset_test
 
 import (
+	"net/netip"
 	"strings"
 	"testing"
 
@@ -71,5 +72,13 @@ func TestAmbientShape(t *testing.T) {
 	}
 	if v6 := ruleset.BuildAmbient(ruleset.AmbientParams{IPv6: true}).V6.Restore(); !strings.Contains(v6, "fd16:9254:7127:1337:ffff:ffff:ffff:ffff/128") || strings.Contains(v6, "127.0.0.1") {
 		t.Errorf("IPv6 rules lack the IPv6 probe source or name an IPv4 address:\n%s", v6)
+	}
+}
+
+func TestProbeSetOf(t *testing.T) {
+	for ip, want := range map[string]string{"10.1.2.3": ruleset.ProbeSetV4, "::ffff:10.1.2.3": ruleset.ProbeSetV4, "fd00::1": ruleset.ProbeSetV6} {
+		if got := ruleset.ProbeSetOf(netip.MustParseAddr(ip)); got != want {
+			t.Errorf("ProbeSetOf(%s) = %s, want %s", ip, got, want)
+		}
 	}
 }
