@@ -179,27 +179,7 @@ func TestFallbackRefusesEnrolledPods(t *testing.T) {
 				NewSource: func(*Config, string) (podinfo.Source, error) { return src, nil }}
 			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: "/var/run/netns/x", IfName: "eth0",
 				Args: cniArgs(c.ns, c.pod), StdinData: ambientConf(c.ambient, c.extra)})
-			if c.wantErr != nil {
-				if err == nil {
-					t.Fatalf("ADD succeeded, printing %s", out.String())
-				}
-				if code := cniCode(err); code != uint(types.ErrTryAgainLater) {
-					t.Errorf("CNI code %d, want %d (try again later): %v", code, types.ErrTryAgainLater, err)
-				}
-				for _, w := range c.wantErr {
-					if !strings.Contains(err.Error(), w) {
-						t.Errorf("error %q does not say %q", err, w)
-					}
-				}
-				if out.Len() != 0 {
-					t.Errorf("a failed ADD printed %q", out.String())
-				}
-			} else {
-				if err != nil {
-					t.Fatalf("ADD: %v", err)
-				}
-				samePrevResult(t, out.Bytes())
-			}
+			checkAdd(t, err, &out, c.wantErr)
 			if c.nsReads >= 0 && len(nsr.calls) != c.nsReads {
 				t.Errorf("namespace read %d times (%v), want %d", len(nsr.calls), nsr.calls, c.nsReads)
 			}
@@ -342,24 +322,7 @@ func TestAmbientHook(t *testing.T) {
 			}
 			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: "/var/run/netns/x", IfName: "eth0",
 				Args: cniArgs(c.ns, c.pod), StdinData: ambientConf(true, "")})
-			if c.wantErr != nil {
-				if cniCode(err) != uint(types.ErrTryAgainLater) {
-					t.Fatalf("want a code %d error, got %v (printed %q)", types.ErrTryAgainLater, err, out.String())
-				}
-				for _, w := range c.wantErr {
-					if !strings.Contains(err.Error(), w) {
-						t.Errorf("error %q does not say %q", err, w)
-					}
-				}
-				if out.Len() != 0 {
-					t.Errorf("a failed ADD printed %q", out.String())
-				}
-			} else {
-				if err != nil {
-					t.Fatalf("ADD: %v", err)
-				}
-				samePrevResult(t, out.Bytes())
-			}
+			checkAdd(t, err, &out, c.wantErr)
 			if c.asked {
 				if want := c.ns + "/" + c.pod + "/uid-" + c.pod; len(h.asked) != 1 || h.asked[0] != want {
 					t.Errorf("hook asked about %v, want once about %s", h.asked, want)
@@ -470,5 +433,33 @@ func TestAmbientCheck(t *testing.T) {
 				t.Fatalf("the ADD hook asked on CHECK or DEL: %v", add.asked)
 			}
 		})
+	}
+}
+
+// checkAdd: with wantErr, the ADD failed with code 11 (try again later),
+// saying each of wantErr, and printed nothing; else it succeeded and
+// printed the previous result.
+func checkAdd(t *testing.T, err error, out *bytes.Buffer, wantErr []string) {
+	t.Helper()
+	if wantErr == nil {
+		if err != nil {
+			t.Fatalf("ADD: %v", err)
+		}
+		samePrevResult(t, out.Bytes())
+		return
+	}
+	if err == nil {
+		t.Fatalf("ADD succeeded, printing %s", out.String())
+	}
+	if code := cniCode(err); code != uint(types.ErrTryAgainLater) {
+		t.Fatalf("CNI code %d, want %d (try again later): %v", code, types.ErrTryAgainLater, err)
+	}
+	for _, w := range wantErr {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("error %q does not say %q", err, w)
+		}
+	}
+	if out.Len() != 0 {
+		t.Errorf("a failed ADD printed %q", out.String())
 	}
 }
