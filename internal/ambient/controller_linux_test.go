@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -298,18 +297,7 @@ func (e *env) sh(n ns.NetNS, args ...string) string {
 	return out
 }
 
-func run(n ns.NetNS, args ...string) (string, error) {
-	var out []byte
-	err := n.Do(func(ns.NetNS) error {
-		var err error
-		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		return "", fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
-	}
-	return string(out), nil
-}
+func run(n ns.NetNS, args ...string) (string, error) { return tu.TryRunIn(n, args...) }
 
 // running makes the pod's sandbox visible in the test's /proc: a process
 // in the kubelet's cgroup of the pod, in the pod's namespace.

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -82,15 +81,7 @@ type world struct {
 
 func sh(t *testing.T, n ns.NetNS, args ...string) {
 	t.Helper()
-	var out []byte
-	err := n.Do(func(ns.NetNS) error {
-		var err error
-		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
-	}
+	testutil.RunIn(t, n, args...)
 }
 
 func writeSysctl(t *testing.T, n ns.NetNS, path, v string) {

@@ -278,16 +278,7 @@ func TestHostVariantChoice(t *testing.T) {
 
 func runIn(t *testing.T, n ns.NetNS, args ...string) string {
 	t.Helper()
-	var out []byte
-	err := n.Do(func(ns.NetNS) error {
-		var err error
-		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		t.Fatalf("%v: %v: %s", args, err, out)
-	}
-	return string(out)
+	return testutil.RunIn(t, n, args...)
 }
 
 // TestAmbientUserNamespacedPod: a pod with hostUsers: false gets its

@@ -2,7 +2,6 @@ package nftables
 
 import (
 	"net/netip"
-	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -17,16 +16,7 @@ import (
 
 func inNS(t *testing.T, n ns.NetNS, args ...string) string {
 	t.Helper()
-	var out []byte
-	err := n.Do(func(ns.NetNS) error {
-		var err error
-		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		t.Fatalf("%v: %v: %s", args, err, out)
-	}
-	return string(out)
+	return testutil.RunIn(t, n, args...)
 }
 
 // addForeignTable gives the namespace another component's table, which

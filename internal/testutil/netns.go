@@ -1,7 +1,9 @@
 package testutil
 
 import (
+	"fmt"
 	"os/exec"
+	"strings"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -26,4 +28,30 @@ func NewNS(t *testing.T) ns.NetNS {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// RunIn runs a command inside n and returns its combined output; a
+// failure fails the test with the command and its output.
+func RunIn(t *testing.T, n ns.NetNS, args ...string) string {
+	t.Helper()
+	out, err := TryRunIn(n, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TryRunIn is RunIn returning the failure, which names the command and
+// carries its output.
+func TryRunIn(n ns.NetNS, args ...string) (string, error) {
+	var out []byte
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		return "", fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
 }
