@@ -468,6 +468,11 @@ func terminal(p *corev1.Pod) bool {
 func (c *Controller) reconcile(ctx context.Context, uid string) error {
 	pod := c.podByUID(uid)
 	if pod == nil {
+		if c.notSeenYet(ctx, uid) {
+			// Enrolled by its ADD, which read it from the API server,
+			// before the informer's add: not gone, only not here yet.
+			return fmt.Errorf("pod %s is not in the pod cache yet", uid)
+		}
 		return c.teardown(ctx, uid, nil, true)
 	}
 	if terminal(pod) {
@@ -495,6 +500,34 @@ func (c *Controller) reconcile(ctx context.Context, uid string) error {
 		return nil
 	}
 	return c.enrol(ctx, pod, nil, ips, 0, "controller")
+}
+
+// notSeenYet reports whether a pod the controller holds but its informer
+// does not still exists: asked of the API server by the name its state
+// keeps, and the same UID. A read that fails counts as existing: tearing
+// down a running pod's redirection on a failed read would be worse than a
+// retry.
+func (c *Controller) notSeenYet(ctx context.Context, uid string) bool {
+	c.mu.Lock()
+	st := c.pods[uid]
+	var ns, name string
+	if st != nil {
+		ns, name = st.info.Namespace, st.info.Name
+	}
+	c.mu.Unlock()
+	if name == "" {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
+	p, err := c.cfg.Kube.Pods(ns).Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return false
+	case err != nil:
+		return true
+	}
+	return string(p.UID) == uid
 }
 
 func podIPs(p *corev1.Pod) []netip.Addr {
