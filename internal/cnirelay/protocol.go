@@ -10,9 +10,9 @@
 package cnirelay
 
 import (
-	"encoding/json"
-
 	"github.com/containernetworking/cni/pkg/types"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 )
 
 // SocketName is the agent's CNI socket in the plugin's run directory.
@@ -37,10 +37,13 @@ type Request struct {
 	Args       string `json:"args"`
 	Path       string `json:"path"`
 	Stdin      []byte `json:"stdin"`
-	// Commit says the relay commits a redirected pod's rules itself when
-	// the agent prepares them (an older relay leaves it unset, and the
-	// agent applies them as before).
-	Commit bool `json:"commit,omitempty"`
+	// Steps says the relay sends a redirected pod's rules itself when the
+	// agent prepares them as netlink requests (an older relay leaves it
+	// unset, and the agent applies them).
+	Steps bool `json:"steps,omitempty"`
+	// ForceIPTables is the runtime's FORCE_IPTABLES_BINARY, which the
+	// agent honours when it has none of its own.
+	ForceIPTables string `json:"forceIPTables,omitempty"`
 }
 
 // Response is what the plugin would have printed, or its error.
@@ -50,11 +53,12 @@ type Response struct {
 	// Unavailable, when set, says why the agent cannot serve the command
 	// (it is shutting down); the relay then runs the fallback.
 	Unavailable string `json:"unavailable,omitempty"`
-	// Prepared, when set, are the rules the relay commits before it
-	// prints Stdout; it then sends the agent its account of the commit,
-	// framed as the request (4-byte length, JSON), on the same connection,
-	// which the agent holds open, with the namespace's lock, until then.
-	Prepared json.RawMessage `json:"prepared,omitempty"`
+	// Txn, when set, are the requests the relay sends from inside the
+	// pod's namespace before it prints Stdout; it then sends the agent the
+	// nlsteps.Outcome, framed as the request (4-byte length, JSON), on the
+	// same connection, which the agent holds open, with the namespace's
+	// lock, until then.
+	Txn *nlsteps.Txn `json:"txn,omitempty"`
 }
 
 // MaxMessage bounds a request or response: a CNI config with its

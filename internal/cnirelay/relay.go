@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 )
 
 // DefaultRunDir is the plugin's run directory when its config names none.
@@ -40,23 +42,21 @@ type Relay struct {
 	Timeout time.Duration
 	// Runner starts the fallback; nil means execrun.OS.
 	Runner execrun.Runner
-	// Commit, when set, commits the rules the agent prepared to the pod's
-	// namespace in this process, returning the account to send back and
-	// the error that fails the ADD; nil leaves the work to the agent.
-	Commit Committer
+	// NoSteps makes the relay one that cannot send prepared requests, as
+	// relays before them were: the agent then applies the rules.
+	NoSteps bool
+	// Send sends a prepared transaction from inside the namespace; nil
+	// means nlsteps.RunIn.
+	Send func(netns *os.File, txn *nlsteps.Txn) (time.Duration, error)
 }
 
-// Committer commits an agent's prepared rules (podrules.CommitJSON).
-type Committer func(prepared []byte, netnsPath string) (account []byte, err error)
-
-// Main runs the relay as a runtime executes it and returns the exit code;
-// commit, when not nil, commits rules the agent prepares.
-func Main(about string, commit Committer) int {
+// Main runs the relay as a runtime executes it and returns the exit code.
+func Main(about string) int {
 	fallback := FallbackBinary
 	if exe, err := os.Executable(); err == nil {
 		fallback = filepath.Join(filepath.Dir(exe), FallbackBinary)
 	}
-	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout, Commit: commit}
+	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout}
 	cmd := func(name string) func(*skel.CmdArgs) error {
 		return func(args *skel.CmdArgs) error { return r.Run(name, args) }
 	}
@@ -87,7 +87,18 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 		conf.RunDir = DefaultRunDir
 	}
 	sock := filepath.Join(conf.RunDir, SocketName)
-	resp, conn, err := r.ask(sock, command, args)
+	var netns *os.File
+	if args.Netns != "" {
+		f, err := os.Open(args.Netns)
+		switch {
+		case err == nil:
+			defer f.Close()
+			netns = f
+		case command == "ADD" || command == "CHECK":
+			return types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
+		}
+	}
+	resp, conn, err := r.ask(sock, command, args, netns)
 	if conn != nil {
 		defer conn.Close()
 	}
@@ -104,8 +115,8 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 		return r.fallback("node agent unavailable: "+resp.Unavailable, args)
 	case resp.Error != nil:
 		return resp.Error
-	case resp.Prepared != nil:
-		if err := r.commit(conn, resp.Prepared, args); err != nil {
+	case resp.Txn != nil:
+		if err := r.send(conn, resp.Txn, netns, podOf(args.Args)); err != nil {
 			return err
 		}
 	}
@@ -113,42 +124,62 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 	return err
 }
 
-// commit applies the agent's prepared rules and tells the agent how it
-// went. A commit that fails fails the ADD whether or not the agent heard.
-func (r *Relay) commit(conn *net.UnixConn, prepared []byte, args *skel.CmdArgs) error {
-	if r.Commit == nil || args.Netns == "" {
+// send sends the agent's prepared requests from inside the pod's
+// namespace and tells the agent how it went. A transaction that fails
+// fails the ADD whether or not the agent heard.
+func (r *Relay) send(conn *net.UnixConn, txn *nlsteps.Txn, netns *os.File, pod string) error {
+	if r.NoSteps || netns == nil {
 		// The agent prepares only for a relay that asked, with a namespace.
-		return types.NewError(types.ErrInternal, "the node agent sent rules to commit to a relay that cannot", "")
+		return types.NewError(types.ErrInternal, "the node agent sent rules to a relay that cannot send them", "")
 	}
-	account, err := r.Commit(prepared, args.Netns)
-	if account != nil {
+	send := r.Send
+	if send == nil {
+		send = nlsteps.RunIn
+	}
+	took, err := send(netns, txn)
+	acct := nlsteps.Outcome{Took: took}
+	if err != nil {
+		acct.Error = err.Error()
+	}
+	if body, jerr := json.Marshal(&acct); jerr == nil {
 		var hdr [4]byte
-		binary.BigEndian.PutUint32(hdr[:], uint32(len(account)))
+		binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
 		// The agent logs and counts the pod from this; the pod's
 		// outcome does not depend on it.
-		_, _ = conn.Write(append(hdr[:], account...))
+		_, _ = conn.Write(append(hdr[:], body...))
 		_ = conn.CloseWrite()
 	}
 	if err != nil {
-		return types.NewError(types.ErrInternal, err.Error(), "")
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
 	return nil
 }
 
-func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, *net.UnixConn, error) {
-	req := Request{Command: command, ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
-		Args: args.Args, Path: args.Path, Stdin: args.StdinData, Commit: r.Commit != nil && command == "ADD"}
-	var oob []byte
-	if args.Netns != "" {
-		f, err := os.Open(args.Netns)
-		switch {
-		case err == nil:
-			defer f.Close()
-			req.HasNetnsFD = true
-			oob = syscall.UnixRights(int(f.Fd()))
-		case command == "ADD" || command == "CHECK":
-			return nil, nil, types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
+// podOf names the pod of a CNI_ARGS string, for messages.
+func podOf(args string) string {
+	var ns, name string
+	for _, kv := range strings.Split(args, ";") {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "K8S_POD_NAMESPACE":
+			ns = v
+		case "K8S_POD_NAME":
+			name = v
 		}
+	}
+	return ns + "/" + name
+}
+
+func (r *Relay) ask(sock, command string, args *skel.CmdArgs, netns *os.File) (*Response, *net.UnixConn, error) {
+	req := Request{Command: command, ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
+		Args: args.Args, Path: args.Path, Stdin: args.StdinData, Steps: !r.NoSteps && command == "ADD" && netns != nil}
+	if req.Steps {
+		req.ForceIPTables = os.Getenv("FORCE_IPTABLES_BINARY")
+	}
+	var oob []byte
+	if netns != nil {
+		req.HasNetnsFD = true
+		oob = syscall.UnixRights(int(netns.Fd()))
 	}
 	body, err := json.Marshal(&req)
 	if err != nil {
@@ -180,7 +211,7 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs) (*Response, *net.U
 	if _, err := conn.Write(body); err != nil {
 		return nil, nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
-	if !req.Commit {
+	if !req.Steps {
 		_ = conn.CloseWrite()
 	}
 	// The agent ends its answer by closing its side (for a commit, only

@@ -19,6 +19,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 )
 
 // agent is a stand-in node agent on a temp run dir: it reads one request
@@ -181,7 +182,7 @@ func TestProtocol(t *testing.T) {
 				t.Fatalf("the agent could not read the request: %v", got.err)
 			}
 			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
-				Args: args.Args, Path: args.Path, Stdin: args.StdinData}
+				Args: args.Args, Path: args.Path, Stdin: args.StdinData, Steps: c.command == "ADD" && c.wantFD}
 			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
 				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
 			}
@@ -228,19 +229,24 @@ func jsonEqual(t *testing.T, a, b any) bool {
 // binaries of possibly different versions (a relay from before an
 // upgrade talks to the new agent), so they are pinned here.
 func TestRequestEncoding(t *testing.T) {
-	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"), Commit: true})
+	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"),
+		Steps: true, ForceIPTables: "legacy"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","commit":true}`
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy"}`
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
-	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u", Prepared: []byte(`{"pod":"ns/p"}`)})
+	step := nlsteps.Step{Proto: 12, Batch: true}
+	step.Add(0xa00, 0, []byte{2, 0, 0, 0}, "table ip nat")
+	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u",
+		Txn: &nlsteps.Txn{Steps: []nlsteps.Step{step}, Summary: "iptables-nft"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u","prepared":{"pod":"ns/p"}}`
+	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u","txn":{"steps":[{"proto":12,"batch":true,` +
+		`"msgs":"FAAAAAAKAQAAAAAAAAAAAAIAAAA=","what":["table ip nat"]}],"summary":"iptables-nft"}}`
 	if string(b) != want {
 		t.Fatalf("response:\n got %s\nwant %s", b, want)
 	}
@@ -248,36 +254,42 @@ func TestRequestEncoding(t *testing.T) {
 	if err := json.Unmarshal([]byte(`{}`), &r); err != nil || r.Error != nil || r.Unavailable != "" || r.Stdout != nil {
 		t.Fatalf("an empty response is a success with no output: %+v %v", r, err)
 	}
+	b, err = json.Marshal(nlsteps.Outcome{Error: "e", Took: time.Millisecond})
+	if err != nil || string(b) != `{"error":"e","took":1000000}` {
+		t.Fatalf("outcome: %s %v", b, err)
+	}
 }
 
-// TestCommitAgainstOlderAgent: a relay that can commit asks to, and an
-// agent that does not know the field answers as before, with the rules
-// applied itself: the relay passes the result on and commits nothing. An
-// agent that sends rules to a relay that did not ask fails the ADD
-// rather than leave the pod without them.
-func TestCommitAgainstOlderAgent(t *testing.T) {
+// TestStepsAgainstOlderAgent: a relay that can send prepared rules says
+// so, and an agent that does not know the field answers as before, with
+// the rules applied itself: the relay passes the result on and sends
+// nothing. An agent that sends rules to a relay that did not ask fails
+// the ADD rather than leave the pod without them.
+func TestStepsAgainstOlderAgent(t *testing.T) {
 	a := startAgent(t, answer(t, Response{Stdout: []byte(`{"cniVersion":"1.0.0"}`)}))
-	committed := 0
+	sent := 0
 	var out bytes.Buffer
 	r := &Relay{Fallback: "/f", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second,
-		Commit: func([]byte, string) ([]byte, error) { committed++; return nil, nil }}
+		Send: func(*os.File, *nlsteps.Txn) (time.Duration, error) { sent++; return 0, nil }}
 	args := &skel.CmdArgs{ContainerID: "c1", Netns: "/proc/self/ns/net", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", StdinData: conf(a.runDir)}
-	if err := r.Run("ADD", args); err != nil || out.String() != `{"cniVersion":"1.0.0"}` || committed != 0 {
-		t.Fatalf("ADD against an agent that applies: %v, output %q, %d commits", err, out.String(), committed)
+	if err := r.Run("ADD", args); err != nil || out.String() != `{"cniVersion":"1.0.0"}` || sent != 0 {
+		t.Fatalf("ADD against an agent that applies: %v, output %q, %d sent", err, out.String(), sent)
 	}
-	if got := <-a.got; got.err != nil || !got.req.Commit {
-		t.Fatalf("the relay did not ask to commit: %+v", got)
+	if got := <-a.got; got.err != nil || !got.req.Steps {
+		t.Fatalf("the relay did not say it sends prepared rules: %+v", got)
 	}
 
-	a = startAgent(t, answer(t, Response{Prepared: []byte(`{"pod":"ns/p"}`), Stdout: []byte(`{}`)}))
-	r = &Relay{Fallback: "/f", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second}
+	step := nlsteps.Step{Proto: 12}
+	step.Add(1, 0, nil, "x")
+	a = startAgent(t, answer(t, Response{Txn: &nlsteps.Txn{Steps: []nlsteps.Step{step}}, Stdout: []byte(`{}`)}))
+	r = &Relay{Fallback: "/f", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second, NoSteps: true}
 	args.StdinData = conf(a.runDir)
 	err := r.Run("ADD", args)
-	if err == nil || !strings.Contains(err.Error(), "cannot") {
-		t.Fatalf("prepared rules to a relay that cannot commit: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "cannot send") {
+		t.Fatalf("prepared rules to a relay that cannot send them: %v", err)
 	}
-	if got := <-a.got; got.err != nil || got.req.Commit {
-		t.Fatalf("a relay without a committer asked to commit: %+v", got)
+	if got := <-a.got; got.err != nil || got.req.Steps {
+		t.Fatalf("a relay that cannot send said it can: %+v", got)
 	}
 }
 

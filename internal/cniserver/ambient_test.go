@@ -212,21 +212,15 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 				fail: map[string]error{"broken": errors.New("ztunnel did not acknowledge pod ns/broken within 5s")}}
 			r := newAmbientRig(t, tc.committer, amb)
 			dev, ino := netnsID(t, r.netns)
-			var c *relayCommitter
+			var c *relaySender
 			if tc.canCommit {
-				c = &relayCommitter{rules: &recordingRules{}}
+				c = &relaySender{}
 			}
 			prepared := func() int {
 				if c == nil {
 					return 0
 				}
-				return len(c.prepared)
-			}
-			relayApplied := func() int {
-				if c == nil {
-					return 0
-				}
-				return len(c.rules.applied())
+				return len(c.sent)
 			}
 
 			// Enrolled: the plain result, nothing else.
@@ -255,10 +249,10 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 				t.Errorf("the CNI server held %d namespace locks while the controller enrolled, want 1", got.held)
 			}
 			if n := prepared(); n != 0 {
-				t.Errorf("the relay was handed rules for an enrolled pod: %+v", c.prepared)
+				t.Errorf("the relay was handed rules for an enrolled pod: %+v", c.sent)
 			}
-			if n, m := len(r.agent.applied()), relayApplied(); n != 0 || m != 0 {
-				t.Errorf("sidecar rules applied for an enrolled pod: by the agent %d, by the relay %d", n, m)
+			if n := len(r.agent.applied()); n != 0 {
+				t.Errorf("sidecar rules applied by the agent for an enrolled pod: %d", n)
 			}
 
 			// Not enrolled: the sidecar path, committed as before.
@@ -278,9 +272,6 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 			}
 			if n := prepared(); n != wantPrepared {
 				t.Errorf("rules prepared for the relay %d times, want %d", n, wantPrepared)
-			}
-			if n := relayApplied(); n != wantPrepared {
-				t.Errorf("the relay applied %d plans, want %d", n, wantPrepared)
 			}
 			if n := len(r.agent.applied()); n != wantAgent {
 				t.Errorf("the agent applied %d plans, want %d", n, wantAgent)
@@ -338,7 +329,7 @@ func TestAmbientEnrolledResponseHasNoPreparedRules(t *testing.T) {
 	defer netns.Close()
 	conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","ambient_enabled":true,"cni_agent_run_dir":"/nonexistent","prevResult":` + ambientPrevResult + `}`
 	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0", Netns: "/var/run/netns/x", HasNetnsFD: true,
-		Commit: true, Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=amb;K8S_POD_UID=u3", Stdin: []byte(conf)})
+		Steps: true, Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=amb;K8S_POD_UID=u3", Stdin: []byte(conf)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -369,7 +360,7 @@ func TestAmbientEnrolledResponseHasNoPreparedRules(t *testing.T) {
 	if err := json.Unmarshal(out, &resp); err != nil {
 		t.Fatalf("response %q: %v", out, err)
 	}
-	if resp.Prepared != nil || resp.Error != nil || resp.Unavailable != "" {
+	if resp.Txn != nil || resp.Error != nil || resp.Unavailable != "" {
 		t.Fatalf("response to an enrolled pod's ADD: %s", out)
 	}
 	if !sameJSONValue(resp.Stdout, []byte(ambientPrevResult)) {

@@ -2,15 +2,18 @@ package cniserver
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -21,21 +24,24 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
-	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
 
-// recordingRules is a backend that records the plans it applies, and
-// fails them with fail when set.
+// recordingRules is a backend that records the plans it applies (and
+// fails them with fail when set), and prepares a canned transaction for
+// the relay, or, with inPlace set, declines to.
 type recordingRules struct {
-	mu    sync.Mutex
-	plans []*ruleset.Plan
-	fail  error
+	mu      sync.Mutex
+	plans   []*ruleset.Plan
+	fail    error
+	inPlace string
 }
 
 func (r *recordingRules) Apply(_ string, plan *ruleset.Plan) (podnet.Report, error) {
@@ -55,6 +61,17 @@ func (r *recordingRules) applied() []*ruleset.Plan {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return append([]*ruleset.Plan(nil), r.plans...)
+}
+
+// Prepare names the plan in the transaction's summary, so the test sees
+// which plan the relay was handed.
+func (r *recordingRules) Prepare(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	if r.inPlace != "" {
+		return nil, r.inPlace, nil
+	}
+	s := nlsteps.Step{Proto: 12}
+	s.Add(1, 0, nil, "nothing")
+	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil
 }
 
 // commitRig is an agent's CNI server on a real socket with a synced pod
@@ -111,61 +128,52 @@ func newCommitRig(t *testing.T, committer string) *commitRig {
 	return r
 }
 
+func (r *commitRig) runDir() string {
+	var c struct {
+		RunDir string `json:"cni_agent_run_dir"`
+	}
+	_ = json.Unmarshal([]byte(r.conf), &c)
+	return c.RunDir
+}
+
 func (r *commitRig) add(pod string) *skel.CmdArgs {
 	return &skel.CmdArgs{ContainerID: "c-" + pod, IfName: "eth0", Netns: r.netns,
 		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=" + pod, StdinData: []byte(r.conf)}
 }
 
-// relayCommitter is a relay's Commit over relay-side rules, which records
-// what it was handed and whether the agent held the namespace meanwhile.
-type relayCommitter struct {
-	rules      *recordingRules
+// relaySender stands in for the kernel on the relay's side: it records
+// the transactions it was handed and whether the agent held the
+// namespace meanwhile, and fails them with fail when set.
+type relaySender struct {
 	agent      *Server
-	prepared   []podrules.Prepared
+	sent       []*nlsteps.Txn
 	heldDuring []int
-	// account, when false, sends the agent no account, as a relay killed
-	// mid-commit.
-	noAccount bool
+	fail       error
 }
 
-func (c *relayCommitter) commit(prepared []byte, netns string) ([]byte, error) {
-	var p podrules.Prepared
-	if err := json.Unmarshal(prepared, &p); err != nil {
-		return nil, err
-	}
-	c.prepared = append(c.prepared, p)
+func (c *relaySender) send(_ *os.File, txn *nlsteps.Txn) (time.Duration, error) {
+	c.sent = append(c.sent, txn)
 	c.heldDuring = append(c.heldDuring, c.agent.locker().Held())
-	if c.noAccount {
-		return nil, errors.New("killed mid-commit")
-	}
-	done := podrules.Commit(&p, c.rules, netns)
-	out, err := json.Marshal(&done)
-	if err != nil {
-		return nil, err
-	}
-	if done.Error != "" {
-		return out, fmt.Errorf("pod %s: %s", p.Pod, done.Error)
-	}
-	return out, nil
+	return time.Millisecond, c.fail
 }
 
-func (r *commitRig) relay(c *relayCommitter, out io.Writer) *cnirelay.Relay {
-	rl := &cnirelay.Relay{Fallback: "/nonexistent/fallback", Stdout: out, Stderr: io.Discard, Timeout: 10 * time.Second}
+func (r *commitRig) relay(c *relaySender, out io.Writer) *cnirelay.Relay {
+	rl := &cnirelay.Relay{Fallback: "/nonexistent/fallback", Stdout: out, Stderr: io.Discard, Timeout: 10 * time.Second, NoSteps: c == nil}
 	if c != nil {
 		c.agent = r.s
-		rl.Commit = c.commit
+		rl.Send = c.send
 	}
 	return rl
 }
 
-// TestRelayCommitsPreparedRules: with the plugin as committer, the agent
-// decides and the relay applies: the agent's backend is never called, the
-// relay gets the pod's parameters and the agent's backend settings, holds
-// the namespace's lock (in the agent) while it commits, prints the result,
-// and the agent logs and counts the pod from the relay's account.
-func TestRelayCommitsPreparedRules(t *testing.T) {
+// TestRelaySendsPreparedRules: with the plugin as committer, the agent
+// decides and prepares, and the relay sends: the agent's backend never
+// applies, the relay gets the pod's plan prepared, sends it while the
+// agent holds the namespace's lock, prints the result, and the agent
+// logs and counts the pod from the relay's outcome.
+func TestRelaySendsPreparedRules(t *testing.T) {
 	r := newCommitRig(t, CommitterPlugin)
-	c := &relayCommitter{rules: &recordingRules{}}
+	c := &relaySender{}
 	var out strings.Builder
 	if err := r.relay(c, &out).Run("ADD", r.add("web")); err != nil {
 		t.Fatalf("ADD: %v", err)
@@ -173,68 +181,87 @@ func TestRelayCommitsPreparedRules(t *testing.T) {
 	if n := len(r.agent.applied()); n != 0 {
 		t.Fatalf("the agent applied %d plans itself", n)
 	}
-	plans := c.rules.applied()
-	if len(plans) != 1 || !strings.Contains(plans[0].V4.Restore(), "--dport 5432 -j RETURN") {
-		t.Fatalf("the relay applied %d plans, want one excluding port 5432: %+v", len(plans), plans)
-	}
-	if len(c.prepared) != 1 || c.prepared[0].Pod != "ns/web" || c.prepared[0].ForceIPTables != "legacy" || c.prepared[0].NativeNftables {
-		t.Fatalf("prepared: %+v", c.prepared)
+	if len(c.sent) != 1 || !strings.Contains(c.sent[0].Summary, "--dport 5432 -j RETURN") {
+		t.Fatalf("the relay sent %d transactions, want the plan excluding port 5432: %+v", len(c.sent), c.sent)
 	}
 	if c.heldDuring[0] != 1 {
-		t.Fatalf("the agent held %d namespace locks during the commit, want 1", c.heldDuring[0])
+		t.Fatalf("the agent held %d namespace locks while the relay sent, want 1", c.heldDuring[0])
 	}
 	if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
 		t.Fatalf("the relay did not print the previous result: %q", out.String())
 	}
-	// The lock was given back: a second ADD on the namespace commits too
-	// (it would wait out the relay's timeout otherwise).
+	// The lock was given back: a second ADD on the namespace goes
+	// through too (it would wait out the relay's timeout otherwise).
 	if err := r.relay(c, io.Discard).Run("ADD", r.add("web")); err != nil {
 		t.Fatalf("second ADD: %v", err)
 	}
-	// A pod without a sidecar gets nothing to commit.
+	// A pod without a sidecar gets nothing to send.
 	if err := r.relay(c, io.Discard).Run("ADD", r.add("plain")); err != nil {
 		t.Fatalf("ADD of a plain pod: %v", err)
 	}
-	if len(c.prepared) != 2 {
-		t.Fatalf("rules prepared for a pod without a sidecar: %+v", c.prepared)
+	if len(c.sent) != 2 {
+		t.Fatalf("rules prepared for a pod without a sidecar: %d sent", len(c.sent))
 	}
 	r.stop()
 	logs := r.logs.String()
-	if !strings.Contains(logs, `"msg":"redirect rules programmed"`) || !strings.Contains(logs, `"committed_by":"plugin"`) || !strings.Contains(logs, `"pod":"ns/web"`) {
-		t.Fatalf("the agent did not log the relay's commit:\n%s", logs)
+	if !strings.Contains(logs, `"msg":"redirect rules programmed"`) || !strings.Contains(logs, `"committed_by":"plugin"`) ||
+		!strings.Contains(logs, `"pod":"ns/web"`) || !strings.Contains(logs, `"apply":"1ms"`) {
+		t.Fatalf("the agent did not log the relay's send:\n%s", logs)
 	}
 	if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "ok")); got != 3 {
 		t.Fatalf("ADDs counted ok: %v", got)
 	}
 }
 
-// TestRelayCommitFailureFailsTheADD: the relay's failed commit fails the
-// ADD with the pod and the backend's error, and the agent logs and counts
-// it as failed.
-func TestRelayCommitFailureFailsTheADD(t *testing.T) {
+// TestRelaySendFailureFailsTheADD: the kernel refusing the relay's
+// requests fails the ADD with the pod and the kernel's words, and the
+// agent logs and counts it as failed; a relay that dies before reporting
+// fails its ADD, and the agent logs that it never heard and gives the
+// namespace's lock back.
+func TestRelaySendFailureFailsTheADD(t *testing.T) {
 	r := newCommitRig(t, CommitterPlugin)
-	c := &relayCommitter{rules: &recordingRules{fail: errors.New("iptables-restore: line 3 failed")}}
+	c := &relaySender{fail: errors.New("the kernel refused the nf_tables transaction: rule 3: invalid argument")}
 	err := r.relay(c, io.Discard).Run("ADD", r.add("web"))
-	if err == nil || !strings.Contains(err.Error(), "pod ns/web") || !strings.Contains(err.Error(), "line 3 failed") {
-		t.Fatalf("ADD with a failing commit: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "pod ns/web") || !strings.Contains(err.Error(), "rule 3: invalid argument") {
+		t.Fatalf("ADD with a refused send: %v", err)
 	}
 
-	// A relay that dies mid-commit fails its ADD; the agent logs that it
-	// never heard, and gives the namespace's lock back.
-	c = &relayCommitter{rules: &recordingRules{}, noAccount: true}
-	if err := r.relay(c, io.Discard).Run("ADD", r.add("web")); err == nil {
-		t.Fatal("ADD whose commit died succeeded")
+	// A relay killed after the agent's answer: it reads the prepared
+	// rules and goes away.
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
 	}
-	c.noAccount = false
+	f, err := os.Open(r.netns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
+		IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web", Stdin: []byte(r.conf), Steps: true})
+	hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+	if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := conn.Write(body); err != nil {
+		t.Fatal(err)
+	}
+	var resp cnirelay.Response
+	if err := json.NewDecoder(conn).Decode(&resp); err != nil || resp.Txn == nil {
+		t.Fatalf("the agent's answer: %+v %v", resp, err)
+	}
+	conn.Close()
+
+	c.fail = nil
 	if err := r.relay(c, io.Discard).Run("ADD", r.add("web")); err != nil {
-		t.Fatalf("ADD after a relay died mid-commit: %v", err)
+		t.Fatalf("ADD after a relay died: %v", err)
 	}
 	r.stop()
 	logs := r.logs.String()
-	if !strings.Contains(logs, `"msg":"programming redirect rules failed"`) || !strings.Contains(logs, "line 3 failed") {
-		t.Fatalf("the agent did not log the failed commit:\n%s", logs)
+	if !strings.Contains(logs, `"msg":"programming redirect rules failed"`) || !strings.Contains(logs, "rule 3: invalid argument") {
+		t.Fatalf("the agent did not log the refused send:\n%s", logs)
 	}
-	if !strings.Contains(logs, "did not report its commit") {
+	if !strings.Contains(logs, "did not report sending") {
 		t.Fatalf("the agent did not log the relay that never reported:\n%s", logs)
 	}
 	if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "999")); got != 2 {
@@ -242,23 +269,27 @@ func TestRelayCommitFailureFailsTheADD(t *testing.T) {
 	}
 }
 
-// TestAgentCommitsForOldRelaysAndWhenTold: a relay that cannot commit (an
-// older one), and any relay when the agent is told to commit itself, get
-// the rules applied by the agent, as before.
-func TestAgentCommitsForOldRelaysAndWhenTold(t *testing.T) {
+// TestAgentAppliesWhenTheRelayCannotSend: an older relay, any relay when
+// the agent is told to apply itself, and a namespace the backend cannot
+// prepare for (it holds rules already) get the rules applied by the
+// agent; the last is logged with why.
+func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		committer string
-		canCommit bool
+		canSend   bool
+		inPlace   string
 	}{
-		{"old relay", CommitterPlugin, false},
-		{"agent committer", CommitterAgent, true},
+		{"old relay", CommitterPlugin, false, ""},
+		{"agent committer", CommitterAgent, true, ""},
+		{"namespace not fresh", CommitterPlugin, true, "the namespace holds ipsets"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newCommitRig(t, tc.committer)
-			var c *relayCommitter
-			if tc.canCommit {
-				c = &relayCommitter{rules: &recordingRules{}}
+			r.agent.inPlace = tc.inPlace
+			var c *relaySender
+			if tc.canSend {
+				c = &relaySender{}
 			}
 			var out strings.Builder
 			if err := r.relay(c, &out).Run("ADD", r.add("web")); err != nil {
@@ -267,12 +298,38 @@ func TestAgentCommitsForOldRelaysAndWhenTold(t *testing.T) {
 			if n := len(r.agent.applied()); n != 1 {
 				t.Fatalf("the agent applied %d plans, want 1", n)
 			}
-			if c != nil && len(c.prepared) != 0 {
-				t.Fatalf("the relay was handed rules: %+v", c.prepared)
+			if c != nil && len(c.sent) != 0 {
+				t.Fatalf("the relay was handed rules: %+v", c.sent)
 			}
 			if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
 				t.Fatalf("the relay did not print the previous result: %q", out.String())
 			}
+			r.stop()
+			if tc.inPlace != "" && !strings.Contains(r.logs.String(), `"committed_by":"agent","why":"`+tc.inPlace+`"`) {
+				t.Fatalf("the agent did not say why it applied:\n%s", r.logs.String())
+			}
 		})
+	}
+}
+
+// TestRelayForcesTheVariant: the runtime's FORCE_IPTABLES_BINARY, which
+// the relay passes on, picks the iptables variant when the agent names
+// none; the agent's own setting wins.
+func TestRelayForcesTheVariant(t *testing.T) {
+	for _, c := range []struct {
+		agent, relay, want string
+	}{
+		{"", "legacy", "legacy"},
+		{"nft", "legacy", "nft"},
+		{"", "", ""},
+	} {
+		s := &Server{Rules: &iptables.Applier{Force: c.agent}, ForceIPTables: c.agent}
+		got := s.rulesFor(&cnirelay.Request{ForceIPTables: c.relay}).(*iptables.Applier)
+		if got.Force != c.want {
+			t.Errorf("agent %q, relay %q: variant %q, want %q", c.agent, c.relay, got.Force, c.want)
+		}
+	}
+	if s := (&Server{Rules: &recordingRules{}}); s.rulesFor(&cnirelay.Request{ForceIPTables: "legacy"}) != s.Rules {
+		t.Error("a backend that is not iptables was replaced")
 	}
 }

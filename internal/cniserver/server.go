@@ -33,13 +33,14 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
-	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
 
@@ -64,7 +65,9 @@ type Server struct {
 	// Committer is who writes a redirected pod's rules on ADD:
 	// CommitterPlugin (the default) or CommitterAgent.
 	Committer string
-	// ForceIPTables is FORCE_IPTABLES_BINARY, passed to the committer.
+	// ForceIPTables is the agent's FORCE_IPTABLES_BINARY; when empty, a
+	// relay's own (the runtime's environment, which the fallback plugin
+	// reads) picks the variant of its pod's rules.
 	ForceIPTables string
 	// Ambient, when set (ambient mode), decides each ADD first and enrols
 	// the pods it selects; the others take the sidecar path.
@@ -247,7 +250,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
-	case req.Commit && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
+	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
 		rc := &relayCommit{conn: conn}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
@@ -264,51 +267,47 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	_, _ = conn.Write(out)
 }
 
-// relayCommit hands a pod's prepared rules to the relay on conn and reads
-// its account of the commit.
+// relayCommit hands a pod's prepared requests to the relay on conn and
+// reads its account of sending them.
 type relayCommit struct {
 	conn *net.UnixConn
-	// sent: the answer went out with the prepared rules.
+	// sent: the answer went out with the prepared requests.
 	sent bool
 }
 
-func (rc *relayCommit) commit(p *podrules.Prepared, result []byte) (podrules.Committed, error) {
-	var c podrules.Committed
-	prepared, err := json.Marshal(p)
+func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome, error) {
+	var a nlsteps.Outcome
+	out, err := json.Marshal(&cnirelay.Response{Txn: txn, Stdout: result})
 	if err != nil {
-		return c, err
-	}
-	out, err := json.Marshal(&cnirelay.Response{Prepared: prepared, Stdout: result})
-	if err != nil {
-		return c, err
+		return a, err
 	}
 	rc.sent = true
 	_ = rc.conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	if _, err := rc.conn.Write(out); err != nil {
-		return c, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+		return a, fmt.Errorf("sending the prepared rules to the relay: %w", err)
 	}
 	// The relay reads the answer to its end; the connection stays open
 	// for its account, and the namespace's lock stays held until then.
 	if err := rc.conn.CloseWrite(); err != nil {
-		return c, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+		return a, fmt.Errorf("sending the prepared rules to the relay: %w", err)
 	}
 	_ = rc.conn.SetReadDeadline(time.Now().Add(cnirelay.Timeout))
 	var hdr [4]byte
 	if _, err := io.ReadFull(rc.conn, hdr[:]); err != nil {
-		return c, fmt.Errorf("reading the relay's account of its commit: %w", err)
+		return a, fmt.Errorf("reading the relay's account of the rules it sent: %w", err)
 	}
 	size := binary.BigEndian.Uint32(hdr[:])
 	if size > cnirelay.MaxMessage {
-		return c, fmt.Errorf("the relay's account of its commit is %d bytes", size)
+		return a, fmt.Errorf("the relay's account of the rules it sent is %d bytes", size)
 	}
 	body := make([]byte, size)
 	if _, err := io.ReadFull(rc.conn, body); err != nil {
-		return c, fmt.Errorf("reading the relay's account of its commit: %w", err)
+		return a, fmt.Errorf("reading the relay's account of the rules it sent: %w", err)
 	}
-	if err := json.Unmarshal(body, &c); err != nil {
-		return c, fmt.Errorf("decoding the relay's account of its commit: %w", err)
+	if err := json.Unmarshal(body, &a); err != nil {
+		return a, fmt.Errorf("decoding the relay's account of the rules it sent: %w", err)
 	}
-	return c, nil
+	return a, nil
 }
 
 // errNoDescriptor: a descriptor sent with the request was dropped by the
@@ -415,7 +414,7 @@ func (s *Server) Handle(req *cnirelay.Request, netns *os.File) (resp *cnirelay.R
 // handle is Handle with commit, when not nil, committing an ADD's rules
 // (the relay's, through relayCommit).
 func (s *Server) handle(req *cnirelay.Request, netns *os.File,
-	commit func(*podrules.Prepared, []byte) (podrules.Committed, error)) (resp *cnirelay.Response) {
+	commit func(*nlsteps.Txn, []byte) (nlsteps.Outcome, error)) (resp *cnirelay.Response) {
 	s.mu.Lock()
 	draining := s.draining
 	s.mu.Unlock()
@@ -457,10 +456,10 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	p := &plugin.Plugin{
 		Log:       logging.Over(s.Log.Handler()),
 		Stdout:    &out,
-		Rules:     s.Rules,
+		Rules:     s.rulesFor(req),
 		NFTables:  s.NFTables,
 		NewSource: s.source,
-		Commit:    commit, ForceIPTables: s.ForceIPTables,
+		Commit:    commit,
 		// The agent answers, so it can serve an ADD: STATUS succeeds
 		// unless told otherwise.
 		Ready: func() error {
@@ -517,6 +516,18 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 		resp.Stdout = out.Bytes()
 	}
 	return resp
+}
+
+// rulesFor is the iptables backend for a request: the agent's, forced to
+// the variant the relay's runtime names when the agent names none.
+func (s *Server) rulesFor(req *cnirelay.Request) plugin.Rules {
+	a, ok := s.Rules.(*iptables.Applier)
+	if !ok || s.ForceIPTables != "" || a.Force != "" || req.ForceIPTables == "" {
+		return s.Rules
+	}
+	forced := *a
+	forced.Force = req.ForceIPTables
+	return &forced
 }
 
 // outOfDescriptors: the command failed for want of a descriptor here,

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -31,7 +32,12 @@ const adtBatch = 1000
 // ipsetClient speaks the kernel's ipset protocol (the one the ipset
 // command uses) over netlink in the calling thread's network namespace,
 // which the socket is bound to when it is made.
-type ipsetClient struct{ c *netlink.Conn }
+type ipsetClient struct {
+	c *netlink.Conn
+	// rec, when set, takes the requests that change sets instead of the
+	// kernel, for a relay to send (recordingIPSet).
+	rec *nlsteps.Step
+}
 
 func dialIPSet() (*ipsetClient, error) {
 	c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
@@ -62,8 +68,9 @@ func ipsetType(s *ruleset.IPSet) string {
 	return typeNets
 }
 
-// request sends one ipset command and returns the kernel's replies.
-func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, attrs func(*netlink.AttributeEncoder)) ([]netlink.Message, error) {
+// request sends one ipset command and returns the kernel's replies; what
+// names it where it is recorded.
+func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, what string, attrs func(*netlink.AttributeEncoder)) ([]netlink.Message, error) {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint8(nl.IPSET_ATTR_PROTOCOL, nl.IPSET_PROTOCOL)
 	attrs(ae)
@@ -73,6 +80,13 @@ func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, attrs func(*ne
 	}
 	// nfgenmsg: family, version, resource id; ipset ignores the family.
 	data := append([]byte{unix.NFPROTO_IPV4, unix.NFNETLINK_V0, 0, 0}, b...)
+	if c.rec != nil {
+		if flags&netlink.Dump == netlink.Dump || cmd == nl.IPSET_CMD_TYPE {
+			return nil, fmt.Errorf("ipset command %d cannot be recorded: it asks the kernel", cmd)
+		}
+		c.rec.Add(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data, what)
+		return nil, nil
+	}
 	msgs, err := c.c.Execute(netlink.Message{
 		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | cmd), Flags: netlink.Request | flags},
 		Data:   data,
@@ -112,7 +126,7 @@ func (c *ipsetClient) revision(name string, family uint8) (uint8, error) {
 	if v, ok := revisions.Load(key); ok {
 		return v.(uint8), nil
 	}
-	msgs, err := c.request(nl.IPSET_CMD_TYPE, 0, func(ae *netlink.AttributeEncoder) {
+	msgs, err := c.request(nl.IPSET_CMD_TYPE, 0, "", func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_TYPENAME, name)
 		ae.Uint8(nl.IPSET_ATTR_FAMILY, family)
 	})
@@ -157,7 +171,7 @@ func (c *ipsetClient) create(s *ruleset.IPSet) error {
 	if err != nil {
 		return err
 	}
-	_, err = c.request(nl.IPSET_CMD_CREATE, netlink.Acknowledge|netlink.Create|netlink.Excl, func(ae *netlink.AttributeEncoder) {
+	_, err = c.request(nl.IPSET_CMD_CREATE, netlink.Acknowledge|netlink.Create|netlink.Excl, "ipset create "+s.Name+" "+ipsetType(s), func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, s.Name)
 		ae.String(nl.IPSET_ATTR_TYPENAME, ipsetType(s))
 		ae.Uint8(nl.IPSET_ATTR_REVISION, rev)
@@ -187,7 +201,8 @@ func (c *ipsetClient) fill(s *ruleset.IPSet) error {
 	n := len(s.Nets) + len(s.Ports)
 	for first := 0; first < n; first += adtBatch {
 		adt := encodeEntries(s, first, min(first+adtBatch, n))
-		_, err := c.request(nl.IPSET_CMD_ADD, netlink.Acknowledge, func(ae *netlink.AttributeEncoder) {
+		what := fmt.Sprintf("ipset add %s: entries %d to %d of %d, from %s", s.Name, first+1, min(first+adtBatch, n), n, s.Origin)
+		_, err := c.request(nl.IPSET_CMD_ADD, netlink.Acknowledge, what, func(ae *netlink.AttributeEncoder) {
 			ae.String(nl.IPSET_ATTR_SETNAME, s.Name)
 			// The kernel takes a list of entries only with a line number,
 			// which its errors would cite; there is no file here.
@@ -256,7 +271,7 @@ func appendAttr(b []byte, typ uint16, data []byte) []byte {
 
 // flushAndFill gives an existing set exactly the wanted entries.
 func (c *ipsetClient) flushAndFill(s *ruleset.IPSet) error {
-	if _, err := c.request(nl.IPSET_CMD_FLUSH, netlink.Acknowledge, func(ae *netlink.AttributeEncoder) {
+	if _, err := c.request(nl.IPSET_CMD_FLUSH, netlink.Acknowledge, "ipset flush "+s.Name, func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, s.Name)
 	}); err != nil {
 		return err
@@ -268,7 +283,7 @@ func (c *ipsetClient) flushAndFill(s *ruleset.IPSet) error {
 var errSetInUse = errors.New("set in use")
 
 func (c *ipsetClient) destroy(name string) error {
-	_, err := c.request(nl.IPSET_CMD_DESTROY, netlink.Acknowledge, func(ae *netlink.AttributeEncoder) {
+	_, err := c.request(nl.IPSET_CMD_DESTROY, netlink.Acknowledge, "ipset destroy "+name, func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 	})
 	var errno unix.Errno
@@ -312,7 +327,7 @@ func entryIP(d *netlink.AttributeDecoder) netip.Addr {
 // list reads every set of ours in the namespace with its entries, as
 // package ruleset describes a set (so the two compare directly).
 func (c *ipsetClient) list() (map[string]*ruleset.IPSet, error) {
-	msgs, err := c.request(nl.IPSET_CMD_LIST, netlink.Dump, func(*netlink.AttributeEncoder) {})
+	msgs, err := c.request(nl.IPSET_CMD_LIST, netlink.Dump, "", func(*netlink.AttributeEncoder) {})
 	if err != nil {
 		return nil, fmt.Errorf("listing ipsets: %w", err)
 	}

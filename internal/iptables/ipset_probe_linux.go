@@ -31,7 +31,7 @@ func (c *ipsetClient) ensureAddrSet(name string, v6 bool) error {
 	if err != nil {
 		return fmt.Errorf("%s sets: %w", typeAddrs, err)
 	}
-	_, err = c.request(nl.IPSET_CMD_CREATE, netlink.Acknowledge|netlink.Create, func(ae *netlink.AttributeEncoder) {
+	_, err = c.request(nl.IPSET_CMD_CREATE, netlink.Acknowledge|netlink.Create, "", func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 		ae.String(nl.IPSET_ATTR_TYPENAME, typeAddrs)
 		ae.Uint8(nl.IPSET_ATTR_REVISION, rev)
@@ -69,7 +69,7 @@ func addrEntry(ip netip.Addr, comment string) func(*netlink.AttributeEncoder) er
 // addAddr adds an address with its comment; an address already there
 // gets the new comment (no NLM_F_EXCL: the kernel's "-exist").
 func (c *ipsetClient) addAddr(name string, ip netip.Addr, comment string) error {
-	_, err := c.request(nl.IPSET_CMD_ADD, netlink.Acknowledge, func(ae *netlink.AttributeEncoder) {
+	_, err := c.request(nl.IPSET_CMD_ADD, netlink.Acknowledge, "", func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 		ae.Nested(nl.IPSET_ATTR_DATA, addrEntry(ip, comment))
 	})
@@ -81,7 +81,7 @@ func (c *ipsetClient) addAddr(name string, ip netip.Addr, comment string) error 
 
 // delAddr deletes an address; one already gone is no error.
 func (c *ipsetClient) delAddr(name string, ip netip.Addr) error {
-	_, err := c.request(nl.IPSET_CMD_DEL, netlink.Acknowledge, func(ae *netlink.AttributeEncoder) {
+	_, err := c.request(nl.IPSET_CMD_DEL, netlink.Acknowledge, "", func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 		ae.Nested(nl.IPSET_ATTR_DATA, addrEntry(ip, ""))
 	})
@@ -94,7 +94,7 @@ func (c *ipsetClient) delAddr(name string, ip netip.Addr) error {
 // addrs lists a set's addresses with their comments; errNoSet when the
 // set does not exist.
 func (c *ipsetClient) addrs(name string) (map[netip.Addr]string, error) {
-	msgs, err := c.request(nl.IPSET_CMD_LIST, netlink.Dump, func(ae *netlink.AttributeEncoder) {
+	msgs, err := c.request(nl.IPSET_CMD_LIST, netlink.Dump, "", func(ae *netlink.AttributeEncoder) {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 	})
 	if errors.Is(err, unix.ENOENT) {

@@ -14,8 +14,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
-	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -314,10 +314,10 @@ func TestAmbientHook(t *testing.T) {
 			p := &Plugin{Log: logging.New(io.Discard), Stdout: &out, Rules: rules, Namespaces: nsr, Ambient: h.hook,
 				NewSource: func(*Config, string) (podinfo.Source, error) { return src, nil }}
 			if c.commit {
-				p.Commit = func(_ *podrules.Prepared, result []byte) (podrules.Committed, error) {
+				p.Commit = func(_ *nlsteps.Txn, result []byte) (nlsteps.Outcome, error) {
 					commits++
 					_, err := out.Write(result)
-					return podrules.Committed{}, err
+					return nlsteps.Outcome{}, err
 				}
 			}
 			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: "/var/run/netns/x", IfName: "eth0",

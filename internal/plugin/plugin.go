@@ -18,6 +18,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -43,12 +44,11 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
-	// Commit, when set, hands a redirected pod's rules to whoever commits
-	// them (the relay, for the agent), with the result to print once they
-	// are in; nil applies them here with Rules.
-	Commit func(p *podrules.Prepared, result []byte) (podrules.Committed, error)
-	// ForceIPTables is FORCE_IPTABLES_BINARY, for a Commit elsewhere.
-	ForceIPTables string
+	// Commit, when set, hands a redirected pod's rules, prepared as
+	// netlink requests, to whoever sends them (the relay, for the agent),
+	// with the result to print once they are in. A namespace the backend
+	// cannot prepare for gets them applied here with Rules all the same.
+	Commit func(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome, error)
 	// Ambient, when set (the node agent in ambient mode), is asked first
 	// on ADD: true means it enrolled the pod in the ambient mesh, which
 	// then gets no sidecar rules; an error fails the ADD.
@@ -306,29 +306,42 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
 		return p.printResult(req.conf)
 	}
-	if p.Commit != nil {
-		return p.commitElsewhere(req, d, start, decided)
-	}
 	plan, err := podrules.BuildPlan(req.rules, args.Netns, d.Params)
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	planned := time.Now()
+	var inPlace string
+	if p.Commit != nil {
+		var txn *nlsteps.Txn
+		if txn, inPlace, err = podrules.Prepare(req.rules, args.Netns, plan); err != nil {
+			req.log.Error("pod blocked", "error", err.Error())
+			return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: preparing its rules: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+		}
+		if txn != nil {
+			return p.commitElsewhere(req, d, plan, txn, start, decided, planned)
+		}
+	}
 	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
 		req.log.Error("programming redirect rules failed", "error", err.Error())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
 	}
-	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+	attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
 		"result", rep.String(), "duration", time.Since(start).String(),
-		"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String(), "apply", time.Since(planned).String())
+		"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String(), "apply", time.Since(planned).String()}
+	if inPlace != "" {
+		// Served for a relay that could have sent the rules itself.
+		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
+	}
+	req.log.Info("redirect rules programmed", attrs...)
 	return p.printResult(req.conf)
 }
 
-// commitElsewhere hands the decided pod to p.Commit and logs what the
-// committer reports, as Add logs its own apply.
-func (p *Plugin) commitElsewhere(req *request, d *Decision, start, decided time.Time) error {
+// commitElsewhere hands the pod's prepared requests to p.Commit and logs
+// what the sender reports, as Add logs its own apply.
+func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, txn *nlsteps.Txn, start, decided, planned time.Time) error {
 	res, err := result(req.conf)
 	if err != nil {
 		return err
@@ -338,20 +351,21 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, start, decided time.
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
-	c, err := p.Commit(&podrules.Prepared{Pod: pod, NativeNftables: req.conf.NativeNftables && p.NFTables != nil,
-		ForceIPTables: p.ForceIPTables, Params: d.Params}, out.Bytes())
+	prepared := time.Now()
+	a, err := p.Commit(txn, out.Bytes())
 	if err != nil {
-		req.log.Error("the plugin process did not report its commit of the redirect rules", "error", err.Error(),
+		req.log.Error("the plugin process did not report sending the redirect rules", "error", err.Error(),
 			"duration", time.Since(start).String())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
-	if c.Error != "" {
-		req.log.Error("programming redirect rules failed", "error", c.Error, "committed_by", "plugin")
-		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %s", pod, c.Error), "")
+	if a.Error != "" {
+		req.log.Error("programming redirect rules failed", "error", a.Error, "committed_by", "plugin")
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %s", pod, a.Error), "")
 	}
-	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", c.IPv6,
-		"result", c.Result, "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
-		"plan", c.Plan.String(), "apply", c.Apply.String(), "committed_by", "plugin")
+	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+		"result", txn.Summary+" applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
+		"plan", planned.Sub(decided).String(), "prepare", prepared.Sub(planned).String(), "apply", a.Took.String(),
+		"committed_by", "plugin")
 	return nil
 }
 

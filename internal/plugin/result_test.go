@@ -11,6 +11,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -23,6 +24,14 @@ func (f *fakeRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
 	return podnet.Report{}, nil
 }
 func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
+
+// Prepare serves a relay that sends the rules: a transaction of one
+// message, never sent anywhere.
+func (f *fakeRules) Prepare(string, *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	s := nlsteps.Step{Proto: 12}
+	s.Add(1, 0, nil, "nothing")
+	return &nlsteps.Txn{Steps: []nlsteps.Step{s}}, "", nil
+}
 func (f *fakeRules) PodAddrs(string) ([]netip.Addr, error) {
 	return []netip.Addr{netip.MustParseAddr("10.0.0.2")}, nil
 }

@@ -1,6 +1,9 @@
 package ruleset
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
 	"net/netip"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -405,4 +408,20 @@ func NeedsIPv6(addrs []netip.Addr, dualStack bool) bool {
 		}
 	}
 	return false
+}
+
+// Fingerprint identifies the plan by everything it programs: each
+// family's rules and every entry of their sets (a set's name carries only
+// 32 bits of its contents). Equal plans have equal fingerprints, so what
+// is prepared for one serves the other.
+func (p *Plan) Fingerprint() string {
+	h := sha256.New()
+	for _, s := range p.Sets() {
+		fmt.Fprintf(h, "family %d\n%s", s.Family, s.Restore())
+		for _, x := range s.IPSets {
+			fmt.Fprintf(h, "set %s %d %d %v %v\n", x.Name, x.Kind, x.Family, x.Nets, x.Ports)
+		}
+	}
+	fmt.Fprintf(h, "v6 %v tproxy %v\n", p.V6 != nil, p.TProxyRoutes)
+	return hex.EncodeToString(h.Sum(nil))
 }

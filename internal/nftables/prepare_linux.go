@@ -1,0 +1,138 @@
+package nftables
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/google/nftables"
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// preparedTxns are the plans already prepared, by fingerprint.
+var preparedTxns = nlsteps.NewCache(4 << 20)
+
+// Prepare returns the requests that give a namespace with none of our
+// tables the plan, the same transaction Apply sends there, for a relay
+// to send; or, with a nil transaction, why the namespace needs Apply
+// instead (it holds tables of ours, or a TPROXY policy rule).
+func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	var why string
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return fmt.Errorf("opening nftables netlink: %w", err)
+		}
+		defer func() { _ = conn.CloseLasting() }()
+		existing, err := ourTables(conn, TablePrefix)
+		if err != nil {
+			return err
+		}
+		if len(existing) > 0 {
+			why = "the namespace has tables of ours already"
+			return nil
+		}
+		if has, err := podnet.HasTProxyRule(); err != nil || has {
+			why = "the namespace has a TPROXY policy rule already"
+			return err
+		}
+		return nil
+	})
+	if err != nil || why != "" {
+		return nil, why, err
+	}
+	txn, _, err := preparedTxns.Get(plan.Fingerprint(), func() (*nlsteps.Txn, error) { return compile(plan) })
+	return txn, "", err
+}
+
+// compile records the transaction program and Flush would send for the
+// plan, with every table created only if it is not there (the
+// transaction fails whole otherwise), then the routing the plan needs.
+func compile(plan *ruleset.Plan) (*nlsteps.Txn, error) {
+	rs, err := Build(plan)
+	if err != nil {
+		return nil, err
+	}
+	step := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	rules := 0
+	record := func(req []netlink.Message) ([]netlink.Message, error) {
+		for _, m := range req {
+			typ := uint16(m.Header.Type)
+			if typ == unix.NFNL_MSG_BATCH_BEGIN || typ == unix.NFNL_MSG_BATCH_END {
+				continue
+			}
+			flags := uint16(m.Header.Flags)
+			what := describeMsg(typ, m.Data)
+			switch typ & 0xff {
+			case unix.NFT_MSG_NEWTABLE:
+				flags |= nlsteps.FlagExcl
+			case unix.NFT_MSG_NEWRULE:
+				if rules < len(rs.Rules) {
+					r := rs.Rules[rules]
+					what = fmt.Sprintf("rule of %s %s: %s", r.Table, r.Chain, r.Text)
+				}
+				rules++
+			}
+			step.Add(typ, flags, m.Data, what)
+		}
+		// An acknowledgement for every read the library makes.
+		return []netlink.Message{{Header: netlink.Header{Type: netlink.Error}, Data: make([]byte, 4)}}, nil
+	}
+	conn, err := nftables.New(nftables.WithTestDial(record))
+	if err != nil {
+		return nil, err
+	}
+	if err := program(conn, rs); err != nil {
+		return nil, err
+	}
+	if err := conn.Flush(); err != nil {
+		return nil, fmt.Errorf("recording the transaction: %w", err)
+	}
+	txn := &nlsteps.Txn{Summary: VariantName}
+	if step.Len() > 0 {
+		txn.Steps = append(txn.Steps, step)
+	}
+	txn.Steps = append(txn.Steps, podnet.RoutingSteps(plan)...)
+	if err := txn.Validate(); err != nil {
+		return nil, errors.Join(errors.New("recording the transaction"), err)
+	}
+	return txn, nil
+}
+
+// describeMsg names a table, chain or set message by what it makes.
+func describeMsg(typ uint16, data []byte) string {
+	kind := map[uint16]string{unix.NFT_MSG_NEWTABLE: "table", unix.NFT_MSG_NEWCHAIN: "chain", unix.NFT_MSG_NEWSET: "set",
+		unix.NFT_MSG_NEWSETELEM: "elements of set", unix.NFT_MSG_NEWRULE: "rule"}[typ&0xff]
+	if kind == "" {
+		kind = fmt.Sprintf("message %d", typ&0xff)
+	}
+	if len(data) < nlsteps.NfGenLen {
+		return kind
+	}
+	attrs, _ := nlsteps.ParseAttrs(data[nlsteps.NfGenLen:])
+	var table, name string
+	for _, a := range attrs {
+		switch a.Type &^ unix.NLA_F_NESTED {
+		case 1: // NFTA_{TABLE_NAME,CHAIN_TABLE,SET_TABLE,SET_ELEM_LIST_TABLE}
+			table = strings.TrimRight(string(a.Data), "\x00")
+		case 2: // NFTA_SET_NAME, NFTA_SET_ELEM_LIST_SET
+			if typ&0xff == unix.NFT_MSG_NEWSET || typ&0xff == unix.NFT_MSG_NEWSETELEM {
+				name = strings.TrimRight(string(a.Data), "\x00")
+			}
+		case 3: // NFTA_CHAIN_NAME
+			if typ&0xff == unix.NFT_MSG_NEWCHAIN {
+				name = strings.TrimRight(string(a.Data), "\x00")
+			}
+		}
+	}
+	if typ&0xff == unix.NFT_MSG_NEWTABLE {
+		return "table inet " + table
+	}
+	return kind + " " + name + " of table inet " + table
+}

@@ -1,0 +1,138 @@
+package nftables
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+// nsState is what a namespace holds of a pod's redirection, as an
+// operator lists it: the nftables ruleset and the routing the rules need.
+func nsState(t *testing.T, n ns.NetNS) string {
+	t.Helper()
+	var b strings.Builder
+	handles := regexp.MustCompile(` # handle \d+`)
+	for _, cmd := range [][]string{
+		{"nft", "list", "ruleset"},
+		{"ip", "rule"}, {"ip", "-6", "rule"},
+		{"ip", "route", "show", "table", "all"}, {"ip", "-6", "route", "show", "table", "all"},
+		{"ip", "-6", "addr", "show", "dev", "lo"},
+	} {
+		b.WriteString("$ " + strings.Join(cmd, " ") + "\n")
+		b.WriteString(handles.ReplaceAllString(testutil.RunIn(t, n, cmd...), ""))
+	}
+	return b.String()
+}
+
+// TestPrepareMatchesApply: for every rule set of the goldens and every
+// long-list case, IPv4 only and dual stack, and lists of the sizes the
+// issue names, the prepared transaction sent to a fresh namespace leaves
+// it holding what Apply leaves in another, and CHECK passes there.
+func TestPrepareMatchesApply(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "nft", "ip")
+	type tc struct {
+		name string
+		plan func(v6 bool) *ruleset.Plan
+	}
+	var cases []tc
+	for _, c := range testutil.RedirectCases {
+		cases = append(cases, tc{c.Name, func(v6 bool) *ruleset.Plan { return planFor(t, c, v6) }})
+	}
+	for _, c := range testenv.ListCases() {
+		cases = append(cases, tc{c.Name, func(v6 bool) *ruleset.Plan { return listPlan(t, c.Annotations, v6) }})
+	}
+	for _, size := range []int{1000, 5000} {
+		l := testenv.Lists{N: size}
+		ann := map[string]string{redirect.AnnotationExcludeOutboundCIDRs: l.CIDRs(), redirect.AnnotationExcludeOutboundPorts: l.Ports()}
+		cases = append(cases, tc{fmt.Sprintf("size-%d", size), func(v6 bool) *ruleset.Plan { return listPlan(t, ann, v6) }})
+	}
+	for _, c := range cases {
+		for _, v6 := range []bool{false, true} {
+			name := c.name
+			if v6 {
+				name += "/dual"
+			}
+			t.Run(name, func(t *testing.T) {
+				plan := c.plan(v6)
+				a := &Applier{}
+				direct := newNS(t)
+				if _, err := a.Apply(direct.Path(), plan); err != nil {
+					t.Fatal(err)
+				}
+				want := nsState(t, direct)
+				pod := newNS(t)
+				txn, why, err := a.Prepare(pod.Path(), plan)
+				if err != nil || txn == nil {
+					t.Fatalf("prepare: %v (%s)", err, why)
+				}
+				if err := pod.Do(func(ns.NetNS) error { return nlsteps.Run(txn) }); err != nil {
+					t.Fatalf("sending: %v", err)
+				}
+				if got := nsState(t, pod); got != want {
+					t.Fatalf("after the prepared requests the namespace holds\n%s\nApply leaves\n%s", got, want)
+				}
+				if err := a.Check(pod.Path(), plan); err != nil {
+					t.Fatalf("check: %v", err)
+				}
+			})
+		}
+	}
+}
+
+// TestPrepareRefusesWhatItCannotExpress: a namespace holding tables of
+// ours or a TPROXY policy rule gets Apply, named why, untouched by
+// Prepare; a table of ours appearing between Prepare and the send fails
+// the transaction whole.
+func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
+	testutil.RequireRoot(t)
+	basic := planFor(t, testutil.RedirectCases[0], false)
+	a := &Applier{}
+	for _, c := range []struct {
+		name  string
+		setup []string
+		why   string
+	}{
+		{"tables of ours", []string{"nft", "add", "table", "inet", TablePrefix + "nat"}, "tables of ours"},
+		{"tproxy rule", []string{"ip", "rule", "add", "fwmark", "1337", "lookup", "133"}, "TPROXY policy rule"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := newNS(t)
+			testutil.RunIn(t, n, c.setup...)
+			before := nsState(t, n)
+			txn, why, err := a.Prepare(n.Path(), basic)
+			if err != nil || txn != nil || !strings.Contains(why, c.why) {
+				t.Fatalf("got %v, %q, %v; want no transaction because %q", txn != nil, why, err, c.why)
+			}
+			if after := nsState(t, n); after != before {
+				t.Fatalf("Prepare changed the namespace:\n%s\nwas\n%s", after, before)
+			}
+		})
+	}
+	t.Run("raced", func(t *testing.T) {
+		n := newNS(t)
+		txn, why, err := a.Prepare(n.Path(), basic)
+		if err != nil || txn == nil {
+			t.Fatalf("prepare: %v (%s)", err, why)
+		}
+		testutil.RunIn(t, n, "nft", "add", "table", "inet", TablePrefix+"nat")
+		before := nsState(t, n)
+		err = n.Do(func(ns.NetNS) error { return nlsteps.Run(txn) })
+		if err == nil || !strings.Contains(err.Error(), "table inet "+TablePrefix+"nat: file exists") ||
+			!strings.Contains(err.Error(), "nothing of it applied") {
+			t.Fatalf("sending over a table made meanwhile: %v", err)
+		}
+		if after := nsState(t, n); after != before {
+			t.Fatalf("a refused transaction changed the namespace:\n%s\nwas\n%s", after, before)
+		}
+	})
+}

@@ -1,0 +1,234 @@
+package nlsteps
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// replyTimeout bounds the wait for the kernel's answer to one step: a
+// kernel answers a netlink request at once, so this only catches a lost
+// reply, which must fail the pod rather than hang it.
+const replyTimeout = 10
+
+// Run sends the transaction's steps in order from the calling thread,
+// which must be in the pod's network namespace and stay there (a locked
+// OS thread). A step the kernel refuses fails the run with the message's
+// name and the kernel's words; the undo steps then run.
+func Run(t *Txn) error {
+	if err := t.Validate(); err != nil {
+		return fmt.Errorf("prepared rules: %w", err)
+	}
+	for i := range t.Steps {
+		if err := runStep(&t.Steps[i]); err != nil {
+			for j := range t.Undo {
+				_ = runStep(&t.Undo[j])
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// Batch markers of nfnetlink, and the subsystem a batch is for.
+const (
+	msgBatchBegin = 0x10
+	msgBatchEnd   = 0x11
+	subsysNFT     = 10
+)
+
+func runStep(s *Step) error {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, s.Proto)
+	if err != nil {
+		return fmt.Errorf("opening netlink socket (protocol %d): %w", s.Proto, err)
+	}
+	defer unix.Close(fd)
+	// The kernel's own words for a refusal, and no copy of the request
+	// in the reply (a set's elements can be a large message).
+	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
+	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
+	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: replyTimeout})
+
+	buf, waits, batchSeq := frame(s)
+	if len(buf) > 200<<10 {
+		// One sendmsg carries the whole step; the default buffer is
+		// about 208 KiB. As root the limit does not apply.
+		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, len(buf)+4096)
+	}
+	if err := unix.Sendto(fd, buf, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("sending %s: %w", s.first(), err)
+	}
+	return s.collect(fd, waits, batchSeq)
+}
+
+// frame numbers the step's messages from 1 (a batch's begin marker is 1
+// and its messages follow) and asks for acknowledgements: of every
+// message of a plain step; of only the last of a batch, since the kernel
+// reports every refused message anyway and takes a batch whole or not at
+// all. It returns the bytes to send, the sequence numbers an answer is
+// owed for, and the batch's begin (0 when not a batch).
+func frame(s *Step) (buf []byte, waits map[uint32]bool, batchSeq uint32) {
+	waits = map[uint32]bool{}
+	seq := uint32(1)
+	marker := func(typ uint16) {
+		buf = binary.NativeEndian.AppendUint32(buf, HeaderLen+NfGenLen)
+		buf = binary.NativeEndian.AppendUint16(buf, typ)
+		buf = binary.NativeEndian.AppendUint16(buf, FlagRequest)
+		buf = binary.NativeEndian.AppendUint32(buf, seq)
+		buf = binary.NativeEndian.AppendUint32(buf, 0)
+		buf = append(buf, NfGen(0, subsysNFT)...)
+		seq++
+	}
+	if s.Batch {
+		batchSeq = seq
+		marker(msgBatchBegin)
+	}
+	msgs := s.Msgs
+	for i := 0; len(msgs) >= HeaderLen; i++ {
+		l := int(binary.NativeEndian.Uint32(msgs))
+		n := (l + 3) &^ 3
+		n = min(n, len(msgs))
+		start := len(buf)
+		buf = append(buf, msgs[:n]...)
+		flags := binary.NativeEndian.Uint16(buf[start+6:]) &^ FlagAck
+		if !s.Batch || i == s.Len()-1 {
+			flags |= FlagAck
+			waits[seq] = true
+		}
+		binary.NativeEndian.PutUint16(buf[start+6:], flags)
+		binary.NativeEndian.PutUint32(buf[start+8:], seq)
+		binary.NativeEndian.PutUint32(buf[start+12:], 0)
+		seq++
+		msgs = msgs[n:]
+	}
+	if s.Batch {
+		marker(msgBatchEnd)
+	}
+	return buf, waits, batchSeq
+}
+
+func (s *Step) first() string {
+	if len(s.What) == 0 {
+		return "nothing"
+	}
+	if len(s.What) == 1 {
+		return s.What[0]
+	}
+	return fmt.Sprintf("%s and %d more", s.What[0], len(s.What)-1)
+}
+
+// collect reads the kernel's answers until every acknowledgement asked
+// for has come, and returns the first refusal it names.
+func (s *Step) collect(fd int, waits map[uint32]bool, batchSeq uint32) error {
+	first := uint32(1) // the sequence number of the step's first message
+	if batchSeq != 0 {
+		first = batchSeq + 1
+	}
+	rb := make([]byte, 64<<10)
+	var refused []string
+	for len(waits) > 0 {
+		n, _, err := unix.Recvfrom(fd, rb, 0)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			if errors.Is(err, unix.EAGAIN) {
+				err = fmt.Errorf("no answer from the kernel within %d s", replyTimeout)
+			}
+			if errors.Is(err, unix.ENOBUFS) {
+				err = errors.New("the kernel's answers overflowed the socket")
+			}
+			return s.refusal(append(refused, err.Error()))
+		}
+		msgs, err := ParseMessages(rb[:n])
+		if err != nil {
+			return s.refusal(append(refused, err.Error()))
+		}
+		for _, m := range msgs {
+			if m.Type != unix.NLMSG_ERROR || len(m.Body) < 4 {
+				continue
+			}
+			errno := -int32(binary.NativeEndian.Uint32(m.Body))
+			delete(waits, m.Seq)
+			if errno == 0 || (s.ExistOK && unix.Errno(errno) == unix.EEXIST) {
+				continue
+			}
+			if m.Seq == batchSeq && batchSeq != 0 {
+				// The whole batch was refused before any message of it
+				// ran (no permission): nothing else will come.
+				return s.refusal(append(refused, fmt.Sprintf("the transaction: %s", kernelWords(m.Body, errno))))
+			}
+			what := "a message"
+			if i := int(m.Seq) - int(first); i >= 0 && i < len(s.What) {
+				what = s.What[i]
+			}
+			refused = append(refused, fmt.Sprintf("%s: %s", what, kernelWords(m.Body, errno)))
+		}
+	}
+	if len(refused) > 0 {
+		return s.refusal(refused)
+	}
+	return nil
+}
+
+func (s *Step) refusal(refused []string) error {
+	kind := "netlink requests"
+	switch {
+	case s.Batch:
+		kind = "nf_tables transaction (nothing of it applied)"
+	case s.Proto == unix.NETLINK_ROUTE:
+		kind = "routing requests"
+	case s.Proto == unix.NETLINK_NETFILTER:
+		kind = "ipset requests"
+	}
+	if len(refused) > 3 {
+		refused = append(refused[:3], fmt.Sprintf("%d more", len(refused)-3))
+	}
+	return fmt.Errorf("the kernel refused the %s: %s", kind, strings.Join(refused, "; "))
+}
+
+// kernelWords is an error answer's errno, with the kernel's extended
+// message when it gave one.
+func kernelWords(body []byte, errno int32) string {
+	msg := unix.Errno(errno).Error()
+	// nlmsgerr: errno, then the request's header (the payload capped),
+	// then the extended attributes.
+	if len(body) < 4+HeaderLen {
+		return msg
+	}
+	attrs, _ := ParseAttrs(body[4+HeaderLen:])
+	for _, a := range attrs {
+		if a.Type == unix.NLMSGERR_ATTR_MSG {
+			if m := strings.TrimRight(string(a.Data), "\x00"); m != "" {
+				msg += " (" + m + ")"
+			}
+		}
+	}
+	return msg
+}
+
+// RunIn runs the transaction from a thread that enters the network
+// namespace netns and ends with the call: the process's other threads,
+// and its sockets, stay where they were.
+func RunIn(netns *os.File, t *Txn) (took time.Duration, err error) {
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		// Never unlocked: Go ends the thread with this goroutine, so no
+		// other code runs in the pod's namespace.
+		runtime.LockOSThread()
+		if err := unix.Setns(int(netns.Fd()), unix.CLONE_NEWNET); err != nil {
+			done <- fmt.Errorf("entering the pod's network namespace: %w", err)
+			return
+		}
+		done <- Run(t)
+	}()
+	err = <-done
+	return time.Since(start), err
+}

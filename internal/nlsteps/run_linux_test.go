@@ -1,0 +1,105 @@
+package nlsteps_test
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+// tableMsg is a request that makes nftables table name (inet), only if it
+// is not there.
+func tableMsg(s *nlsteps.Step, name string) {
+	body := nlsteps.Attr(nlsteps.NfGen(unix.NFPROTO_INET, 0), unix.NFTA_TABLE_NAME, append([]byte(name), 0))
+	s.Add(unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_NEWTABLE, nlsteps.FlagCreate|nlsteps.FlagExcl, body, "table inet "+name)
+}
+
+// TestRunInTheNamespace: RunIn sends from inside the namespace it is
+// given, and the calling thread and the rest of the process stay where
+// they were; a refused batch names its message with the kernel's words
+// and leaves nothing of itself; ensuring steps pass when what they make
+// is there already; the undo steps run after a refusal.
+func TestRunInTheNamespace(t *testing.T) {
+	testutil.RequireTools(t, "nft", "ip")
+	pod := testutil.NewNS(t)
+	f, err := os.Open(pod.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	here, err := ns.GetCurrentNS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer here.Close()
+
+	batch := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	tableMsg(&batch, "one")
+	tableMsg(&batch, "two")
+	if _, err := nlsteps.RunIn(f, &nlsteps.Txn{Steps: []nlsteps.Step{batch}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.RunIn(t, pod, "nft", "list", "tables"); got != "table inet one\ntable inet two\n" {
+		t.Fatalf("the pod's namespace holds %q", got)
+	}
+	if now, err := ns.GetCurrentNS(); err != nil || now.Path() == "" {
+		t.Fatal(err)
+	} else {
+		defer now.Close()
+		var a, b unix.Stat_t
+		if unix.Fstat(int(now.Fd()), &a) != nil || unix.Fstat(int(here.Fd()), &b) != nil || a.Ino != b.Ino {
+			t.Fatal("the calling thread left its namespace")
+		}
+	}
+
+	// A second batch whose second table exists: refused whole.
+	again := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	tableMsg(&again, "three")
+	tableMsg(&again, "two")
+	routes := podnet.RoutingSteps(&ruleset.Plan{V4: &ruleset.Set{}, V6: &ruleset.Set{}, TProxyRoutes: true})
+	undo := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	tableMsg(&undo, "undone")
+	_, err = nlsteps.RunIn(f, &nlsteps.Txn{Steps: append(routes, again), Undo: []nlsteps.Step{undo}})
+	if err == nil || !strings.Contains(err.Error(), "table inet two: file exists") || !strings.Contains(err.Error(), "nothing of it applied") {
+		t.Fatalf("a batch over an existing table: %v", err)
+	}
+	if got := testutil.RunIn(t, pod, "nft", "list", "tables"); got != "table inet one\ntable inet two\ntable inet undone\n" {
+		t.Fatalf("after a refused batch and its undo the namespace holds %q", got)
+	}
+	// The routing went in before the refused batch, and goes in again.
+	if _, err := nlsteps.RunIn(f, &nlsteps.Txn{Steps: routes}); err != nil {
+		t.Fatalf("ensuring what is there: %v", err)
+	}
+	if got := testutil.RunIn(t, pod, "ip", "rule"); strings.Count(got, "fwmark 0x539 lookup 133") != 1 {
+		t.Fatalf("policy rules after two sends:\n%s", got)
+	}
+}
+
+// TestValidate: what the relay would send is checked before the kernel
+// sees it: messages that do not parse, names that do not match them, and
+// messages that are not requests.
+func TestValidate(t *testing.T) {
+	good := nlsteps.Step{Proto: unix.NETLINK_NETFILTER}
+	tableMsg(&good, "x")
+	truncated := good
+	truncated.Msgs = good.Msgs[:10]
+	unnamed := good
+	unnamed.What = nil
+	notRequest := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Msgs: append([]byte(nil), good.Msgs...), What: good.What}
+	notRequest.Msgs[6] = 0
+	for name, s := range map[string]nlsteps.Step{"truncated": truncated, "unnamed": unnamed, "not a request": notRequest} {
+		if err := (&nlsteps.Txn{Steps: []nlsteps.Step{s}}).Validate(); err == nil {
+			t.Errorf("%s: validated", name)
+		}
+	}
+	if err := (&nlsteps.Txn{Steps: []nlsteps.Step{good}}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+}
