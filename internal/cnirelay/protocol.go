@@ -7,13 +7,11 @@
 //
 // It imports as little as possible: a runtime starts it once per pod and
 // per command, and every package initialised is paid for on each start.
+// So it speaks CNI's process interface itself (the variables, VERSION,
+// the error object) instead of through the CNI library's skel, whose
+// checks of the command's arguments and config the agent makes
+// (cniserver), and talks to the agent over raw socket calls.
 package cnirelay
-
-import (
-	"github.com/containernetworking/cni/pkg/types"
-
-	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
-)
 
 // SocketName is the agent's CNI socket in the plugin's run directory.
 const SocketName = "cni.sock"
@@ -48,17 +46,52 @@ type Request struct {
 
 // Response is what the plugin would have printed, or its error.
 type Response struct {
-	Stdout []byte       `json:"stdout,omitempty"`
-	Error  *types.Error `json:"error,omitempty"`
+	Stdout []byte `json:"stdout,omitempty"`
+	Error  *Error `json:"error,omitempty"`
 	// Unavailable, when set, says why the agent cannot serve the command
 	// (it is shutting down); the relay then runs the fallback.
 	Unavailable string `json:"unavailable,omitempty"`
-	// Txn, when set, are the requests the relay sends from inside the
-	// pod's namespace before it prints Stdout; it then sends the agent the
-	// nlsteps.Outcome, framed as the request (4-byte length, JSON), on the
-	// same connection, which the agent holds open, with the namespace's
-	// lock, until then.
-	Txn *nlsteps.Txn `json:"txn,omitempty"`
+	// Txn, when set, is an nlsteps.Txn in its binary form: the requests
+	// the relay sends from inside the pod's namespace before it prints
+	// Stdout. It then sends the agent the nlsteps.Outcome, framed as the
+	// request (4-byte length, JSON), on the same connection, which the
+	// agent holds open, with the namespace's lock, until then.
+	Txn []byte `json:"txn,omitempty"`
+}
+
+// Error is a CNI error object, as plugins print it and the CNI library's
+// types.Error encodes it.
+type Error struct {
+	Code    uint   `json:"code"`
+	Msg     string `json:"msg"`
+	Details string `json:"details,omitempty"`
+}
+
+// CNI's error codes the relay uses itself (the specification's; the CNI
+// library's types.Err* constants).
+const (
+	ErrIncompatibleCNIVersion      uint = 1
+	ErrInvalidEnvironmentVariables uint = 4
+	ErrIOFailure                   uint = 5
+	ErrDecodingFailure             uint = 6
+	ErrInvalidNetNS                uint = 8
+	ErrTryAgainLater               uint = 11
+	ErrInternal                    uint = 999
+	// ErrPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot
+	// service ADD requests.
+	ErrPluginNotAvailable uint = 50
+)
+
+// NewError is an Error; it says what types.NewError says.
+func NewError(code uint, msg, details string) *Error {
+	return &Error{Code: code, Msg: msg, Details: details}
+}
+
+func (e *Error) Error() string {
+	if e.Details != "" {
+		return e.Msg + "; " + e.Details
+	}
+	return e.Msg
 }
 
 // MaxMessage bounds a request or response: a CNI config with its

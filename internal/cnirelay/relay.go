@@ -7,16 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/skel"
-	"github.com/containernetworking/cni/pkg/types"
-	"github.com/containernetworking/cni/pkg/version"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
@@ -48,26 +44,9 @@ type Relay struct {
 	// Send sends a prepared transaction from inside the namespace; nil
 	// means nlsteps.RunIn.
 	Send func(netns *os.File, txn *nlsteps.Txn) (time.Duration, error)
-}
-
-// Main runs the relay as a runtime executes it and returns the exit code.
-func Main(about string) int {
-	fallback := FallbackBinary
-	if exe, err := os.Executable(); err == nil {
-		fallback = filepath.Join(filepath.Dir(exe), FallbackBinary)
-	}
-	r := &Relay{Fallback: fallback, Environ: os.Environ(), Stdout: os.Stdout, Stderr: os.Stderr, Timeout: Timeout}
-	cmd := func(name string) func(*skel.CmdArgs) error {
-		return func(args *skel.CmdArgs) error { return r.Run(name, args) }
-	}
-	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
-		Add: cmd("ADD"), Del: cmd("DEL"), Check: cmd("CHECK"), Status: cmd("STATUS"), GC: cmd("GC"),
-	}, version.All, about)
-	if err != nil {
-		_ = err.Print()
-		return 1
-	}
-	return 0
+	// Getenv reads the runtime's environment (FORCE_IPTABLES_BINARY);
+	// nil means os.Getenv.
+	Getenv func(string) string
 }
 
 // errNoAgent means nothing answered on the socket: the fallback may run
@@ -75,48 +54,48 @@ func Main(about string) int {
 var errNoAgent = errors.New("no node agent")
 
 // Run serves one command: through the agent when one answers, else by
-// running the complete plugin.
-func (r *Relay) Run(command string, args *skel.CmdArgs) error {
+// running the complete plugin. Its error is an *Error, for the runtime.
+func (r *Relay) Run(a *Args) error {
 	var conf struct {
 		RunDir string `json:"cni_agent_run_dir"`
 	}
 	// A config that does not parse goes to the agent or the fallback all
 	// the same: either reports it with the key that was wrong.
-	_ = json.Unmarshal(args.StdinData, &conf)
+	_ = json.Unmarshal(a.Stdin, &conf)
 	if conf.RunDir == "" {
 		conf.RunDir = DefaultRunDir
 	}
 	sock := filepath.Join(conf.RunDir, SocketName)
 	var netns *os.File
-	if args.Netns != "" {
-		f, err := os.Open(args.Netns)
+	if a.Netns != "" {
+		f, err := os.Open(a.Netns)
 		switch {
 		case err == nil:
 			defer f.Close()
 			netns = f
-		case command == "ADD" || command == "CHECK":
-			return types.NewError(types.ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", args.Netns, err), "")
+		case a.Command == "ADD" || a.Command == "CHECK":
+			return NewError(ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", a.Netns, err), "")
 		}
 	}
-	resp, conn, err := r.ask(sock, command, args, netns)
+	resp, conn, err := r.ask(sock, a, netns)
 	if conn != nil {
-		defer conn.Close()
+		defer conn.close()
 	}
 	switch {
-	case errors.Is(err, errNoAgent) && command == "STATUS":
+	case errors.Is(err, errNoAgent) && a.Command == "STATUS":
 		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
-		return r.fallback(err.Error(), args)
+		return r.fallback(err.Error(), a)
 	case err != nil:
 		return err
-	case resp.Unavailable != "" && command == "STATUS":
+	case resp.Unavailable != "" && a.Command == "STATUS":
 		return r.status("node agent unavailable: " + resp.Unavailable)
 	case resp.Unavailable != "":
-		return r.fallback("node agent unavailable: "+resp.Unavailable, args)
+		return r.fallback("node agent unavailable: "+resp.Unavailable, a)
 	case resp.Error != nil:
 		return resp.Error
 	case resp.Txn != nil:
-		if err := r.send(conn, resp.Txn, netns, podOf(args.Args)); err != nil {
+		if err := r.send(conn, resp.Txn, netns, podOf(a.Args)); err != nil {
 			return err
 		}
 	}
@@ -127,30 +106,34 @@ func (r *Relay) Run(command string, args *skel.CmdArgs) error {
 // send sends the agent's prepared requests from inside the pod's
 // namespace and tells the agent how it went. A transaction that fails
 // fails the ADD whether or not the agent heard.
-func (r *Relay) send(conn *net.UnixConn, txn *nlsteps.Txn, netns *os.File, pod string) error {
+func (r *Relay) send(conn *agentConn, prepared []byte, netns *os.File, pod string) error {
 	if r.NoSteps || netns == nil {
 		// The agent prepares only for a relay that asked, with a namespace.
-		return types.NewError(types.ErrInternal, "the node agent sent rules to a relay that cannot send them", "")
+		return NewError(ErrInternal, "the node agent sent rules to a relay that cannot send them", "")
 	}
-	send := r.Send
-	if send == nil {
-		send = nlsteps.RunIn
+	var txn nlsteps.Txn
+	err := txn.UnmarshalBinary(prepared)
+	var took time.Duration
+	if err == nil {
+		send := r.Send
+		if send == nil {
+			send = nlsteps.RunIn
+		}
+		took, err = send(netns, &txn)
 	}
-	took, err := send(netns, txn)
-	acct := nlsteps.Outcome{Took: took}
+	out := nlsteps.Outcome{Took: took}
 	if err != nil {
-		acct.Error = err.Error()
+		out.Error = err.Error()
 	}
-	if body, jerr := json.Marshal(&acct); jerr == nil {
-		var hdr [4]byte
-		binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
+	if body, jerr := json.Marshal(&out); jerr == nil {
 		// The agent logs and counts the pod from this; the pod's
 		// outcome does not depend on it.
-		_, _ = conn.Write(append(hdr[:], body...))
-		_ = conn.CloseWrite()
+		_ = conn.write(binary.BigEndian.AppendUint32(nil, uint32(len(body))), nil)
+		_ = conn.write(body, nil)
+		conn.closeWrite()
 	}
 	if err != nil {
-		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
+		return NewError(ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
 	return nil
 }
@@ -170,56 +153,57 @@ func podOf(args string) string {
 	return ns + "/" + name
 }
 
-func (r *Relay) ask(sock, command string, args *skel.CmdArgs, netns *os.File) (*Response, *net.UnixConn, error) {
-	req := Request{Command: command, ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
-		Args: args.Args, Path: args.Path, Stdin: args.StdinData, Steps: !r.NoSteps && command == "ADD" && netns != nil}
+func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn, error) {
+	req := Request{Command: a.Command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
+		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil}
 	if req.Steps {
-		req.ForceIPTables = os.Getenv("FORCE_IPTABLES_BINARY")
+		getenv := r.Getenv
+		if getenv == nil {
+			getenv = os.Getenv
+		}
+		req.ForceIPTables = getenv("FORCE_IPTABLES_BINARY")
 	}
-	var oob []byte
-	if netns != nil {
-		req.HasNetnsFD = true
-		oob = syscall.UnixRights(int(netns.Fd()))
-	}
+	req.HasNetnsFD = netns != nil
 	body, err := json.Marshal(&req)
 	if err != nil {
-		return nil, nil, types.NewError(types.ErrInternal, err.Error(), "")
+		return nil, nil, NewError(ErrInternal, err.Error(), "")
 	}
-	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+	conn, err := dialAgent(sock, r.Timeout)
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.
-		return nil, nil, fmt.Errorf("%w: %w", errNoAgent, err)
+		return nil, nil, fmt.Errorf("%w: dial unix %s: %w", errNoAgent, sock, err)
 	}
-	// Closed by the caller, which may still owe the agent a commit's
-	// account; closed here on every error.
+	// Closed by the caller, which may still owe the agent a send's
+	// outcome; closed here on every error.
 	keep := false
 	defer func() {
 		if !keep {
-			_ = conn.Close()
+			conn.close()
 		}
 	}()
-	if r.Timeout > 0 {
-		_ = conn.SetDeadline(time.Now().Add(r.Timeout))
-	}
 	// The descriptor rides on a small first write, which a stream socket
 	// delivers whole; the body follows.
-	var hdr [4]byte
-	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
-	if _, _, err := conn.WriteMsgUnix(hdr[:], oob, nil); err != nil {
+	var rights []byte
+	if netns != nil {
+		rights = unix.UnixRights(int(netns.Fd()))
+	}
+	if err := conn.write(binary.BigEndian.AppendUint32(nil, uint32(len(body))), rights); err != nil {
 		return nil, nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
-	if _, err := conn.Write(body); err != nil {
+	if err := conn.write(body, nil); err != nil {
 		return nil, nil, fmt.Errorf("%w: sending to %s: %w", errNoAgent, sock, err)
 	}
 	if !req.Steps {
-		_ = conn.CloseWrite()
+		conn.closeWrite()
 	}
-	// The agent ends its answer by closing its side (for a commit, only
-	// its side: it then reads the account).
-	out, err := io.ReadAll(io.LimitReader(conn, MaxMessage))
-	var ne net.Error
-	if errors.As(err, &ne) && ne.Timeout() {
-		return nil, nil, types.NewError(types.ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", command, r.Timeout), "")
+	// The agent ends its answer by closing its side (for a transaction,
+	// only its side: it then reads the outcome).
+	out, err := conn.readAll(MaxMessage)
+	if errors.Is(err, errTooLarge) {
+		return nil, nil, NewError(ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
+	}
+	if errors.Is(err, unix.EAGAIN) {
+		return nil, nil, NewError(ErrTryAgainLater, fmt.Sprintf("the istio-cni node agent did not answer %s within %s", a.Command, r.Timeout), "")
 	}
 	// The agent went away mid-command (a restart): the command is
 	// idempotent, so the fallback can do it.
@@ -231,15 +215,11 @@ func (r *Relay) ask(sock, command string, args *skel.CmdArgs, netns *os.File) (*
 	}
 	resp := &Response{}
 	if err := json.Unmarshal(out, resp); err != nil {
-		return nil, nil, types.NewError(types.ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
+		return nil, nil, NewError(ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
 	}
 	keep = true
 	return resp, conn, nil
 }
-
-// errPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot
-// service ADD requests.
-const errPluginNotAvailable uint = 50
 
 // status answers STATUS when no agent serves: an ADD would be served by
 // the fallback, so STATUS fails only when the fallback cannot run. A
@@ -253,7 +233,7 @@ func (r *Relay) status(reason string) error {
 		err = errors.New("not an executable file")
 	}
 	if err != nil {
-		return types.NewError(errPluginNotAvailable, fmt.Sprintf("istio-cni cannot serve pods on this node: %s, and %s cannot run: %v",
+		return NewError(ErrPluginNotAvailable, fmt.Sprintf("istio-cni cannot serve pods on this node: %s, and %s cannot run: %v",
 			reason, r.Fallback, err), "")
 	}
 	return nil
@@ -261,7 +241,7 @@ func (r *Relay) status(reason string) error {
 
 // fallback runs the complete plugin with the runtime's environment and
 // config, and passes its answer on.
-func (r *Relay) fallback(reason string, args *skel.CmdArgs) error {
+func (r *Relay) fallback(reason string, a *Args) error {
 	runner := r.Runner
 	if runner == nil {
 		runner = execrun.OS{}
@@ -270,18 +250,18 @@ func (r *Relay) fallback(reason string, args *skel.CmdArgs) error {
 	// the CNI answer, read whole.
 	res, err := runner.Run(context.Background(), &execrun.Cmd{Path: r.Fallback,
 		Env:   append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason),
-		Stdin: args.StdinData, Stderr: r.Stderr})
+		Stdin: a.Stdin, Stderr: r.Stderr})
 	var exit *execrun.ExitError
 	switch {
 	case err == nil:
 		_, err = r.Stdout.Write(res.Stdout)
 		return err
 	case errors.As(err, &exit):
-		e := &types.Error{}
+		e := &Error{}
 		if jerr := json.Unmarshal(res.Stdout, e); jerr != nil || e.Msg == "" {
-			return types.NewError(types.ErrInternal, fmt.Sprintf("%s failed (%s) with output %q", r.Fallback, exit.State(), res.Stdout), "")
+			return NewError(ErrInternal, fmt.Sprintf("%s failed (%s) with output %q", r.Fallback, exit.State(), res.Stdout), "")
 		}
 		return e
 	}
-	return types.NewError(types.ErrInternal, fmt.Sprintf("%s; and the plugin that works without it cannot run: %v", reason, err), "")
+	return NewError(ErrInternal, fmt.Sprintf("%s; and the plugin that works without it cannot run: %v", reason, err), "")
 }

@@ -15,9 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/skel"
-	"github.com/containernetworking/cni/pkg/types"
-
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 )
@@ -150,9 +147,9 @@ func TestProtocol(t *testing.T) {
 			wantOut: `{"cniVersion":"1.0.0"}`},
 		{name: "the plugin's error passed on", command: "ADD",
 			reply: func(t *testing.T) []byte {
-				return answer(t, Response{Error: types.NewError(types.ErrInvalidNetworkConfig, "bad config", "details")})
+				return answer(t, Response{Error: NewError(7, "bad config", "details")})
 			},
-			wantCode: types.ErrInvalidNetworkConfig},
+			wantCode: 7},
 		{name: "agent shutting down: fallback", command: "DEL",
 			reply:        func(t *testing.T) []byte { return answer(t, Response{Unavailable: "shutting down"}) },
 			wantFallback: "node agent unavailable: shutting down"},
@@ -161,10 +158,10 @@ func TestProtocol(t *testing.T) {
 			wantFallback: "no node agent: no answer on"},
 		{name: "an answer that does not decode", command: "CHECK",
 			reply:    func(*testing.T) []byte { return []byte("{not json") },
-			wantCode: types.ErrInternal},
+			wantCode: ErrInternal},
 		{name: "no answer in time", command: "ADD",
 			reply:    func(*testing.T) []byte { return []byte("hang") },
-			wantCode: types.ErrTryAgainLater},
+			wantCode: ErrTryAgainLater},
 		{name: "a DEL whose namespace is gone goes without a descriptor", command: "DEL", netns: "/nonexistent/netns",
 			reply:   func(t *testing.T) []byte { return answer(t, Response{}) },
 			wantOut: ""},
@@ -174,21 +171,21 @@ func TestProtocol(t *testing.T) {
 			var out bytes.Buffer
 			rec := &recorder{res: execrun.Result{Stdout: []byte("from the fallback")}}
 			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: 200 * time.Millisecond, Runner: rec}
-			args := &skel.CmdArgs{ContainerID: "c1", Netns: c.netns, IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
-				Path: "/opt/cni/bin", StdinData: conf(a.runDir)}
-			err := r.Run(c.command, args)
+			args := &Args{ContainerID: "c1", Netns: c.netns, IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
+				Path: "/opt/cni/bin", Stdin: conf(a.runDir)}
+			err := r.Run(withCommand(args, c.command))
 			got := <-a.got
 			if got.err != nil {
 				t.Fatalf("the agent could not read the request: %v", got.err)
 			}
 			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
-				Args: args.Args, Path: args.Path, Stdin: args.StdinData, Steps: c.command == "ADD" && c.wantFD}
+				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD}
 			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
 				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
 			}
 			switch {
 			case c.wantCode != 0:
-				var te *types.Error
+				var te *Error
 				if !errors.As(err, &te) || te.Code != c.wantCode {
 					t.Fatalf("error %v, want code %d", err, c.wantCode)
 				}
@@ -238,15 +235,11 @@ func TestRequestEncoding(t *testing.T) {
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
-	step := nlsteps.Step{Proto: 12, Batch: true}
-	step.Add(0xa00, 0, []byte{2, 0, 0, 0}, "table ip nat")
-	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: types.NewError(7, "m", "d"), Unavailable: "u",
-		Txn: &nlsteps.Txn{Steps: []nlsteps.Step{step}, Summary: "iptables-nft"}})
+	b, err = json.Marshal(Response{Stdout: []byte("x"), Error: NewError(7, "m", "d"), Unavailable: "u", Txn: []byte("NLS1")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u","txn":{"steps":[{"proto":12,"batch":true,` +
-		`"msgs":"FAAAAAAKAQAAAAAAAAAAAAIAAAA=","what":["table ip nat"]}],"summary":"iptables-nft"}}`
+	want = `{"stdout":"eA==","error":{"code":7,"msg":"m","details":"d"},"unavailable":"u","txn":"TkxTMQ=="}`
 	if string(b) != want {
 		t.Fatalf("response:\n got %s\nwant %s", b, want)
 	}
@@ -271,8 +264,8 @@ func TestStepsAgainstOlderAgent(t *testing.T) {
 	var out bytes.Buffer
 	r := &Relay{Fallback: "/f", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second,
 		Send: func(*os.File, *nlsteps.Txn) (time.Duration, error) { sent++; return 0, nil }}
-	args := &skel.CmdArgs{ContainerID: "c1", Netns: "/proc/self/ns/net", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", StdinData: conf(a.runDir)}
-	if err := r.Run("ADD", args); err != nil || out.String() != `{"cniVersion":"1.0.0"}` || sent != 0 {
+	args := &Args{ContainerID: "c1", Netns: "/proc/self/ns/net", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", Stdin: conf(a.runDir)}
+	if err := r.Run(withCommand(args, "ADD")); err != nil || out.String() != `{"cniVersion":"1.0.0"}` || sent != 0 {
 		t.Fatalf("ADD against an agent that applies: %v, output %q, %d sent", err, out.String(), sent)
 	}
 	if got := <-a.got; got.err != nil || !got.req.Steps {
@@ -281,10 +274,14 @@ func TestStepsAgainstOlderAgent(t *testing.T) {
 
 	step := nlsteps.Step{Proto: 12}
 	step.Add(1, 0, nil, "x")
-	a = startAgent(t, answer(t, Response{Txn: &nlsteps.Txn{Steps: []nlsteps.Step{step}}, Stdout: []byte(`{}`)}))
+	prepared, err := (&nlsteps.Txn{Steps: []nlsteps.Step{step}}).MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a = startAgent(t, answer(t, Response{Txn: prepared, Stdout: []byte(`{}`)}))
 	r = &Relay{Fallback: "/f", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second, NoSteps: true}
-	args.StdinData = conf(a.runDir)
-	err := r.Run("ADD", args)
+	args.Stdin = conf(a.runDir)
+	err = r.Run(withCommand(args, "ADD"))
 	if err == nil || !strings.Contains(err.Error(), "cannot send") {
 		t.Fatalf("prepared rules to a relay that cannot send them: %v", err)
 	}
@@ -305,20 +302,20 @@ func TestNoAgent(t *testing.T) {
 	if err := os.WriteFile(notExe, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	args := &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", StdinData: conf(t.TempDir())}
+	args := &Args{ContainerID: "c1", IfName: "eth0", Stdin: conf(t.TempDir())}
 	for _, c := range []struct {
 		fallback string
 		wantOK   bool
 	}{{exe, true}, {notExe, false}, {filepath.Join(dir, "missing"), false}, {dir, false}} {
 		rec := &recorder{}
 		r := &Relay{Fallback: c.fallback, Stdout: io.Discard, Stderr: io.Discard, Runner: rec}
-		err := r.Run("STATUS", args)
-		var te *types.Error
+		err := r.Run(withCommand(args, "STATUS"))
+		var te *Error
 		switch {
 		case c.wantOK && err != nil:
 			t.Errorf("%s: STATUS %v", c.fallback, err)
-		case !c.wantOK && (!errors.As(err, &te) || te.Code != errPluginNotAvailable):
-			t.Errorf("%s: STATUS %v, want code %d", c.fallback, err, errPluginNotAvailable)
+		case !c.wantOK && (!errors.As(err, &te) || te.Code != ErrPluginNotAvailable):
+			t.Errorf("%s: STATUS %v, want code %d", c.fallback, err, ErrPluginNotAvailable)
 		}
 		if len(rec.cmds) != 0 {
 			t.Errorf("%s: STATUS ran the fallback", c.fallback)
@@ -327,7 +324,7 @@ func TestNoAgent(t *testing.T) {
 	rec := &recorder{res: execrun.Result{Stdout: []byte("ok")}}
 	var out bytes.Buffer
 	r := &Relay{Fallback: exe, Environ: []string{"CNI_COMMAND=ADD", "PATH=/opt/cni/bin"}, Stdout: &out, Stderr: io.Discard, Runner: rec}
-	if err := r.Run("ADD", args); err != nil || out.String() != "ok" || len(rec.cmds) != 1 {
+	if err := r.Run(withCommand(args, "ADD")); err != nil || out.String() != "ok" || len(rec.cmds) != 1 {
 		t.Fatalf("ADD without an agent: %v %q %d", err, out.String(), len(rec.cmds))
 	}
 	if env := strings.Join(rec.cmds[0].Env, "\n"); !strings.HasPrefix(env, "CNI_COMMAND=ADD\nPATH=/opt/cni/bin\n"+FallbackReasonEnv+"=no node agent") {
@@ -350,19 +347,19 @@ func TestFallback(t *testing.T) {
 		{name: "its CNI error is passed on", res: execrun.Result{Stdout: []byte(`{"code":11,"msg":"pod lookup failed","details":"d"}`)},
 			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: 11, wantMsg: "pod lookup failed"},
 		{name: "a failure without a CNI error", res: execrun.Result{Stdout: []byte("panic: x")},
-			err: &execrun.ExitError{Cmd: "/f", Code: 2}, wantCode: types.ErrInternal, wantMsg: `/f failed (exit status 2) with output "panic: x"`},
+			err: &execrun.ExitError{Cmd: "/f", Code: 2}, wantCode: ErrInternal, wantMsg: `/f failed (exit status 2) with output "panic: x"`},
 		{name: "killed by a signal", err: &execrun.ExitError{Cmd: "/f", Code: -1, Status: "signal: killed"},
-			wantCode: types.ErrInternal, wantMsg: `/f failed (signal: killed) with output ""`},
+			wantCode: ErrInternal, wantMsg: `/f failed (signal: killed) with output ""`},
 		{name: "an error without a message", res: execrun.Result{Stdout: []byte(`{"code":11}`)},
-			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: types.ErrInternal, wantMsg: "with output"},
-		{name: "it cannot start", err: os.ErrPermission, wantCode: types.ErrInternal,
+			err: &execrun.ExitError{Cmd: "/f", Code: 1}, wantCode: ErrInternal, wantMsg: "with output"},
+		{name: "it cannot start", err: os.ErrPermission, wantCode: ErrInternal,
 			wantMsg: "agent away; and the plugin that works without it cannot run: permission denied"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rec := &recorder{res: c.res, err: c.err}
 			var out, stderr bytes.Buffer
 			r := &Relay{Fallback: "/f", Environ: []string{"A=1"}, Stdout: &out, Stderr: &stderr, Runner: rec}
-			err := r.fallback("agent away", &skel.CmdArgs{StdinData: stdin})
+			err := r.fallback("agent away", &Args{Stdin: stdin})
 			if len(rec.cmds) != 1 {
 				t.Fatalf("%d runs", len(rec.cmds))
 			}
@@ -377,7 +374,7 @@ func TestFallback(t *testing.T) {
 				}
 				return
 			}
-			var te *types.Error
+			var te *Error
 			if !errors.As(err, &te) || te.Code != c.wantCode || !strings.Contains(te.Msg, c.wantMsg) {
 				t.Fatalf("error %v, want code %d with %q", err, c.wantCode, c.wantMsg)
 			}
@@ -402,7 +399,7 @@ func TestRealFallbackRuns(t *testing.T) {
 	}
 	var out, stderr bytes.Buffer
 	r := &Relay{Fallback: f, Stdout: &out, Stderr: &stderr}
-	if err := r.fallback("why", &skel.CmdArgs{StdinData: []byte("config")}); err != nil {
+	if err := r.fallback("why", &Args{Stdin: []byte("config")}); err != nil {
 		t.Fatal(err)
 	}
 	if out.String() != "config" || stderr.String() != "why\n" {
@@ -420,4 +417,11 @@ func lookPath(name string) (string, error) {
 		}
 	}
 	return "", os.ErrNotExist
+}
+
+// withCommand is the runtime's command with its arguments.
+func withCommand(a *Args, command string) *Args {
+	c := *a
+	c.Command = command
+	return &c
 }

@@ -225,7 +225,7 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 
 			// Enrolled: the plain result, nothing else.
 			var out bytes.Buffer
-			if err := r.relay(c, &out).Run("ADD", r.addArgs("amb", "u3")); err != nil {
+			if err := runRelay(r.relay(c, &out), "ADD", r.addArgs("amb", "u3")); err != nil {
 				t.Fatalf("ADD of an enrolled pod: %v", err)
 			}
 			if !sameJSONValue(out.Bytes(), []byte(ambientPrevResult)) {
@@ -257,7 +257,7 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 
 			// Not enrolled: the sidecar path, committed as before.
 			out.Reset()
-			if err := r.relay(c, &out).Run("ADD", r.addArgs("web", "u1")); err != nil {
+			if err := runRelay(r.relay(c, &out), "ADD", r.addArgs("web", "u1")); err != nil {
 				t.Fatalf("ADD of a sidecar pod: %v", err)
 			}
 			if !sameJSONValue(out.Bytes(), []byte(ambientPrevResult)) {
@@ -279,8 +279,8 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 
 			// The controller's error fails the ADD, naming it.
 			out.Reset()
-			err := r.relay(c, &out).Run("ADD", r.addArgs("broken", "u9"))
-			var te *types.Error
+			err := runRelay(r.relay(c, &out), "ADD", r.addArgs("broken", "u9"))
+			var te *cnirelay.Error
 			if !errors.As(err, &te) || te.Code != types.ErrTryAgainLater || !strings.Contains(te.Msg, "ztunnel did not acknowledge pod ns/broken") {
 				t.Fatalf("ADD the controller failed: %v, want code %d naming its error", err, types.ErrTryAgainLater)
 			}
@@ -293,7 +293,7 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 
 			// DEL and CHECK never enrol.
 			for _, cmd := range []string{"DEL", "CHECK"} {
-				if err := r.relay(c, io.Discard).Run(cmd, r.addArgs("amb", "u3")); err != nil {
+				if err := runRelay(r.relay(c, io.Discard), cmd, r.addArgs("amb", "u3")); err != nil {
 					t.Fatalf("%s: %v", cmd, err)
 				}
 			}
@@ -383,7 +383,7 @@ func TestNoAmbientControllerMeansSidecarPath(t *testing.T) {
 	var out bytes.Buffer
 	for _, pod := range [][2]string{{"amb", "u3"}, {"web", "u1"}} {
 		out.Reset()
-		if err := r.relay(nil, &out).Run("ADD", r.addArgs(pod[0], pod[1])); err != nil {
+		if err := runRelay(r.relay(nil, &out), "ADD", r.addArgs(pod[0], pod[1])); err != nil {
 			t.Fatalf("ADD of %s: %v", pod[0], err)
 		}
 		if !sameJSONValue(out.Bytes(), []byte(ambientPrevResult)) {
@@ -404,14 +404,14 @@ func TestAmbientCheck(t *testing.T) {
 		checkFail: map[string]error{"drifted": errors.New("ambient redirection: chain ISTIO_OUTPUT is missing")}}
 	r := newAmbientRig(t, CommitterAgent, amb)
 	dev, ino := netnsID(t, r.netns)
-	if err := r.relay(nil, io.Discard).Run("CHECK", r.addArgs("amb", "u3")); err != nil {
+	if err := runRelay(r.relay(nil, io.Discard), "CHECK", r.addArgs("amb", "u3")); err != nil {
 		t.Fatalf("CHECK of an enrolled pod: %v", err)
 	}
-	err := r.relay(nil, io.Discard).Run("CHECK", r.addArgs("drifted", "u8"))
+	err := runRelay(r.relay(nil, io.Discard), "CHECK", r.addArgs("drifted", "u8"))
 	if err == nil || !strings.Contains(err.Error(), "chain ISTIO_OUTPUT is missing") || !strings.Contains(err.Error(), "ns/drifted") {
 		t.Fatalf("CHECK of a drifted enrolled pod: %v", err)
 	}
-	if err := r.relay(nil, io.Discard).Run("CHECK", r.addArgs("web", "u1")); err != nil {
+	if err := runRelay(r.relay(nil, io.Discard), "CHECK", r.addArgs("web", "u1")); err != nil {
 		t.Fatalf("CHECK of a sidecar pod: %v", err)
 	}
 	checks := amb.checked()

@@ -175,7 +175,7 @@ func TestRelaySendsPreparedRules(t *testing.T) {
 	r := newCommitRig(t, CommitterPlugin)
 	c := &relaySender{}
 	var out strings.Builder
-	if err := r.relay(c, &out).Run("ADD", r.add("web")); err != nil {
+	if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
 		t.Fatalf("ADD: %v", err)
 	}
 	if n := len(r.agent.applied()); n != 0 {
@@ -192,11 +192,11 @@ func TestRelaySendsPreparedRules(t *testing.T) {
 	}
 	// The lock was given back: a second ADD on the namespace goes
 	// through too (it would wait out the relay's timeout otherwise).
-	if err := r.relay(c, io.Discard).Run("ADD", r.add("web")); err != nil {
+	if err := runRelay(r.relay(c, io.Discard), "ADD", r.add("web")); err != nil {
 		t.Fatalf("second ADD: %v", err)
 	}
 	// A pod without a sidecar gets nothing to send.
-	if err := r.relay(c, io.Discard).Run("ADD", r.add("plain")); err != nil {
+	if err := runRelay(r.relay(c, io.Discard), "ADD", r.add("plain")); err != nil {
 		t.Fatalf("ADD of a plain pod: %v", err)
 	}
 	if len(c.sent) != 2 {
@@ -221,7 +221,7 @@ func TestRelaySendsPreparedRules(t *testing.T) {
 func TestRelaySendFailureFailsTheADD(t *testing.T) {
 	r := newCommitRig(t, CommitterPlugin)
 	c := &relaySender{fail: errors.New("the kernel refused the nf_tables transaction: rule 3: invalid argument")}
-	err := r.relay(c, io.Discard).Run("ADD", r.add("web"))
+	err := runRelay(r.relay(c, io.Discard), "ADD", r.add("web"))
 	if err == nil || !strings.Contains(err.Error(), "pod ns/web") || !strings.Contains(err.Error(), "rule 3: invalid argument") {
 		t.Fatalf("ADD with a refused send: %v", err)
 	}
@@ -253,7 +253,7 @@ func TestRelaySendFailureFailsTheADD(t *testing.T) {
 	conn.Close()
 
 	c.fail = nil
-	if err := r.relay(c, io.Discard).Run("ADD", r.add("web")); err != nil {
+	if err := runRelay(r.relay(c, io.Discard), "ADD", r.add("web")); err != nil {
 		t.Fatalf("ADD after a relay died: %v", err)
 	}
 	r.stop()
@@ -292,7 +292,7 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 				c = &relaySender{}
 			}
 			var out strings.Builder
-			if err := r.relay(c, &out).Run("ADD", r.add("web")); err != nil {
+			if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
 				t.Fatalf("ADD: %v", err)
 			}
 			if n := len(r.agent.applied()); n != 1 {
@@ -332,4 +332,10 @@ func TestRelayForcesTheVariant(t *testing.T) {
 	if s := (&Server{Rules: &recordingRules{}}); s.rulesFor(&cnirelay.Request{ForceIPTables: "legacy"}) != s.Rules {
 		t.Error("a backend that is not iptables was replaced")
 	}
+}
+
+// runRelay runs one command through the relay as the runtime gives it.
+func runRelay(rl *cnirelay.Relay, command string, a *skel.CmdArgs) error {
+	return rl.Run(&cnirelay.Args{Command: command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
+		Args: a.Args, Path: a.Path, Stdin: a.StdinData})
 }

@@ -249,7 +249,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		resp = &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
-		resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
+		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
 		rc := &relayCommit{conn: conn}
 		resp = s.handle(req, netns, rc.commit)
@@ -277,7 +277,11 @@ type relayCommit struct {
 
 func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome, error) {
 	var a nlsteps.Outcome
-	out, err := json.Marshal(&cnirelay.Response{Txn: txn, Stdout: result})
+	prepared, err := txn.MarshalBinary()
+	if err != nil {
+		return a, err
+	}
+	out, err := json.Marshal(&cnirelay.Response{Txn: prepared, Stdout: result})
 	if err != nil {
 		return a, err
 	}
@@ -430,7 +434,7 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 			if s.Panics != nil {
 				s.Panics.WithLabelValues("cni").Inc()
 			}
-			resp = &cnirelay.Response{Error: types.NewError(types.ErrInternal,
+			resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal,
 				fmt.Sprintf("istio-cni node agent: internal error handling %s: %v", req.Command, r), "")}
 			result = fmt.Sprint(types.ErrInternal)
 		}
@@ -486,19 +490,21 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 		}
 	}
 	var err error
-	switch req.Command {
-	case "ADD":
-		err = p.Add(args)
-	case "DEL":
-		err = p.Del(args)
-	case "CHECK":
-		err = p.Check(args)
-	case "STATUS":
-		err = p.Status(args)
-	case "GC":
-		err = p.GC(args)
-	default:
-		err = types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", req.Command), "")
+	if serr := checkAsSkel(req); serr != nil {
+		err = serr
+	} else {
+		switch req.Command {
+		case "ADD":
+			err = p.Add(args)
+		case "DEL":
+			err = p.Del(args)
+		case "CHECK":
+			err = p.Check(args)
+		case "STATUS":
+			err = p.Status(args)
+		case "GC":
+			err = p.GC(args)
+		}
 	}
 	resp = &cnirelay.Response{}
 	if err != nil {
@@ -510,7 +516,7 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 		if !errors.As(err, &te) {
 			te = types.NewError(types.ErrInternal, err.Error(), "")
 		}
-		resp.Error = te
+		resp.Error = relayError(te)
 		result = fmt.Sprint(te.Code)
 	} else {
 		resp.Stdout = out.Bytes()

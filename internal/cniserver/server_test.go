@@ -185,7 +185,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	relay := &cnirelay.Relay{Fallback: "/nonexistent/fallback", Stdout: io.Discard, Stderr: io.Discard, Timeout: 10 * time.Second}
 	conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":%q,"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, filepath.Dir(sock))
 	add := &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=bad;K8S_POD_UID=u1", StdinData: []byte(conf)}
-	err = relay.Run("ADD", add)
+	err = runRelay(relay, "ADD", add)
 	if err == nil || !strings.Contains(err.Error(), "internal error handling ADD") {
 		t.Fatalf("ADD that panicked: %v", err)
 	}
@@ -196,7 +196,7 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 		t.Fatalf("the panic is not logged with its pod:\n%s", logs.String())
 	}
 	// The agent still serves.
-	if err := relay.Run("DEL", &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: add.Args, StdinData: []byte(conf)}); err != nil {
+	if err := runRelay(relay, "DEL", &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: add.Args, StdinData: []byte(conf)}); err != nil {
 		t.Fatalf("DEL after the panic: %v", err)
 	}
 }
@@ -220,7 +220,7 @@ func TestCNISocketServesPastItsConnectionLimit(t *testing.T) {
 	conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":%q}`, filepath.Dir(sock))
 	del := &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", StdinData: []byte(conf)}
 	for i := 0; i < socketLimits.MaxConns+2; i++ {
-		if err := relay.Run("DEL", del); err != nil {
+		if err := runRelay(relay, "DEL", del); err != nil {
 			t.Fatalf("DEL %d: %v", i+1, err)
 		}
 	}

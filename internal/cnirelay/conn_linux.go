@@ -1,0 +1,83 @@
+package cnirelay
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// agentConn is the relay's connection to the agent, in plain blocking
+// socket calls with the kernel's timeouts: the relay does one exchange,
+// and the net package's poller is more to start than it saves.
+type agentConn struct{ fd int }
+
+func dialAgent(path string, timeout time.Duration) (*agentConn, error) {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socket: %w", err)
+	}
+	if timeout > 0 {
+		tv := unix.NsecToTimeval(timeout.Nanoseconds())
+		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+	}
+	for {
+		err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	return &agentConn{fd: fd}, nil
+}
+
+// write writes b whole; rights, when set, ride on its first bytes.
+func (c *agentConn) write(b, rights []byte) error {
+	for len(b) > 0 || rights != nil {
+		n, err := unix.SendmsgN(c.fd, b, rights, nil, unix.MSG_NOSIGNAL)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("write: %w", err)
+		}
+		b, rights = b[n:], nil
+	}
+	return nil
+}
+
+func (c *agentConn) closeWrite() { _ = unix.Shutdown(c.fd, unix.SHUT_WR) }
+
+func (c *agentConn) close() { _ = unix.Close(c.fd) }
+
+// errTooLarge is an answer longer than any the agent sends.
+var errTooLarge = fmt.Errorf("an answer over %d bytes", MaxMessage)
+
+// readAll reads to the end of the agent's answer, at most limit bytes.
+func (c *agentConn) readAll(limit int) ([]byte, error) {
+	buf := make([]byte, 0, 16<<10)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := unix.Read(c.fd, buf[len(buf):cap(buf)])
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return buf, fmt.Errorf("read: %w", err)
+		}
+		if n == 0 {
+			return buf, nil
+		}
+		buf = buf[:len(buf)+n]
+		if len(buf) > limit {
+			return buf, errTooLarge
+		}
+	}
+}
