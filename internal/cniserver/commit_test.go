@@ -63,12 +63,14 @@ func (r *recordingRules) applied() []*ruleset.Plan {
 	return append([]*ruleset.Plan(nil), r.plans...)
 }
 
-// Prepare names the plan in the transaction's summary, so the test sees
-// which plan the relay was handed.
-func (r *recordingRules) Prepare(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
-	if r.inPlace != "" {
-		return nil, r.inPlace, nil
-	}
+// Examine says inPlace.
+func (r *recordingRules) Examine(string) (podnet.Facts, string, error) {
+	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.1.0.2")}}, r.inPlace, nil
+}
+
+// PrepareFresh names the plan in the transaction's summary, so the test
+// sees which plan the relay was handed.
+func (r *recordingRules) PrepareFresh(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil

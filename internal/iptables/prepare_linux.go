@@ -44,26 +44,53 @@ var ourTables = map[string]bool{"nat": true, "mangle": true, "raw": true}
 // legacy tables or ipsets already, it belongs to a user namespace of its
 // own, or iptables here is not iptables-nft).
 func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
-	if a.Force == VariantLegacy {
-		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
-	}
-	if foreign, err := foreignUserNS(netnsPath); err != nil {
-		return nil, "", err
-	} else if foreign {
-		// Owner matches are only taken from a writer in the pod's own
-		// user namespace, which only a process of its own can enter.
-		return nil, "the pod has a user namespace of its own", nil
-	}
-	var why string
-	hasSets := false
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		var err error
-		why, hasSets, err = notFresh()
-		return err
-	})
+	_, why, err := a.Examine(netnsPath)
 	if err != nil || why != "" {
 		return nil, why, err
 	}
+	return a.PrepareFresh(netnsPath, plan)
+}
+
+// Examine reads the namespace's facts and says why it cannot take
+// prepared requests, "" when it can.
+func (a *Applier) Examine(netnsPath string) (podnet.Facts, string, error) {
+	var facts podnet.Facts
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		var err error
+		facts, err = podnet.ReadFacts()
+		return err
+	})
+	return facts, a.unfit(facts), err
+}
+
+// unfit says why a namespace with these facts cannot take prepared
+// requests, "" when it can.
+func (a *Applier) unfit(f podnet.Facts) string {
+	switch {
+	case a.Force == VariantLegacy:
+		return "FORCE_IPTABLES_BINARY=legacy"
+	case f.ForeignUserNS:
+		// Owner matches are only taken from a writer in the pod's own
+		// user namespace, which only a process of its own can enter.
+		return "the pod has a user namespace of its own"
+	case f.TProxyRule:
+		return "the namespace has a TPROXY policy rule already"
+	case f.LegacyTables:
+		return "the namespace has legacy iptables tables"
+	case f.NoNFTables:
+		return "the kernel has no nf_tables"
+	}
+	for _, t := range f.Tables {
+		if (t.Family == unix.NFPROTO_IPV4 || t.Family == unix.NFPROTO_IPV6) && ourTables[t.Name] {
+			return "the namespace has iptables rules already"
+		}
+	}
+	return ""
+}
+
+// PrepareFresh returns the requests for a namespace Examine found fit: the
+// plan's, prepared once and then taken from the cache.
+func (a *Applier) PrepareFresh(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, _, err := preparedTxns.Get("iptables "+a.Force+" "+plan.Fingerprint(), func() (*nlsteps.Txn, error) {
 		return a.compile(plan)
 	})
@@ -73,54 +100,28 @@ func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, s
 	if err != nil {
 		return nil, "", err
 	}
-	if hasSets && len(txn.Undo) > 0 {
+	if len(txn.Undo) > 0 {
 		// The kernel numbers ipsets in order of creation and the rules
-		// name them by number: only an empty namespace numbers them as
-		// the scratch one did.
-		return nil, "the namespace holds ipsets", nil
+		// name them by number: only a namespace with no set numbers them
+		// as the scratch one did.
+		var sets []string
+		err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+			c, err := dialIPSet()
+			if err != nil {
+				return err
+			}
+			defer c.close()
+			sets, err = c.names()
+			return err
+		})
+		if err != nil {
+			return nil, "", err
+		}
+		if len(sets) > 0 {
+			return nil, "the namespace holds ipsets", nil
+		}
 	}
 	return txn, "", nil
-}
-
-// notFresh says why the calling thread's namespace is not one Prepare's
-// requests can be sent to, and whether it holds any ipset.
-func notFresh() (why string, hasSets bool, err error) {
-	if hasLegacyTables(ruleset.IPv4) || hasLegacyTables(ruleset.IPv6) {
-		return "the namespace has legacy iptables tables", false, nil
-	}
-	c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
-	if err != nil {
-		return "", false, fmt.Errorf("opening netfilter netlink: %w", err)
-	}
-	defer c.Close()
-	tables, err := c.Execute(netlink.Message{Header: netlink.Header{Type: nftType(unix.NFT_MSG_GETTABLE), Flags: netlink.Request | netlink.Dump},
-		Data: nlsteps.NfGen(unix.NFPROTO_UNSPEC, 0)})
-	if errors.Is(err, unix.EPROTONOSUPPORT) {
-		return "the kernel has no nf_tables", false, nil
-	}
-	if err != nil {
-		return "", false, fmt.Errorf("listing nftables tables: %w", err)
-	}
-	for _, m := range tables {
-		if len(m.Data) < nlsteps.NfGenLen {
-			continue
-		}
-		fam := m.Data[0]
-		attrs, _ := nlsteps.ParseAttrs(m.Data[nlsteps.NfGenLen:])
-		for _, at := range attrs {
-			if at.Type == unix.NFTA_TABLE_NAME && (fam == unix.NFPROTO_IPV4 || fam == unix.NFPROTO_IPV6) &&
-				ourTables[cString(at.Data)] {
-				return "the namespace has iptables rules already", false, nil
-			}
-		}
-	}
-	if has, err := podnet.HasTProxyRule(); err != nil || has {
-		return "the namespace has a TPROXY policy rule already", false, err
-	}
-	sets, err := c.Execute(netlink.Message{Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | nl.IPSET_CMD_LIST),
-		Flags: netlink.Request | netlink.Dump}, Data: ipsetNameOnlyRequest()})
-	// A kernel without ipset has none to conflict with.
-	return "", err == nil && len(sets) > 0, nil
 }
 
 // ipsetFlagListSetname asks a list for the sets' names alone (the

@@ -156,9 +156,13 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 			}
 		}, "", withSets, "holds ipsets"},
 		{"forced legacy", nil, VariantLegacy, basic(false), "FORCE_IPTABLES_BINARY=legacy"},
+		{"user namespace", nil, "", basic(false), "user namespace of its own"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			n := newNS(t)
+			if c.name == "user namespace" {
+				n = userNSPod(t)
+			}
 			if c.setup != nil {
 				c.setup(t, n)
 			}

@@ -23,30 +23,42 @@ var preparedTxns = nlsteps.NewCache(4 << 20)
 // to send; or, with a nil transaction, why the namespace needs Apply
 // instead (it holds tables of ours, or a TPROXY policy rule).
 func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
-	var why string
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		conn, err := nftables.New()
-		if err != nil {
-			return fmt.Errorf("opening nftables netlink: %w", err)
-		}
-		defer func() { _ = conn.CloseLasting() }()
-		existing, err := ourTables(conn, TablePrefix)
-		if err != nil {
-			return err
-		}
-		if len(existing) > 0 {
-			why = "the namespace has tables of ours already"
-			return nil
-		}
-		if has, err := podnet.HasTProxyRule(); err != nil || has {
-			why = "the namespace has a TPROXY policy rule already"
-			return err
-		}
-		return nil
-	})
+	_, why, err := a.Examine(netnsPath)
 	if err != nil || why != "" {
 		return nil, why, err
 	}
+	return a.PrepareFresh(netnsPath, plan)
+}
+
+// Examine reads the namespace's facts and says why it cannot take
+// prepared requests, "" when it can.
+func (a *Applier) Examine(netnsPath string) (podnet.Facts, string, error) {
+	var facts podnet.Facts
+	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		var err error
+		facts, err = podnet.ReadFacts()
+		return err
+	})
+	return facts, unfit(facts), err
+}
+
+// unfit says why a namespace with these facts cannot take prepared
+// requests, "" when it can.
+func unfit(f podnet.Facts) string {
+	if f.TProxyRule {
+		return "the namespace has a TPROXY policy rule already"
+	}
+	for _, t := range f.Tables {
+		if t.Family == unix.NFPROTO_INET && strings.HasPrefix(t.Name, TablePrefix) {
+			return "the namespace has tables of ours already"
+		}
+	}
+	return ""
+}
+
+// PrepareFresh returns the requests for a namespace Examine found fit: the
+// plan's, prepared once and then taken from the cache.
+func (a *Applier) PrepareFresh(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, _, err := preparedTxns.Get(plan.Fingerprint(), func() (*nlsteps.Txn, error) { return compile(plan) })
 	return txn, "", err
 }

@@ -7,8 +7,10 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -135,4 +137,22 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 			t.Fatalf("a refused transaction changed the namespace:\n%s\nwas\n%s", after, before)
 		}
 	})
+}
+
+// TestUnfitIgnoresOthersTables: tables of other names or families (an
+// iptables-nft table, another component's inet table) leave a namespace
+// fit; ours or a TPROXY rule do not.
+func TestUnfitIgnoresOthersTables(t *testing.T) {
+	for _, c := range []struct {
+		facts podnet.Facts
+		want  string
+	}{
+		{podnet.Facts{Tables: []podnet.Table{{Family: unix.NFPROTO_IPV4, Name: TablePrefix + "nat"}, {Family: unix.NFPROTO_INET, Name: "filter"}}}, ""},
+		{podnet.Facts{Tables: []podnet.Table{{Family: unix.NFPROTO_INET, Name: TablePrefix + "mangle"}}}, "tables of ours"},
+		{podnet.Facts{TProxyRule: true}, "TPROXY"},
+	} {
+		if got := unfit(c.facts); (c.want == "") != (got == "") || !strings.Contains(got, c.want) {
+			t.Errorf("%+v: %q, want %q", c.facts, got, c.want)
+		}
+	}
 }

@@ -306,22 +306,21 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("no redirection", "reason", d.Skip, "duration", time.Since(start).String())
 		return p.printResult(req.conf)
 	}
-	plan, err := podrules.BuildPlan(req.rules, args.Netns, d.Params)
-	if err != nil {
-		req.log.Error("pod blocked", "error", err.Error())
-		return types.NewError(types.ErrInternal, err.Error(), "")
-	}
-	planned := time.Now()
+	var plan *ruleset.Plan
+	var txn *nlsteps.Txn
 	var inPlace string
 	if p.Commit != nil {
-		var txn *nlsteps.Txn
-		if txn, inPlace, err = podrules.Prepare(req.rules, args.Netns, plan); err != nil {
-			req.log.Error("pod blocked", "error", err.Error())
-			return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: preparing its rules: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
-		}
-		if txn != nil {
-			return p.commitElsewhere(req, d, plan, txn, start, decided, planned)
-		}
+		plan, txn, inPlace, err = podrules.PreparePod(req.rules, args.Netns, d.Params)
+	} else {
+		plan, err = podrules.BuildPlan(req.rules, args.Netns, d.Params)
+	}
+	if err != nil {
+		req.log.Error("pod blocked", "error", err.Error())
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+	}
+	planned := time.Now()
+	if txn != nil {
+		return p.commitElsewhere(req, d, plan, txn, start, decided, planned)
 	}
 	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
@@ -351,7 +350,6 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
-	prepared := time.Now()
 	a, err := p.Commit(txn, out.Bytes())
 	if err != nil {
 		req.log.Error("the plugin process did not report sending the redirect rules", "error", err.Error(),
@@ -364,7 +362,7 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 	}
 	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
 		"result", txn.Summary+" applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
-		"plan", planned.Sub(decided).String(), "prepare", prepared.Sub(planned).String(), "apply", a.Took.String(),
+		"plan", planned.Sub(decided).String(), "apply", a.Took.String(),
 		"committed_by", "plugin")
 	return nil
 }

@@ -25,9 +25,14 @@ func (f *fakeRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
 }
 func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
 
-// Prepare serves a relay that sends the rules: a transaction of one
+// Examine finds every namespace fit for prepared rules.
+func (f *fakeRules) Examine(string) (podnet.Facts, string, error) {
+	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.2")}}, "", nil
+}
+
+// PrepareFresh serves a relay that sends the rules: a transaction of one
 // message, never sent anywhere.
-func (f *fakeRules) Prepare(string, *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (f *fakeRules) PrepareFresh(string, *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Steps: []nlsteps.Step{s}}, "", nil

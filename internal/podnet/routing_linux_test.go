@@ -91,3 +91,47 @@ func TestReportString(t *testing.T) {
 		t.Errorf("String() = %q, want %q", got, want)
 	}
 }
+
+// TestReadFactsAgreesWithTheLibrary: ReadFacts' one-socket reading of a
+// namespace lists the addresses PodAddrs lists, in its order (a
+// point-to-point address included, by its own side), and sees the TPROXY
+// policy rule in either family and no other rule.
+func TestReadFactsAgreesWithTheLibrary(t *testing.T) {
+	n := testutil.NewNS(t)
+	testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
+	testutil.RunIn(t, n, "ip", "addr", "add", "10.1.0.2/24", "dev", "eth0")
+	testutil.RunIn(t, n, "ip", "addr", "add", "10.9.0.1", "peer", "10.9.0.2", "dev", "eth0")
+	testutil.RunIn(t, n, "ip", "-6", "addr", "add", "fd00::2/64", "dev", "eth0", "nodad")
+	facts := func() Facts {
+		var f Facts
+		if err := n.Do(func(ns.NetNS) error {
+			var err error
+			f, err = ReadFacts()
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	want, err := PodAddrs(n.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := facts(); !slices.Equal(got.Addrs, want) || got.TProxyRule {
+		t.Fatalf("ReadFacts: %+v; PodAddrs: %v", got, want)
+	}
+	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1338", "lookup", "133")
+	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1337", "lookup", "134")
+	if facts().TProxyRule {
+		t.Fatal("another mark's or table's rule taken for TPROXY's")
+	}
+	testutil.RunIn(t, n, "ip", "-6", "rule", "add", "fwmark", "1337", "lookup", "133")
+	if !facts().TProxyRule {
+		t.Fatal("the IPv6 TPROXY rule not seen")
+	}
+	testutil.RunIn(t, n, "ip", "-6", "rule", "del", "fwmark", "1337", "lookup", "133")
+	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1337", "lookup", "133")
+	if !facts().TProxyRule {
+		t.Fatal("the IPv4 TPROXY rule not seen")
+	}
+}

@@ -47,6 +47,10 @@ func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.
 	if err != nil {
 		return nil, err
 	}
+	return planFor(addrs, params)
+}
+
+func planFor(addrs []netip.Addr, params redirect.Params) (*ruleset.Plan, error) {
 	global := false
 	for _, a := range addrs {
 		if !a.IsLoopback() && !a.IsLinkLocalUnicast() {
@@ -63,7 +67,13 @@ func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.
 // holding none of our rules as netlink requests, for the relay to send
 // (iptables.Applier, nftables.Applier).
 type Preparer interface {
-	Prepare(netnsPath string, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
+	// Examine reads the namespace once: its facts (podnet.ReadFacts), and
+	// why it cannot take prepared requests ("" when it can: rules are
+	// there already, say).
+	Examine(netnsPath string) (facts podnet.Facts, unfit string, err error)
+	// PrepareFresh returns the requests for a namespace Examine found fit,
+	// or why it cannot after all.
+	PrepareFresh(netnsPath string, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
 }
 
 var (
@@ -71,16 +81,28 @@ var (
 	_ Preparer = (*nftables.Applier)(nil)
 )
 
-// Prepare is rules' Prepare; a backend that cannot prepare, or a plan
-// too large to hand over, says so as the reason to apply in place.
-func Prepare(rules Rules, netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+// PreparePod is a pod's plan and, when the namespace can take them, its
+// rules as requests for the relay; with none, why the rules must be
+// applied in place (a backend that cannot prepare, a namespace that holds
+// rules already, a plan too large to hand over). The namespace is read
+// once for both.
+func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, *nlsteps.Txn, string, error) {
 	p, ok := rules.(Preparer)
 	if !ok {
-		return nil, "the rule backend applies only in place", nil
+		plan, err := BuildPlan(rules, netnsPath, params)
+		return plan, nil, "the rule backend applies only in place", err
 	}
-	txn, why, err := p.Prepare(netnsPath, plan)
+	facts, why, err := p.Examine(netnsPath)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	plan, err := planFor(facts.Addrs, params)
+	if err != nil || why != "" {
+		return plan, nil, why, err
+	}
+	txn, why, err := p.PrepareFresh(netnsPath, plan)
 	if txn != nil && (txn.Oversize > 0 || txn.Size() > nlsteps.MaxTxn) {
-		return nil, fmt.Sprintf("its rules are %d KiB of requests, more than a relay is handed", max(txn.Oversize, txn.Size())>>10), nil
+		return plan, nil, fmt.Sprintf("its rules are %d KiB of requests, more than a relay is handed", max(txn.Oversize, txn.Size())>>10), nil
 	}
-	return txn, why, err
+	return plan, txn, why, err
 }

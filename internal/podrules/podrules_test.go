@@ -63,10 +63,10 @@ func TestBuildPlan(t *testing.T) {
 }
 
 // TestPrepareNeedsAPreparer: a backend without Prepare is applied in
-// place, and says so.
+// place, and says so, with the plan for the namespace's addresses.
 func TestPrepareNeedsAPreparer(t *testing.T) {
-	txn, why, err := Prepare(&fakeRules{}, "/proc/self/ns/net", &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
-	if txn != nil || err != nil || !strings.Contains(why, "only in place") {
-		t.Fatalf("got %v, %q, %v", txn, why, err)
+	plan, txn, why, err := PreparePod(&fakeRules{addrs: addrs("10.1.0.2")}, "/proc/self/ns/net", redirect.Params{Mode: redirect.ModeRedirect})
+	if plan == nil || txn != nil || err != nil || !strings.Contains(why, "only in place") {
+		t.Fatalf("got %v, %v, %q, %v", plan, txn, why, err)
 	}
 }

@@ -201,7 +201,15 @@ func chartOnNode(t *testing.T, backend string) {
 		if strings.Contains(line, "served without the node agent") {
 			t.Fatalf("the pod's ADD went to the fallback plugin, not the agent: %s", line)
 		}
-		served = served || strings.Contains(line, "redirect rules programmed")
+		if strings.Contains(line, "redirect rules programmed") {
+			// The agent in its container prepared the rules (its scratch
+			// namespace, its iptables) and the relay, in the runtime's
+			// cgroup, sent them.
+			if !strings.Contains(line, "committed_by=plugin") {
+				t.Fatalf("the pod's rules were not sent by the relay: %s", line)
+			}
+			served = true
+		}
 	}
 	if !served {
 		t.Fatalf("no line of the agent programming mesh/%s:\n%s", name, agentLog)

@@ -1,0 +1,234 @@
+package podnet
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// Facts are what preparing a pod's rules needs to know of its namespace:
+// its addresses (which decide the IPv6 rules), and what of ours or of
+// another writer is there already.
+type Facts struct {
+	// Addrs are the namespace's addresses in the kernel's order (all
+	// IPv4 first), as PodAddrs lists them.
+	Addrs []netip.Addr
+	// TProxyRule: a policy rule sends marked packets to the TPROXY
+	// table, in either family.
+	TProxyRule bool
+	// Tables are the namespace's nf_tables tables; NoNFTables says the
+	// kernel has no nf_tables at all.
+	Tables     []Table
+	NoNFTables bool
+	// LegacyTables: iptables-legacy has tables there, IPv4 or IPv6.
+	LegacyTables bool
+	// ForeignUserNS: the namespace belongs to a user namespace other
+	// than this process's (a pod with hostUsers: false).
+	ForeignUserNS bool
+}
+
+// Table is an nf_tables table: its family (NFPROTO_*) and name.
+type Table struct {
+	Family uint8
+	Name   string
+}
+
+// ReadFacts reads the calling thread's namespace: two dumps on one
+// routing socket, one on a netfilter socket, two /proc files and one
+// ioctl, each in a plain system call. The agent reads every pod's
+// namespace on the way to its start, so this is on every pod's path.
+func ReadFacts() (Facts, error) {
+	var f Facts
+	if err := f.readRouting(); err != nil {
+		return f, err
+	}
+	if err := f.readTables(); err != nil {
+		return f, err
+	}
+	f.LegacyTables = procNotEmpty("/proc/thread-self/net/ip_tables_names") || procNotEmpty("/proc/thread-self/net/ip6_tables_names")
+	var err error
+	f.ForeignUserNS, err = foreignUserNS()
+	return f, err
+}
+
+func (f *Facts) readRouting() error {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	if err != nil {
+		return fmt.Errorf("opening a routing socket: %w", err)
+	}
+	defer unix.Close(fd)
+	err = dump(fd, unix.RTM_GETADDR, 8, 1, func(body []byte) {
+		// ifaddrmsg: family, prefix length, flags, scope, index; then
+		// the attributes. The interface's own address is IFA_LOCAL where
+		// there is one (IFA_ADDRESS is then a point-to-point peer), as
+		// the netlink library PodAddrs uses reads it.
+		if len(body) < 8 {
+			return
+		}
+		attrs, _ := nlsteps.ParseAttrs(body[8:])
+		var addr, local []byte
+		for _, a := range attrs {
+			switch a.Type {
+			case unix.IFA_ADDRESS:
+				addr = a.Data
+			case unix.IFA_LOCAL:
+				local = a.Data
+			}
+		}
+		if local != nil {
+			addr = local
+		}
+		if ip, ok := netip.AddrFromSlice(addr); ok {
+			f.Addrs = append(f.Addrs, ip.Unmap())
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("listing pod addresses: %w", err)
+	}
+	err = dump(fd, unix.RTM_GETRULE, 8, 2, func(body []byte) {
+		// fib_rule_hdr: the table is its fifth byte, or FRA_TABLE.
+		if len(body) < 12 {
+			return
+		}
+		table := uint32(body[4])
+		var mark uint32
+		attrs, _ := nlsteps.ParseAttrs(body[12:])
+		for _, a := range attrs {
+			switch {
+			case a.Type == unix.FRA_TABLE && len(a.Data) == 4:
+				table = binary.NativeEndian.Uint32(a.Data)
+			case a.Type == unix.FRA_FWMARK && len(a.Data) == 4:
+				mark = binary.NativeEndian.Uint32(a.Data)
+			}
+		}
+		if mark == ruleset.TProxyMarkValue && table == ruleset.TProxyRouteTable {
+			f.TProxyRule = true
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("listing policy rules: %w", err)
+	}
+	return nil
+}
+
+func (f *Facts) readTables() error {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if errors.Is(err, unix.EPROTONOSUPPORT) {
+		f.NoNFTables = true
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("opening a netfilter socket: %w", err)
+	}
+	defer unix.Close(fd)
+	err = dump(fd, unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_GETTABLE, nlsteps.NfGenLen, 3, func(body []byte) {
+		if len(body) < nlsteps.NfGenLen {
+			return
+		}
+		attrs, _ := nlsteps.ParseAttrs(body[nlsteps.NfGenLen:])
+		for _, a := range attrs {
+			if a.Type == unix.NFTA_TABLE_NAME {
+				f.Tables = append(f.Tables, Table{Family: body[0], Name: strings.TrimRight(string(a.Data), "\x00")})
+			}
+		}
+	})
+	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
+		// nfnetlink without its nf_tables subsystem.
+		f.NoNFTables = true
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("listing nftables tables: %w", err)
+	}
+	return nil
+}
+
+// procNotEmpty reports whether a /proc file has anything in it.
+func procNotEmpty(path string) bool {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	var b [64]byte
+	n, err := unix.Read(fd, b[:])
+	return err == nil && strings.TrimSpace(string(b[:n])) != ""
+}
+
+// foreignUserNS reports whether the calling thread's network namespace
+// belongs to another user namespace than this process.
+func foreignUserNS() (bool, error) {
+	fd, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, err
+	}
+	defer unix.Close(fd)
+	owner, err := unix.IoctlRetInt(fd, unix.NS_GET_USERNS)
+	if err != nil {
+		// Kernels without the ioctl (before 4.9) have no pods in user
+		// namespaces either.
+		return false, nil
+	}
+	defer unix.Close(owner)
+	var theirs, ours unix.Stat_t
+	if err := unix.Fstat(owner, &theirs); err != nil {
+		return false, err
+	}
+	if err := unix.Stat("/proc/self/ns/user", &ours); err != nil {
+		return false, err
+	}
+	return theirs.Dev != ours.Dev || theirs.Ino != ours.Ino, nil
+}
+
+// dump sends a dump request (hdrLen zero bytes of family header: every
+// family) and calls fn with the body of each answer.
+func dump(fd int, typ uint16, hdrLen int, seq uint32, fn func(body []byte)) error {
+	req := binary.NativeEndian.AppendUint32(nil, uint32(nlsteps.HeaderLen+hdrLen))
+	req = binary.NativeEndian.AppendUint16(req, typ)
+	req = binary.NativeEndian.AppendUint16(req, unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	req = binary.NativeEndian.AppendUint32(req, seq)
+	req = binary.NativeEndian.AppendUint32(req, 0)
+	req = append(req, make([]byte, hdrLen)...)
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return err
+	}
+	buf := make([]byte, 32<<10)
+	for {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		msgs, err := nlsteps.ParseMessages(buf[:n])
+		if err != nil {
+			return err
+		}
+		for _, m := range msgs {
+			if m.Seq != seq {
+				continue
+			}
+			switch m.Type {
+			case unix.NLMSG_DONE:
+				return nil
+			case unix.NLMSG_ERROR:
+				if len(m.Body) >= 4 {
+					if errno := -int32(binary.NativeEndian.Uint32(m.Body)); errno != 0 {
+						return unix.Errno(errno)
+					}
+				}
+				return nil
+			default:
+				fn(m.Body)
+			}
+		}
+	}
+}
