@@ -65,6 +65,8 @@ func (r *recordingRules) applied() []*ruleset.Plan {
 
 // Examine says inPlace.
 func (r *recordingRules) Examine(string) (podnet.Facts, string, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.1.0.2")}}, r.inPlace, nil
 }
 
@@ -288,7 +290,9 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newCommitRig(t, tc.committer)
+			r.agent.mu.Lock()
 			r.agent.inPlace = tc.inPlace
+			r.agent.mu.Unlock()
 			var c *relaySender
 			if tc.canSend {
 				c = &relaySender{}

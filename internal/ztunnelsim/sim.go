@@ -516,10 +516,6 @@ func (s *Sim) process(uc *net.UnixConn, ss *session, ev *Event, netns *os.File) 
 		}
 		ss.snapshotReceived = true
 		s.reconcile(ss.named)
-		s.mu.Lock()
-		s.st.Snapshots++
-		s.notifyLocked()
-		s.mu.Unlock()
 	}
 	s.answer(uc, ev)
 	return false
@@ -609,6 +605,11 @@ func (s *Sim) answer(uc *net.UnixConn, ev *Event) {
 	ev.Answered = true
 	s.mu.Lock()
 	s.st.Events = append(s.st.Events, *ev)
+	if ev.Req.Kind == zds.KindSnapshotSent && ev.ProtocolError == "" {
+		// Counted with its event, so a waiter that sees the count sees
+		// the event too.
+		s.st.Snapshots++
+	}
 	s.notifyLocked()
 	s.mu.Unlock()
 	b, err := zds.Response{Ack: &zds.Ack{Error: ev.Nack}}.Marshal()
