@@ -65,7 +65,7 @@ type clusterArm struct {
 // chart at its defaults but for what the arm is about.
 var clusterArms = map[string]clusterArm{
 	"without": {name: "without", about: "no istio-cni"},
-	"plugin": {name: "plugin", about: "istio-cni, chart defaults: the plugin process commits the rules the agent prepared",
+	"plugin": {name: "plugin", about: "istio-cni, chart defaults: the relay sends the rules the agent prepared",
 		values: func(map[string]any) {}},
 	"agent": {name: "agent", about: "istio-cni, the agent applies every pod's rules in its own container (CNI_RULES_COMMITTER=agent)",
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
@@ -298,6 +298,9 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 		}
 		return s, nil
 	}
+	if err := settle(ctx, cg, agentCgroup); err != nil {
+		return burstFigures{}, err
+	}
 	before, err := read()
 	if err != nil {
 		return burstFigures{}, err
@@ -315,6 +318,47 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 		agent: after.agent - before.agent}
 	split.pods = after.pods - before.pods - split.agent
 	return burstFigures{startup: d, cpu: split}, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
+}
+
+// settle waits, up to settleLimit, until the runtime and the agent have
+// been quiet (under a tenth of a CPU) for two windows in a row: the
+// chart's install, an agent's start and the last burst's teardown leave
+// work behind that would otherwise land in one arm's burst and not the
+// other's.
+func settle(ctx context.Context, cg *testenv.NodeCgroups, agentCgroup string) error {
+	const window, quiet, settleLimit = 500 * time.Millisecond, 0.1, 30 * time.Second
+	busy := func() (time.Duration, error) {
+		d, err := cg.CPUUsage("runtime")
+		if err != nil || agentCgroup == "" {
+			return d, err
+		}
+		a, err := cg.CPUUsage(agentCgroup)
+		return d + a, err
+	}
+	deadline := time.Now().Add(settleLimit)
+	calm := 0
+	for calm < 2 && time.Now().Before(deadline) {
+		before, err := busy()
+		if err != nil {
+			return err
+		}
+		start := time.Now()
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(window): // a measuring window, not a wait for an event
+		}
+		after, err := busy()
+		if err != nil {
+			return err
+		}
+		if float64(after-before)/float64(time.Since(start)) < quiet {
+			calm++
+		} else {
+			calm = 0
+		}
+	}
+	return nil
 }
 
 // sidecarPods are n pods shaped as Istio's injector shapes a sidecar pod,

@@ -20,7 +20,9 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -298,26 +300,47 @@ func ruleFloors(n int) (*samples, error) {
 	backends := []struct {
 		name  string
 		rules plugin.Rules
-	}{{"nftables (netlink)", &nftables.Applier{}}, {"iptables (iptables-restore)", &iptables.Applier{}}}
+	}{{"nftables", &nftables.Applier{}}, {"iptables", &iptables.Applier{}}}
 	s := newSamples()
 	for i := 0; i < n+3; i++ {
 		for _, be := range backends {
-			took, cpu, err := ruleFloor(be.rules, plan)
+			// Applied in place, as the agent does when it cannot prepare
+			// (and the fallback does), and sent as prepared requests, as
+			// the relay does by default.
+			took, cpu, err := ruleFloor(func(path string) error { _, err := be.rules.Apply(path, plan); return err })
+			if err != nil {
+				return nil, err
+			}
+			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh("", plan)
+			if err != nil || txn == nil {
+				return nil, fmt.Errorf("preparing the default rules: %v (%s)", err, why)
+			}
+			sentTook, sentCPU, err := ruleFloor(func(path string) error {
+				f, err := os.Open(path)
+				if err != nil {
+					return err
+				}
+				defer f.Close()
+				_, err = nlsteps.RunIn(f, txn)
+				return err
+			})
 			if err != nil {
 				return nil, err
 			}
 			if i >= 3 { // the first ones warm up
-				s.record("floor/default rules into a fresh netns, "+be.name, took)
-				s.record("cpu/default rules into a fresh netns, "+be.name, cpu)
+				s.record("floor/default rules applied into a fresh netns, "+be.name, took)
+				s.record("cpu/default rules applied into a fresh netns, "+be.name, cpu)
+				s.record("floor/default rules sent prepared into a fresh netns, "+be.name, sentTook)
+				s.record("cpu/default rules sent prepared into a fresh netns, "+be.name, sentCPU)
 			}
 		}
 	}
 	return s, nil
 }
 
-// ruleFloor applies plan into a fresh namespace, and returns the time it
-// took and the CPU it cost this process and its children.
-func ruleFloor(rules plugin.Rules, plan *ruleset.Plan) (took, cpu time.Duration, err error) {
+// ruleFloor runs write on a fresh namespace's path, and returns the time
+// it took and the CPU it cost this process and its children.
+func ruleFloor(write func(path string) error) (took, cpu time.Duration, err error) {
 	netns, err := testutils.NewNS()
 	if err != nil {
 		return 0, 0, err
@@ -331,7 +354,7 @@ func ruleFloor(rules plugin.Rules, plan *ruleset.Plan) (took, cpu time.Duration,
 		return 0, 0, err
 	}
 	start := time.Now()
-	_, err = rules.Apply(netns.Path(), plan)
+	err = write(netns.Path())
 	took = time.Since(start)
 	cpuAfter, cerr := ownCPU()
 	if cerr != nil {

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"math/rand/v2"
+	"slices"
+	"time"
+)
+
+// pairedEstimate is how much slower an arm's bursts are than the
+// baseline's, from rounds that ran both: the median of the rounds'
+// ratios, and a bootstrap interval around it.
+type pairedEstimate struct {
+	// Ratios are arm/baseline per round, in round order.
+	Ratios []float64
+	// Median of Ratios; Low and High bound it at the confidence asked.
+	Median, Low, High float64
+}
+
+// pairRounds compares each round's statistic of arm with the same round's
+// of base (the arms ran back to back in that round), so the machine's
+// drift from round to round cancels in each ratio.
+func pairRounds(base, arm []burstFigures, stat func(burstFigures) time.Duration, confidence float64) pairedEstimate {
+	var e pairedEstimate
+	for i := 0; i < min(len(base), len(arm)); i++ {
+		if b := stat(base[i]); b > 0 {
+			e.Ratios = append(e.Ratios, float64(stat(arm[i]))/float64(b))
+		}
+	}
+	if len(e.Ratios) == 0 {
+		return e
+	}
+	e.Median = median(e.Ratios)
+	// The median of resampled rounds, many times over; a fixed seed, so
+	// the same rounds always print the same interval.
+	r := rand.New(rand.NewPCG(1, 2))
+	const draws = 4000
+	meds := make([]float64, draws)
+	sample := make([]float64, len(e.Ratios))
+	for d := range meds {
+		for i := range sample {
+			sample[i] = e.Ratios[r.IntN(len(e.Ratios))]
+		}
+		meds[d] = median(sample)
+	}
+	slices.Sort(meds)
+	tail := (1 - confidence) / 2
+	e.Low = meds[int(tail*float64(draws))]
+	e.High = meds[min(draws-1, int((1-tail)*float64(draws)))]
+	return e
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}
+
+// burstP50 and burstLast are a burst's median pod and its last pod.
+func burstP50(b burstFigures) time.Duration { return pct(b.startup, .5) }
+
+func burstLast(b burstFigures) time.Duration {
+	if len(b.startup) == 0 {
+		return 0
+	}
+	return b.startup[len(b.startup)-1]
+}
+
+// within says what the interval shows of a target ratio: met when all of
+// it is below, missed when all of it is above, else not settled by these
+// rounds.
+func (e pairedEstimate) within(target float64) string {
+	switch {
+	case len(e.Ratios) == 0:
+		return "no rounds"
+	case e.High <= target:
+		return "met"
+	case e.Low > target:
+		return "missed"
+	}
+	return "not settled"
+}

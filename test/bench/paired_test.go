@@ -1,0 +1,44 @@
+package main
+
+import (
+	"testing"
+	"time"
+)
+
+func burstOf(ds ...time.Duration) burstFigures { return burstFigures{startup: ds} }
+
+// TestPairRounds: ratios are taken round by round, so a drift that moves
+// both arms of a round alike cancels; the interval contains the median,
+// narrows when rounds agree, and says met, missed or not settled.
+func TestPairRounds(t *testing.T) {
+	s := time.Second
+	// The machine drifts from 10 s to 20 s; the arm is 2% slower in each.
+	var base, arm []burstFigures
+	for i := 0; i < 8; i++ {
+		d := time.Duration(10+i) * s
+		base = append(base, burstOf(d, d, 2*d))
+		arm = append(arm, burstOf(d*102/100, d*102/100, 2*d*102/100))
+	}
+	e := pairRounds(base, arm, burstP50, .9)
+	if e.Median < 1.019 || e.Median > 1.021 || e.Low > e.Median || e.High < e.Median || e.High-e.Low > 0.001 {
+		t.Fatalf("agreeing rounds: %+v", e)
+	}
+	if got := e.within(1.05); got != "met" {
+		t.Fatalf("2%% slower against 5%%: %s", got)
+	}
+	if got := e.within(1.01); got != "missed" {
+		t.Fatalf("2%% slower against 1%%: %s", got)
+	}
+	// Rounds that disagree widely settle nothing.
+	noisy := []burstFigures{burstOf(12 * s), burstOf(8 * s), burstOf(11 * s), burstOf(9 * s)}
+	e = pairRounds(base[:4], noisy, burstP50, .9)
+	if got := e.within(1.05); got != "not settled" {
+		t.Fatalf("noisy rounds: %+v, %s", e, got)
+	}
+	if last := pairRounds(base[:1], arm[:1], burstLast, .9); last.Median < 1.019 || last.Median > 1.021 {
+		t.Fatalf("last pod: %+v", last)
+	}
+	if e := pairRounds(nil, arm, burstP50, .9); e.within(1.05) != "no rounds" {
+		t.Fatalf("no rounds: %+v", e)
+	}
+}
