@@ -313,7 +313,7 @@ func ruleFloors(n int) (*samples, error) {
 			}
 			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh("", plan)
 			if err != nil || txn == nil {
-				return nil, fmt.Errorf("preparing the default rules: %v (%s)", err, why)
+				return nil, fmt.Errorf("preparing the default rules (%s): %w", why, err)
 			}
 			sentTook, sentCPU, err := ruleFloor(func(path string) error {
 				f, err := os.Open(path)
