@@ -213,22 +213,30 @@ func kernelWords(body []byte, errno int32) string {
 	return msg
 }
 
-// RunIn runs the transaction from a thread that enters the network
-// namespace netns and ends with the call: the process's other threads,
-// and its sockets, stay where they were.
+// RunIn runs the transaction from the calling goroutine's thread, which
+// enters the network namespace netns for it and returns to its own after:
+// the process's other threads, and its sockets, stay where they were. A
+// thread that cannot return is left to end with its goroutine (Go then
+// ends it rather than run other code there).
 func RunIn(netns *os.File, t *Txn) (took time.Duration, err error) {
-	done := make(chan error, 1)
 	start := time.Now()
-	go func() {
-		// Never unlocked: Go ends the thread with this goroutine, so no
-		// other code runs in the pod's namespace.
-		runtime.LockOSThread()
-		if err := unix.Setns(int(netns.Fd()), unix.CLONE_NEWNET); err != nil {
-			done <- fmt.Errorf("entering the pod's network namespace: %w", err)
-			return
-		}
-		done <- Run(t)
-	}()
-	err = <-done
-	return time.Since(start), err
+	runtime.LockOSThread()
+	own, err := os.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		runtime.UnlockOSThread()
+		return 0, fmt.Errorf("reading this thread's network namespace: %w", err)
+	}
+	defer own.Close()
+	if err := unix.Setns(int(netns.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return 0, fmt.Errorf("entering the pod's network namespace: %w", err)
+	}
+	err = Run(t)
+	took = time.Since(start)
+	if rerr := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); rerr != nil {
+		// Locked for good: see above.
+		return took, errors.Join(err, fmt.Errorf("returning from the pod's network namespace: %w", rerr))
+	}
+	runtime.UnlockOSThread()
+	return took, err
 }

@@ -2,6 +2,7 @@ package nlsteps_test
 
 import (
 	"os"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -34,6 +35,10 @@ func TestRunInTheNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
+	// Locked, so that "the calling thread" below is one thread: RunIn's
+	// own lock nests in this one.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	here, err := ns.GetCurrentNS()
 	if err != nil {
 		t.Fatal(err)
