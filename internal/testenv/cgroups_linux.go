@@ -264,3 +264,30 @@ func PodCgroupRel(uid string, qos corev1.PodQOSClass) string {
 	}
 	return filepath.Join("kubepods", "besteffort", "pod"+uid)
 }
+
+// CPUDir is rel's directory in the cpu hierarchy (rel below the node's
+// root; "" is the root).
+func (g *NodeCgroups) CPUDir(rel string) (string, error) {
+	for _, h := range g.dirs {
+		if slices.Contains(strings.Split(filepath.Base(h), ","), "cpu") {
+			return filepath.Join(h, g.Root, rel), nil
+		}
+	}
+	return "", errors.New("no cpu hierarchy")
+}
+
+// CPUCgroupOf is the cgroup a process is in, in the cpu hierarchy, as
+// /proc/<pid>/cgroup names it.
+func CPUCgroupOf(pid int) (string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) == 3 && slices.Contains(strings.Split(parts[1], ","), "cpu") {
+			return parts[2], nil
+		}
+	}
+	return "", fmt.Errorf("process %d has no cpu cgroup", pid)
+}

@@ -194,6 +194,15 @@ func (n *KubeNode) start(logf *os.File, bin string, args ...string) error {
 	return n.Cgroups.MoveToRuntime(cmd.Process.Pid)
 }
 
+// RuntimePIDs are the node's own processes: containerd and the kubelet.
+func (n *KubeNode) RuntimePIDs() []int {
+	var out []int
+	for _, c := range n.procs {
+		out = append(out, c.Process.Pid)
+	}
+	return out
+}
+
 // Ctr runs ctr against this node's containerd, in the kubelet's namespace.
 func (n *KubeNode) Ctr(args ...string) ([]byte, error) {
 	return exec.Command("ctr", append([]string{"--address", n.Socket, "-n", "k8s.io"}, args...)...).CombinedOutput()

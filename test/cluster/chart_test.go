@@ -181,11 +181,7 @@ func chartOnNode(t *testing.T, backend string) {
 	agentPod := &agents.Items[0]
 	// The agent's container runs with the chart's CPU request as a real
 	// node gives it: a Burstable pod whose cgroup weighs 100m.
-	if cg, err := node.Cgroups.PodCgroup(string(agentPod.UID)); err != nil || filepath.Base(filepath.Dir(cg)) != "burstable" {
-		t.Errorf("agent pod cgroup %q (%v); want it under kubepods/burstable", cg, err)
-	} else if b, err := os.ReadFile(filepath.Join(cg, "cpu.shares")); err != nil || strings.TrimSpace(string(b)) != "102" {
-		t.Errorf("agent pod cpu.shares %q (%v); want 102 for the chart's 100m request", b, err)
-	}
+	checkAgentCgroup(t, agentPod)
 	// The chart's default, as Istio's: the console format, labels as key=value.
 	podLabel := "pod=mesh/" + name + " "
 	waitLog(t, agentPod, "install-cni", podLabel)
@@ -434,4 +430,36 @@ func repairEvent(t *testing.T, pod string) string {
 		}
 	}
 	return ""
+}
+
+// checkAgentCgroup asserts the agent runs as the chart's resources make a
+// real node run it: a Burstable pod weighing its 100m CPU request (102
+// shares), with no CPU limit (no quota), and its process in that cgroup.
+func checkAgentCgroup(t *testing.T, agentPod *corev1.Pod) {
+	t.Helper()
+	cg, err := node.Cgroups.PodCgroup(string(agentPod.UID))
+	if err != nil || filepath.Base(filepath.Dir(cg)) != "burstable" {
+		t.Fatalf("agent pod cgroup %q (%v); want it under kubepods/burstable", cg, err)
+	}
+	for file, want := range map[string]string{"cpu.shares": "102", "cpu.cfs_quota_us": "-1"} {
+		if b, err := os.ReadFile(filepath.Join(cg, file)); err != nil || strings.TrimSpace(string(b)) != want {
+			t.Errorf("agent pod %s %q (%v); want %s for the chart's 100m request and no limit", file, b, err, want)
+		}
+	}
+	found := false
+	_ = filepath.WalkDir(cg, func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.Name() != "cgroup.procs" {
+			return nil
+		}
+		b, _ := os.ReadFile(path)
+		for _, f := range strings.Fields(string(b)) {
+			if comm, _ := os.ReadFile("/proc/" + f + "/comm"); strings.TrimSpace(string(comm)) == "install-cni" {
+				found = true
+			}
+		}
+		return nil
+	})
+	if !found {
+		t.Errorf("no install-cni process in the agent pod's cgroup %s", cg)
+	}
 }

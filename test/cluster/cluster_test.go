@@ -82,6 +82,7 @@ func TestPodRuns(t *testing.T) {
 // the path, its processes there, and the runtime in a cgroup of its own.
 func checkPodCgroups(t *testing.T, p *corev1.Pod) {
 	t.Helper()
+	checkNodeCgroups(t)
 	cg, err := node.Cgroups.PodCgroup(string(p.UID))
 	if err != nil {
 		t.Fatal(err)
@@ -103,5 +104,43 @@ func checkPodCgroups(t *testing.T, p *corev1.Pod) {
 	self, _ := os.ReadFile("/proc/" + procs[0] + "/cgroup")
 	if !strings.Contains(string(self), "/kubepods/besteffort/pod"+string(p.UID)+"/") {
 		t.Errorf("process %s of the pod is not in its pod cgroup:\n%s", procs[0], self)
+	}
+}
+
+// checkNodeCgroups asserts the node's own layout, as a node's systemd
+// slices are: the runtime and the kubelet in a cgroup of their own beside
+// the pods', at the weight a system slice has (1024); the pods' cgroup
+// weighted by the node's CPU capacity (1024 a core), as the kubelet sets
+// it, so that under contention the pods together get what their CPUs
+// weigh against the runtime; BestEffort at the least weight (2).
+func checkNodeCgroups(t *testing.T) {
+	t.Helper()
+	runtime, err := node.Cgroups.CPUDir("runtime")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range node.RuntimePIDs() {
+		cg, err := testenv.CPUCgroupOf(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasSuffix(runtime, cg) {
+			t.Errorf("node process %d is in %s, not in the runtime's cgroup %s", pid, cg, runtime)
+		}
+	}
+	n, err := cluster.Client.CoreV1().Nodes().Get(context.Background(), testenv.NodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	capacity := n.Status.Capacity.Cpu().MilliValue() * 1024 / 1000
+	for rel, want := range map[string]int64{"runtime": 1024, "kubepods": capacity, "kubepods/besteffort": 2} {
+		dir, err := node.Cgroups.CPUDir(rel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, "cpu.shares"))
+		if err != nil || strings.TrimSpace(string(b)) != fmt.Sprint(want) {
+			t.Errorf("%s cpu.shares %q (%v), want %d", rel, b, err, want)
+		}
 	}
 }
