@@ -118,11 +118,6 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	defer one.Stop()
 	cluster := one.Cluster
 	busy := busyPods(cfg.busy, cfg.busyCPU)
-	if len(busy) > 0 {
-		if _, err := testenv.StartPods(ctx, cluster, "bench", busy, 3*time.Minute); err != nil {
-			return nil, fmt.Errorf("busy pods: %w", err)
-		}
-	}
 	// A warm-up burst: images unpacked, caches filled.
 	if _, err := burst(ctx, one, "warm", cfg.pods, ""); err != nil {
 		return nil, err
@@ -138,10 +133,18 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 		res.sizes = append(res.sizes, size)
 		res.idle[size] = idle
 		res.bursts[size] = map[string][]burstFigures{}
+		// The idle pods first: BestEffort, their containers weigh next to
+		// nothing against the busy pods' spinning, and would not start
+		// beside them.
 		idlePods := idleSidecarPods(idle)
 		if len(idlePods) > 0 {
 			if _, err := testenv.StartPods(ctx, cluster, "bench", idlePods, 5*time.Minute); err != nil {
 				return nil, fmt.Errorf("idle pods: %w", err)
+			}
+		}
+		if len(busy) > 0 {
+			if _, err := testenv.StartPods(ctx, cluster, "bench", busy, 3*time.Minute); err != nil {
+				return nil, fmt.Errorf("busy pods: %w", err)
 			}
 		}
 		for round := 0; round < cfg.rounds; round++ {
@@ -155,10 +158,8 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 				res.bursts[size][arm.name] = append(res.bursts[size][arm.name], f)
 			}
 		}
-		if len(idlePods) > 0 {
-			if err := testenv.DeletePods(ctx, cluster, "bench", idlePods, 5*time.Minute); err != nil {
-				return nil, err
-			}
+		if err := testenv.DeletePods(ctx, cluster, "bench", append(busy, idlePods...), 5*time.Minute); err != nil {
+			return nil, err
 		}
 	}
 	return res, nil
