@@ -25,6 +25,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -41,53 +42,111 @@ func BenchmarkAgentPrepare(b *testing.B) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	cs := fake.NewClientset()
-	pod, err := testenv.CreatePod(ctx, cs, testenv.PodSpec{Namespace: "bench", Name: "p", Sidecar: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	pod.UID = types.UID("uid-1")
-	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
-		b.Fatal(err)
+	// A pod per list length, as the bench's list series has them: the
+	// cost the issue wants flat from 10 to 1,000 excluded CIDRs and ports.
+	lists := []int{0, 10, 1000}
+	for i, n := range lists {
+		spec := testenv.PodSpec{Namespace: "bench", Name: fmt.Sprintf("p%d", n), Sidecar: true}
+		if n > 0 {
+			l := testenv.Lists{N: n}
+			spec.Annotations = map[string]string{
+				redirect.AnnotationExcludeOutboundCIDRs: l.CIDRs4(),
+				redirect.AnnotationExcludeOutboundPorts: l.Ports(),
+			}
+		}
+		pod, err := testenv.CreatePod(ctx, cs, spec)
+		if err != nil {
+			b.Fatal(err)
+		}
+		pod.UID = types.UID(fmt.Sprintf("uid-%d", i))
+		if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
+			b.Fatal(err)
+		}
 	}
 	cache := podcache.Start(ctx, clientset.Of(cs), testenv.NodeName)
 	if err := cache.WaitSynced(ctx); err != nil {
 		b.Fatal(err)
 	}
 	for _, backend := range []string{"iptables", "nftables"} {
-		b.Run(backend, func(b *testing.B) {
-			s := &Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
-				Rules: &iptables.Applier{}, NFTables: &nftables.Applier{},
-				Pods: cache, ReadyReason: func() string { return "" }}
-			conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","native_nftables":%t,
-				"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, backend == "nftables")
-			req := &cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0", Steps: true,
-				Args: "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1", Stdin: []byte(conf)}
-			sent := 0
-			commit := func(*nlsteps.Txn, []byte) (nlsteps.Outcome, error) { sent++; return nlsteps.Outcome{}, nil }
-			var cpu time.Duration
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				b.StopTimer()
-				podNS, f := benchNamespace(b)
-				before := benchCPU(b)
-				b.StartTimer()
-				resp := s.handle(req, f, commit)
-				b.StopTimer()
-				cpu += benchCPU(b) - before
-				if resp.Error != nil {
-					b.Fatalf("ADD: %v", resp.Error)
-				}
-				_ = f.Close()
-				_ = podNS.Close()
-				_ = testutils.UnmountNS(podNS)
-				b.StartTimer()
+		for i, n := range lists {
+			name := backend
+			if n > 0 {
+				name = fmt.Sprintf("%s/lists=%d", backend, n)
 			}
-			if sent != b.N {
-				b.Fatalf("%d of %d ADDs prepared for the relay", sent, b.N)
-			}
-			b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-us/op")
-		})
+			args := fmt.Sprintf("K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p%d;K8S_POD_UID=uid-%d", n, i)
+			var txn *nlsteps.Txn
+			b.Run(name, func(b *testing.B) { txn = benchAgentPrepare(b, cache, backend, args) })
+			// The relay's part of the same ADD: the prepared requests
+			// sent into a fresh namespace, from a warm process.
+			b.Run(name+"/send", func(b *testing.B) { benchSend(b, txn) })
+		}
 	}
+}
+
+func benchAgentPrepare(b *testing.B, cache *podcache.Cache, backend, args string) *nlsteps.Txn {
+	s := &Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
+		Rules: &iptables.Applier{}, NFTables: &nftables.Applier{},
+		Pods: cache, ReadyReason: func() string { return "" }}
+	conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","native_nftables":%t,
+		"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, backend == "nftables")
+	req := &cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0", Steps: true,
+		Args: args, Stdin: []byte(conf)}
+	sent := 0
+	var last *nlsteps.Txn
+	commit := func(t *nlsteps.Txn, _ []byte) (nlsteps.Outcome, error) {
+		sent++
+		last = t
+		return nlsteps.Outcome{}, nil
+	}
+	var cpu time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		podNS, f := benchNamespace(b)
+		before := benchCPU(b)
+		b.StartTimer()
+		resp := s.handle(req, f, commit)
+		b.StopTimer()
+		cpu += benchCPU(b) - before
+		if resp.Error != nil {
+			b.Fatalf("ADD: %v", resp.Error)
+		}
+		_ = f.Close()
+		_ = podNS.Close()
+		_ = testutils.UnmountNS(podNS)
+		b.StartTimer()
+	}
+	if sent != b.N {
+		b.Fatalf("%d of %d ADDs prepared for the relay", sent, b.N)
+	}
+	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-us/op")
+	return last
+}
+
+func benchSend(b *testing.B, txn *nlsteps.Txn) {
+	if txn == nil {
+		b.Fatal("no prepared transaction to send")
+	}
+	b.ReportMetric(float64(txn.Size()), "bytes")
+	var cpu time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		podNS, f := benchNamespace(b)
+		before := benchCPU(b)
+		b.StartTimer()
+		_, err := nlsteps.RunIn(f, txn)
+		b.StopTimer()
+		cpu += benchCPU(b) - before
+		if err != nil {
+			b.Fatalf("send: %v", err)
+		}
+		_ = f.Close()
+		_ = podNS.Close()
+		_ = testutils.UnmountNS(podNS)
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-us/op")
 }
 
 // benchNamespace is a fresh namespace with an address, as the primary

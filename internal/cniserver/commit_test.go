@@ -30,6 +30,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
@@ -63,6 +64,10 @@ func (r *recordingRules) applied() []*ruleset.Plan {
 	return append([]*ruleset.Plan(nil), r.plans...)
 }
 
+// A fake that stopped matching the interface would silently turn
+// every ADD into an in-place apply.
+var _ podrules.Preparer = (*recordingRules)(nil)
+
 // Examine says inPlace.
 func (r *recordingRules) Examine(string) (podnet.Facts, string, error) {
 	r.mu.Lock()
@@ -72,7 +77,7 @@ func (r *recordingRules) Examine(string) (podnet.Facts, string, error) {
 
 // PrepareFresh names the plan in the transaction's summary, so the test
 // sees which plan the relay was handed.
-func (r *recordingRules) PrepareFresh(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (r *recordingRules) PrepareFresh(_ podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil

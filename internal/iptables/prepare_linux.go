@@ -44,11 +44,11 @@ var ourTables = map[string]bool{"nat": true, "mangle": true, "raw": true}
 // legacy tables or ipsets already, it belongs to a user namespace of its
 // own, or iptables here is not iptables-nft).
 func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
-	_, why, err := a.Examine(netnsPath)
+	facts, why, err := a.Examine(netnsPath)
 	if err != nil || why != "" {
 		return nil, why, err
 	}
-	return a.PrepareFresh(netnsPath, plan)
+	return a.PrepareFresh(facts, plan)
 }
 
 // Examine reads the namespace's facts and says why it cannot take
@@ -90,7 +90,7 @@ func (a *Applier) unfit(f podnet.Facts) string {
 
 // PrepareFresh returns the requests for a namespace Examine found fit: the
 // plan's, prepared once and then taken from the cache.
-func (a *Applier) PrepareFresh(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (a *Applier) PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, _, err := preparedTxns.Get("iptables "+a.Force+" "+plan.Fingerprint(), func() (*nlsteps.Txn, error) {
 		return a.compile(plan)
 	})
@@ -100,26 +100,11 @@ func (a *Applier) PrepareFresh(netnsPath string, plan *ruleset.Plan) (*nlsteps.T
 	if err != nil {
 		return nil, "", err
 	}
-	if len(txn.Undo) > 0 {
+	if len(txn.Undo) > 0 && facts.IPSets {
 		// The kernel numbers ipsets in order of creation and the rules
 		// name them by number: only a namespace with no set numbers them
 		// as the scratch one did.
-		var sets []string
-		err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-			c, err := dialIPSet()
-			if err != nil {
-				return err
-			}
-			defer c.close()
-			sets, err = c.names()
-			return err
-		})
-		if err != nil {
-			return nil, "", err
-		}
-		if len(sets) > 0 {
-			return nil, "the namespace holds ipsets", nil
-		}
+		return nil, "the namespace holds ipsets", nil
 	}
 	return txn, "", nil
 }

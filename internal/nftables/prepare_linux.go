@@ -23,11 +23,11 @@ var preparedTxns = nlsteps.NewCache(4 << 20)
 // to send; or, with a nil transaction, why the namespace needs Apply
 // instead (it holds tables of ours, or a TPROXY policy rule).
 func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
-	_, why, err := a.Examine(netnsPath)
+	facts, why, err := a.Examine(netnsPath)
 	if err != nil || why != "" {
 		return nil, why, err
 	}
-	return a.PrepareFresh(netnsPath, plan)
+	return a.PrepareFresh(facts, plan)
 }
 
 // Examine reads the namespace's facts and says why it cannot take
@@ -58,7 +58,7 @@ func unfit(f podnet.Facts) string {
 
 // PrepareFresh returns the requests for a namespace Examine found fit: the
 // plan's, prepared once and then taken from the cache.
-func (a *Applier) PrepareFresh(_ string, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (a *Applier) PrepareFresh(_ podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, _, err := preparedTxns.Get(plan.Fingerprint(), func() (*nlsteps.Txn, error) { return compile(plan) })
 	return txn, "", err
 }

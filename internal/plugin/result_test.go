@@ -14,6 +14,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -25,6 +26,10 @@ func (f *fakeRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
 }
 func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
 
+// A fake that stopped matching the interface would silently turn
+// every ADD into an in-place apply.
+var _ podrules.Preparer = (*fakeRules)(nil)
+
 // Examine finds every namespace fit for prepared rules.
 func (f *fakeRules) Examine(string) (podnet.Facts, string, error) {
 	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.2")}}, "", nil
@@ -32,7 +37,7 @@ func (f *fakeRules) Examine(string) (podnet.Facts, string, error) {
 
 // PrepareFresh serves a relay that sends the rules: a transaction of one
 // message, never sent anywhere.
-func (f *fakeRules) PrepareFresh(string, *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (f *fakeRules) PrepareFresh(podnet.Facts, *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Steps: []nlsteps.Step{s}}, "", nil

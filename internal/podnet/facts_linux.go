@@ -4,9 +4,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
+	"os"
 	"strings"
 
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
@@ -32,6 +35,10 @@ type Facts struct {
 	// ForeignUserNS: the namespace belongs to a user namespace other
 	// than this process's (a pod with hostUsers: false).
 	ForeignUserNS bool
+	// IPSets: the namespace holds ipsets, or whether it does could not
+	// be read (the kernel numbers sets in order of creation, and prepared
+	// iptables rules name them by number).
+	IPSets bool
 }
 
 // Table is an nf_tables table: its family (NFPROTO_*) and name.
@@ -53,6 +60,7 @@ func ReadFacts() (Facts, error) {
 		return f, err
 	}
 	f.LegacyTables = procNotEmpty("/proc/thread-self/net/ip_tables_names") || procNotEmpty("/proc/thread-self/net/ip6_tables_names")
+	f.IPSets = holdsIPSets()
 	var err error
 	f.ForeignUserNS, err = foreignUserNS()
 	return f, err
@@ -187,15 +195,45 @@ func foreignUserNS() (bool, error) {
 	return theirs.Dev != ours.Dev || theirs.Ino != ours.Ino, nil
 }
 
+// holdsIPSets reports whether the calling thread's namespace holds an
+// ipset, true when that cannot be read. Without the ip_set module no
+// namespace holds one, and asking would make the kernel try to load it
+// on every pod's path, so the module's presence is looked at first.
+func holdsIPSets() bool {
+	if _, err := os.Stat("/sys/module"); err == nil {
+		if _, err := os.Stat("/sys/module/ip_set"); errors.Is(err, fs.ErrNotExist) {
+			return false
+		}
+	}
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return true
+	}
+	defer unix.Close(fd)
+	// The list command, names only: the protocol version and the
+	// IPSET_FLAG_LIST_SETNAME flag as attributes.
+	body := nlsteps.NfGen(unix.NFPROTO_IPV4, 0)
+	body = nlsteps.Attr(body, nl.IPSET_ATTR_PROTOCOL, []byte{nl.IPSET_PROTOCOL})
+	body = nlsteps.Attr(body, nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, 1<<1))
+	found := false
+	err = dumpBody(fd, unix.NFNL_SUBSYS_IPSET<<8|nl.IPSET_CMD_LIST, body, 4, func([]byte) { found = true })
+	return found || err != nil
+}
+
 // dump sends a dump request (hdrLen zero bytes of family header: every
 // family) and calls fn with the body of each answer.
 func dump(fd int, typ uint16, hdrLen int, seq uint32, fn func(body []byte)) error {
-	req := binary.NativeEndian.AppendUint32(nil, uint32(nlsteps.HeaderLen+hdrLen))
+	return dumpBody(fd, typ, make([]byte, hdrLen), seq, fn)
+}
+
+// dumpBody is dump with a request body of the caller's.
+func dumpBody(fd int, typ uint16, body []byte, seq uint32, fn func(body []byte)) error {
+	req := binary.NativeEndian.AppendUint32(nil, uint32(nlsteps.HeaderLen+len(body)))
 	req = binary.NativeEndian.AppendUint16(req, typ)
 	req = binary.NativeEndian.AppendUint16(req, unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
 	req = binary.NativeEndian.AppendUint32(req, seq)
 	req = binary.NativeEndian.AppendUint32(req, 0)
-	req = append(req, make([]byte, hdrLen)...)
+	req = append(req, body...)
 	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return err
 	}

@@ -94,8 +94,8 @@ func TestReportString(t *testing.T) {
 
 // TestReadFactsAgreesWithTheLibrary: ReadFacts' one-socket reading of a
 // namespace lists the addresses PodAddrs lists, in its order (a
-// point-to-point address included, by its own side), and sees the TPROXY
-// policy rule in either family and no other rule.
+// point-to-point address included, by its own side), sees the TPROXY
+// policy rule in either family and no other rule, and sees an ipset.
 func TestReadFactsAgreesWithTheLibrary(t *testing.T) {
 	n := testutil.NewNS(t)
 	testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
@@ -117,8 +117,25 @@ func TestReadFactsAgreesWithTheLibrary(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := facts(); !slices.Equal(got.Addrs, want) || got.TProxyRule {
+	if got := facts(); !slices.Equal(got.Addrs, want) || got.TProxyRule || got.IPSets {
 		t.Fatalf("ReadFacts: %+v; PodAddrs: %v", got, want)
+	}
+	// An ipset of any name is seen (prepared rules number sets as a
+	// namespace with none would); another namespace's is not.
+	mkset := func(in ns.NetNS, name string) {
+		if err := in.Do(func(ns.NetNS) error {
+			return netlink.IpsetCreate(name, "hash:net", netlink.IpsetCreateOptions{})
+		}); err != nil {
+			t.Fatalf("creating ipset %s: %v", name, err)
+		}
+	}
+	mkset(testutil.NewNS(t), "elsewhere")
+	if facts().IPSets {
+		t.Fatal("another namespace's ipset seen here")
+	}
+	mkset(n, "someones")
+	if !facts().IPSets {
+		t.Fatal("the namespace's ipset not seen")
 	}
 	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1338", "lookup", "133")
 	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1337", "lookup", "134")

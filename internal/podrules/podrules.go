@@ -71,9 +71,9 @@ type Preparer interface {
 	// why it cannot take prepared requests ("" when it can: rules are
 	// there already, say).
 	Examine(netnsPath string) (facts podnet.Facts, unfit string, err error)
-	// PrepareFresh returns the requests for a namespace Examine found fit,
-	// or why it cannot after all.
-	PrepareFresh(netnsPath string, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
+	// PrepareFresh returns the requests for a namespace Examine found fit
+	// (with the facts it read there), or why it cannot after all.
+	PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
 }
 
 var (
@@ -100,7 +100,7 @@ func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset
 	if err != nil || why != "" {
 		return plan, nil, why, err
 	}
-	txn, why, err := p.PrepareFresh(netnsPath, plan)
+	txn, why, err := p.PrepareFresh(facts, plan)
 	if txn != nil && (txn.Oversize > 0 || txn.Size() > nlsteps.MaxTxn) {
 		return plan, nil, fmt.Sprintf("its rules are %d KiB of requests, more than a relay is handed", max(txn.Oversize, txn.Size())>>10), nil
 	}

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
@@ -85,5 +86,49 @@ func TestExpandedMatchesIstioShape(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestFingerprintFollowsEveryEntry: what is prepared for one plan serves
+// another with the same fingerprint, so a plan differing in any one entry
+// of a thousand-entry list, in family or in shape must not share it, and
+// equal plans built apart must.
+func TestFingerprintFollowsEveryEntry(t *testing.T) {
+	l := testenv.Lists{N: 1000}
+	base := map[string]string{
+		redirect.AnnotationExcludeOutboundCIDRs: l.CIDRs4(),
+		redirect.AnnotationExcludeOutboundPorts: l.Ports(),
+	}
+	with := func(key, value string) map[string]string {
+		m := map[string]string{}
+		for k, v := range base {
+			m[k] = v
+		}
+		m[key] = value
+		return m
+	}
+	cidrs := strings.Split(l.CIDRs4(), ",")
+	ports := strings.Split(l.Ports(), ",")
+	seen := map[string]string{}
+	for name, c := range map[string]struct {
+		ann map[string]string
+		v6  bool
+	}{
+		"base":              {ann: base},
+		"base, dual stack":  {ann: base, v6: true},
+		"last CIDR changed": {ann: with(redirect.AnnotationExcludeOutboundCIDRs, strings.Join(append(cidrs[:len(cidrs)-1:len(cidrs)-1], "203.0.113.0/24"), ","))},
+		"a CIDR narrower":   {ann: with(redirect.AnnotationExcludeOutboundCIDRs, strings.Replace(l.CIDRs4(), cidrs[500], strings.TrimSuffix(cidrs[500], "/29")+"/30", 1))},
+		"last port changed": {ann: with(redirect.AnnotationExcludeOutboundPorts, strings.Join(append(ports[:len(ports)-1:len(ports)-1], "65000"), ","))},
+		"one port fewer":    {ann: with(redirect.AnnotationExcludeOutboundPorts, strings.Join(ports[1:], ","))},
+		"ten CIDRs":         {ann: with(redirect.AnnotationExcludeOutboundCIDRs, strings.Join(cidrs[:10], ","))},
+	} {
+		fp := listPlan(t, testenv.ListCase{Annotations: c.ann}, c.v6).Fingerprint()
+		if again := listPlan(t, testenv.ListCase{Annotations: c.ann}, c.v6).Fingerprint(); again != fp {
+			t.Errorf("%s: built twice, fingerprints %s and %s", name, fp, again)
+		}
+		if other, ok := seen[fp]; ok {
+			t.Errorf("%s and %s share fingerprint %s", name, other, fp)
+		}
+		seen[fp] = name
 	}
 }

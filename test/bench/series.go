@@ -23,6 +23,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -311,7 +312,7 @@ func ruleFloors(n int) (*samples, error) {
 			if err != nil {
 				return nil, err
 			}
-			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh("", plan)
+			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh(podnet.Facts{}, plan)
 			if err != nil || txn == nil {
 				return nil, fmt.Errorf("preparing the default rules (%s): %w", why, err)
 			}
