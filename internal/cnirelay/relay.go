@@ -125,6 +125,10 @@ func (r *Relay) send(conn *agentConn, prepared []byte, netns *os.File, pod strin
 	if err != nil {
 		out.Error = err.Error()
 	}
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) == nil {
+		out.CPU = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
 	if body, jerr := json.Marshal(&out); jerr == nil {
 		// The agent logs and counts the pod from this; the pod's
 		// outcome does not depend on it.

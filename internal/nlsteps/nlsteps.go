@@ -39,6 +39,10 @@ type Outcome struct {
 	// Took is the time from entering the namespace to the kernel's last
 	// answer.
 	Took time.Duration `json:"took"`
+	// CPU is the sending process's CPU time from its start to the
+	// report: what the pod's start cost in the runtime's cgroup, beside
+	// the primary plugin's (the agent logs it as plugin_cpu).
+	CPU time.Duration `json:"cpu,omitempty"`
 }
 
 // Step is the requests of one netlink socket.

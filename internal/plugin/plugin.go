@@ -363,7 +363,7 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
 		"result", txn.Summary+" applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
 		"plan", planned.Sub(decided).String(), "apply", a.Took.String(),
-		"committed_by", "plugin")
+		"committed_by", "plugin", "plugin_cpu", a.CPU.String())
 	return nil
 }
 

@@ -278,3 +278,20 @@ func (h *AgentHost) Kill() {
 
 // ExitCode is the exit code of the agent once Done.
 func (h *AgentHost) ExitCode() int { return h.cmd.ProcessState.ExitCode() }
+
+// LogDuration is the duration an agent log line gives key, in the
+// console format (key=1.5ms) or JSON ("key":"1.5ms").
+func LogDuration(line, key string) (time.Duration, error) {
+	for _, prefix := range []string{key + "=", `"` + key + `":"`} {
+		_, rest, ok := strings.Cut(line, prefix)
+		if !ok {
+			continue
+		}
+		end := strings.IndexAny(rest, " \"")
+		if end < 0 {
+			end = len(rest)
+		}
+		return time.ParseDuration(rest[:end])
+	}
+	return 0, fmt.Errorf("no %s in %q", key, line)
+}

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -76,6 +78,11 @@ var clusterArms = map[string]clusterArm{
 type burstFigures struct {
 	startup []time.Duration
 	cpu     nodeCPU
+	// pluginCPU is each ADD's plugin process CPU as the agent logged it
+	// (plugin_cpu); fallback counts the burst's ADDs that went to the
+	// fallback plugin instead.
+	pluginCPU []time.Duration
+	fallback  int
 }
 
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
@@ -83,6 +90,10 @@ type burstFigures struct {
 // agent's pod, and everything in kubepods besides the agent.
 type nodeCPU struct {
 	node, runtime, agent, pods time.Duration
+	// The runtime's cgroup by process: containerd itself, the processes
+	// it started and waited for (the CNI plugins, run by hand), and the
+	// kubelet; the rest of it is the shims and the runc they start.
+	containerd, cni, kubelet time.Duration
 }
 
 // clusterResult holds every burst by node size (pods on the node with the
@@ -188,6 +199,7 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
+	f.pluginCPU, f.fallback = pluginLines(agent, round)
 	// The agent's last words say why, if it leaves the plugin behind.
 	logs := followLogs(ctx, one.Cluster, agent)
 	if err := rel.Uninstall(); err != nil {
@@ -200,6 +212,35 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 		return burstFigures{}, fmt.Errorf("%w; the agent's log ends:\n%s", err, lastLines(logs(), 15))
 	}
 	return f, nil
+}
+
+// pluginLines reads, from the agent's log as the kubelet keeps it, the
+// plugin process CPU of each of the round's ADDs and how many of them the
+// fallback served.
+func pluginLines(p *corev1.Pod, round string) ([]time.Duration, int) {
+	files, _ := filepath.Glob(filepath.Join(kubeletPodLogs, p.Namespace+"_"+p.Name+"_"+string(p.UID), "*", "*.log"))
+	var cpu []time.Duration
+	fallback := 0
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if !strings.Contains(line, "pod=bench/"+round+"-") {
+				continue
+			}
+			if strings.Contains(line, "served without the node agent") {
+				fallback++
+			}
+			if strings.Contains(line, "redirect rules programmed") {
+				if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
+					cpu = append(cpu, d)
+				}
+			}
+		}
+	}
+	return cpu, fallback
 }
 
 // kubeletPodLogs is the kubelet's default podLogsDir.
@@ -297,6 +338,18 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 				return s, err
 			}
 		}
+		pids := one.Node.RuntimePIDs()
+		if len(pids) != 2 {
+			return s, fmt.Errorf("node processes %v, want containerd and the kubelet", pids)
+		}
+		var kubeletChildren time.Duration
+		if s.containerd, s.cni, err = procCPU(pids[0]); err != nil {
+			return s, err
+		}
+		if s.kubelet, kubeletChildren, err = procCPU(pids[1]); err != nil {
+			return s, err
+		}
+		s.kubelet += kubeletChildren
 		return s, nil
 	}
 	if err := settle(ctx, cg, agentCgroup); err != nil {
@@ -316,9 +369,32 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 		return burstFigures{}, err
 	}
 	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
-		agent: after.agent - before.agent}
+		agent: after.agent - before.agent, containerd: after.containerd - before.containerd,
+		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet}
 	split.pods = after.pods - before.pods - split.agent
 	return burstFigures{startup: d, cpu: split}, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
+}
+
+// procCPU is a process's own CPU time and that of its children it has
+// waited for, from /proc/<pid>/stat (in clock ticks of 10 ms).
+func procCPU(pid int) (self, children time.Duration, err error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	// The command name is in parentheses and may hold spaces: fields
+	// count from after its closing one (state is field 3).
+	i := bytes.LastIndexByte(b, ')')
+	f := strings.Fields(string(b[i+1:]))
+	if i < 0 || len(f) < 15 {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: %q", pid, b)
+	}
+	tick := func(s string) time.Duration {
+		v, _ := strconv.ParseInt(s, 10, 64)
+		return time.Duration(v) * 10 * time.Millisecond
+	}
+	// utime, stime, cutime, cstime are fields 14-17.
+	return tick(f[11]) + tick(f[12]), tick(f[13]) + tick(f[14]), nil
 }
 
 // settle waits, up to settleLimit, until the runtime and the agent have

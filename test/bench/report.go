@@ -197,11 +197,27 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpu.runtime += b.cpu.runtime
 				cpu.agent += b.cpu.agent
 				cpu.pods += b.cpu.pods
+				cpu.containerd += b.cpu.containerd
+				cpu.cni += b.cpu.cni
+				cpu.kubelet += b.cpu.kubelet
 				n += len(b.startup)
 			}
 			n = max(n, 1)
+			per := func(d time.Duration) float64 { return msf(d) / float64(n) }
 			fmt.Printf("  %-8s %s %s %s   %-30s %.1f = %.1f + %.1f + %.1f ms\n", a.name, ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds,
-				msf(cpu.node)/float64(n), msf(cpu.runtime)/float64(n), msf(cpu.agent)/float64(n), msf(cpu.pods)/float64(n))
+				per(cpu.node), per(cpu.runtime), per(cpu.agent), per(cpu.pods))
+			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
+				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
+			var pluginCPU []time.Duration
+			fallback := 0
+			for _, b := range bs {
+				pluginCPU = append(pluginCPU, b.pluginCPU...)
+				fallback += b.fallback
+			}
+			if a.values != nil {
+				fmt.Printf("  %-8s istio-cni process CPU per ADD (as it reports it to the agent): p50 %s, p99 %s, %d ADDs reported; %d ADDs served by the fallback\n", "",
+					ms(pct(pluginCPU, .5)), ms(pct(pluginCPU, .99)), len(pluginCPU), fallback)
+			}
 		}
 		if len(base) == 0 {
 			continue

@@ -204,6 +204,9 @@ func chartOnNode(t *testing.T, backend string) {
 			if !strings.Contains(line, "committed_by=plugin") {
 				t.Fatalf("the pod's rules were not sent by the relay: %s", line)
 			}
+			if cpu, err := testenv.LogDuration(line, "plugin_cpu"); err != nil || cpu <= 0 {
+				t.Fatalf("plugin_cpu %v (%v) in the agent's line, want the relay's positive CPU time: %s", cpu, err, line)
+			}
 			served = true
 		}
 	}

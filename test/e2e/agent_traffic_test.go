@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -60,6 +61,12 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	// By default the relay committed the rules the agent prepared.
 	if !strings.Contains(logs, `"committed_by":"plugin"`) {
 		t.Fatalf("the rules were not committed by the plugin process:\n%s", logs)
+	}
+	// With what the plugin process spent, as it measured itself.
+	if m := regexp.MustCompile(`"plugin_cpu":"([^"]+)"`).FindStringSubmatch(logs); m == nil {
+		t.Fatalf("no plugin_cpu in the agent's line:\n%s", logs)
+	} else if d, err := time.ParseDuration(m[1]); err != nil || d <= 0 {
+		t.Fatalf("plugin_cpu %q (%v), want a positive duration", m[1], err)
 	}
 
 	t.Run("pod-from-agent-cache", func(t *testing.T) {
