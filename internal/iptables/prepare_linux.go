@@ -109,17 +109,6 @@ func (a *Applier) PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (*nlsteps
 	return txn, "", nil
 }
 
-// ipsetFlagListSetname asks a list for the sets' names alone (the
-// kernel's IPSET_FLAG_LIST_SETNAME).
-const ipsetFlagListSetname = 1 << 1
-
-// ipsetNameOnlyRequest is a list request for names only.
-func ipsetNameOnlyRequest() []byte {
-	b := nlsteps.NfGen(unix.NFPROTO_IPV4, 0)
-	b = nlsteps.Attr(b, nl.IPSET_ATTR_PROTOCOL, []byte{nl.IPSET_PROTOCOL})
-	return nlsteps.Attr(b, nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, ipsetFlagListSetname))
-}
-
 func cString(b []byte) string { return strings.TrimRight(string(b), "\x00") }
 
 func nftType(msg int) netlink.HeaderType {
@@ -225,7 +214,7 @@ func (c *ipsetClient) recreate(plan *ruleset.Plan) (create, undo *nlsteps.Step, 
 // names lists the namespace's ipsets in the kernel's order.
 func (c *ipsetClient) names() ([]string, error) {
 	msgs, err := c.c.Execute(netlink.Message{Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | nl.IPSET_CMD_LIST),
-		Flags: netlink.Request | netlink.Dump}, Data: ipsetNameOnlyRequest()})
+		Flags: netlink.Request | netlink.Dump}, Data: podnet.IPSetNamesRequest()})
 	if err != nil {
 		return nil, fmt.Errorf("listing ipsets: %w", err)
 	}

@@ -210,14 +210,21 @@ func holdsIPSets() bool {
 		return true
 	}
 	defer unix.Close(fd)
-	// The list command, names only: the protocol version and the
-	// IPSET_FLAG_LIST_SETNAME flag as attributes.
-	body := nlsteps.NfGen(unix.NFPROTO_IPV4, 0)
-	body = nlsteps.Attr(body, nl.IPSET_ATTR_PROTOCOL, []byte{nl.IPSET_PROTOCOL})
-	body = nlsteps.Attr(body, nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, 1<<1))
 	found := false
-	err = dumpBody(fd, unix.NFNL_SUBSYS_IPSET<<8|nl.IPSET_CMD_LIST, body, 4, func([]byte) { found = true })
+	err = dumpBody(fd, unix.NFNL_SUBSYS_IPSET<<8|nl.IPSET_CMD_LIST, IPSetNamesRequest(), 4, func([]byte) { found = true })
 	return found || err != nil
+}
+
+// ipsetFlagListSetname asks a list for the sets' names alone (the
+// kernel's IPSET_FLAG_LIST_SETNAME).
+const ipsetFlagListSetname = 1 << 1
+
+// IPSetNamesRequest is the body of an ipset list request for the sets'
+// names only: the protocol version and the names-only flag.
+func IPSetNamesRequest() []byte {
+	b := nlsteps.NfGen(unix.NFPROTO_IPV4, 0)
+	b = nlsteps.Attr(b, nl.IPSET_ATTR_PROTOCOL, []byte{nl.IPSET_PROTOCOL})
+	return nlsteps.Attr(b, nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, ipsetFlagListSetname))
 }
 
 // dump sends a dump request (hdrLen zero bytes of family header: every
