@@ -5,16 +5,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
-	"syscall"
 	"testing"
-	"time"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/containernetworking/plugins/pkg/testutils"
-	"github.com/vishvananda/netlink"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
@@ -61,73 +54,12 @@ func BenchmarkAgentADD(b *testing.B) {
 				"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, backend == "nftables")
 			req := &cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0",
 				Args: "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1", Stdin: []byte(conf)}
-			var cpu time.Duration
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				b.StopTimer()
-				podNS, f := podNamespace(b)
-				before := processCPU(b)
-				b.StartTimer()
-				resp := s.Handle(req, f)
-				b.StopTimer()
-				cpu += processCPU(b) - before
-				if resp.Error != nil {
-					b.Fatalf("ADD: %v", resp.Error)
+			cniserver.BenchInFreshNS(b, func(f *os.File) error {
+				if resp := s.Handle(req, f); resp.Error != nil {
+					return fmt.Errorf("ADD: %w", resp.Error)
 				}
-				_ = f.Close()
-				_ = podNS.Close()
-				_ = testutils.UnmountNS(podNS)
-				b.StartTimer()
-			}
-			b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-us/op")
+				return nil
+			})
 		})
 	}
-}
-
-// podNamespace is a fresh namespace with an address, as the primary
-// plugin leaves it, and an open descriptor on it, as the relay sends it.
-func podNamespace(b *testing.B) (ns.NetNS, *os.File) {
-	n, err := testutils.NewNS()
-	if err != nil {
-		b.Fatal(err)
-	}
-	err = n.Do(func(ns.NetNS) error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		if err := netlink.LinkSetUp(lo); err != nil {
-			return err
-		}
-		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth0"}, PeerName: "peer0"}); err != nil {
-			return err
-		}
-		eth, err := netlinksafe.LinkByName("eth0")
-		if err != nil {
-			return err
-		}
-		return netlink.AddrAdd(eth, &netlink.Addr{IPNet: &net.IPNet{IP: net.IPv4(10, 1, 0, 2), Mask: net.CIDRMask(24, 32)}})
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	f, err := os.Open(n.Path())
-	if err != nil {
-		b.Fatal(err)
-	}
-	return n, f
-}
-
-// processCPU is this process's CPU time plus that of its waited-for
-// children (iptables-restore).
-func processCPU(b *testing.B) time.Duration {
-	var total time.Duration
-	for _, who := range []int{syscall.RUSAGE_SELF, syscall.RUSAGE_CHILDREN} {
-		var ru syscall.Rusage
-		if err := syscall.Getrusage(who, &ru); err != nil {
-			b.Fatal(err)
-		}
-		total += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-	}
-	return total
 }

@@ -218,29 +218,38 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 // plugin process CPU of each of the round's ADDs and how many of them the
 // fallback served.
 func pluginLines(p *corev1.Pod, round string) ([]time.Duration, int) {
-	files, _ := filepath.Glob(filepath.Join(kubeletPodLogs, p.Namespace+"_"+p.Name+"_"+string(p.UID), "*", "*.log"))
+	text, _ := podLogs(p)
 	var cpu []time.Duration
 	fallback := 0
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
+	for _, line := range strings.Split(text, "\n") {
+		if !strings.Contains(line, "pod=bench/"+round+"-") {
 			continue
 		}
-		for _, line := range strings.Split(string(b), "\n") {
-			if !strings.Contains(line, "pod=bench/"+round+"-") {
-				continue
-			}
-			if strings.Contains(line, "served without the node agent") {
-				fallback++
-			}
-			if strings.Contains(line, "redirect rules programmed") {
-				if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
-					cpu = append(cpu, d)
-				}
+		if strings.Contains(line, "served without the node agent") {
+			fallback++
+		}
+		if strings.Contains(line, "redirect rules programmed") {
+			if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
+				cpu = append(cpu, d)
 			}
 		}
 	}
 	return cpu, fallback
+}
+
+// podLogs is a pod's log as the kubelet keeps it (under /var/log/pods,
+// in this process's mount namespace), its containers' files one after
+// another, and how many files there were.
+func podLogs(p *corev1.Pod) (string, int) {
+	dir := kubeletPodLogs + "/" + p.Namespace + "_" + p.Name + "_" + string(p.UID)
+	files, _ := filepath.Glob(filepath.Join(dir, "*", "*.log"))
+	var all strings.Builder
+	for _, f := range files {
+		if b, err := os.ReadFile(f); err == nil {
+			all.Write(b)
+		}
+	}
+	return all.String(), len(files)
 }
 
 // kubeletPodLogs is the kubelet's default podLogsDir.
@@ -259,20 +268,13 @@ func followLogs(ctx context.Context, _ *testenv.Cluster, p *corev1.Pod) func() s
 	go func() {
 		defer cancel()
 		for ctx.Err() == nil {
-			files, _ := filepath.Glob(filepath.Join(dir, "*", "*.log"))
-			var all strings.Builder
-			for _, f := range files {
-				b, err := os.ReadFile(f)
-				if err == nil {
-					all.Write(b)
-				}
-			}
+			all, files := podLogs(p)
 			mu.Lock()
-			if all.Len() >= len(text) {
-				text = all.String()
+			if len(all) >= len(text) {
+				text = all
 			}
 			mu.Unlock()
-			if len(files) == 0 && text != "" {
+			if files == 0 && text != "" {
 				return // the kubelet removed the pod's logs
 			}
 			select {
@@ -385,8 +387,11 @@ func procCPU(pid int) (self, children time.Duration, err error) {
 	// The command name is in parentheses and may hold spaces: fields
 	// count from after its closing one (state is field 3).
 	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: %q", pid, b)
+	}
 	f := strings.Fields(string(b[i+1:]))
-	if i < 0 || len(f) < 15 {
+	if len(f) < 15 {
 		return 0, 0, fmt.Errorf("/proc/%d/stat: %q", pid, b)
 	}
 	tick := func(s string) time.Duration {

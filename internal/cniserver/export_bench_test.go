@@ -1,0 +1,4 @@
+package cniserver
+
+// BenchInFreshNS serves the package's external benchmarks.
+var BenchInFreshNS = benchInFreshNS
