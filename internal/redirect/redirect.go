@@ -1,12 +1,16 @@
 // Package redirect turns a pod's annotations and its istio-proxy container
-// into validated redirect parameters. It is pure: no I/O, no clock.
+// into validated redirect parameters. It is pure (no I/O, no clock); long
+// lists are parsed once and kept by their text.
 package redirect
 
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/istio-cni-go/istio-cni/internal/memo"
 
 	"github.com/istio-cni-go/istio-cni/internal/podspec"
 )
@@ -125,35 +129,33 @@ func FromPod(pod *podspec.Pod) (Params, []string, error) {
 	var err error
 	if v, _ := get(AnnotationIncludeOutboundCIDRs, "*"); v == "*" {
 		p.IncludeOutboundAll = true
-	} else if p.IncludeOutboundCIDRs, err = parseCIDRs(AnnotationIncludeOutboundCIDRs, v); err != nil {
+	} else if p.IncludeOutboundCIDRs, err = cached(parsedCIDRs, AnnotationIncludeOutboundCIDRs, v, parseCIDRs); err != nil {
 		return p, nil, err
 	}
 	if v, _ := get(AnnotationExcludeOutboundCIDRs, ""); v != "" {
-		if p.ExcludeOutboundCIDRs, err = parseCIDRs(AnnotationExcludeOutboundCIDRs, v); err != nil {
+		if p.ExcludeOutboundCIDRs, err = cached(parsedCIDRs, AnnotationExcludeOutboundCIDRs, v, parseCIDRs); err != nil {
 			return p, nil, err
 		}
 	}
 
 	if v, _ := get(AnnotationIncludeInboundPorts, "*"); v == "*" {
 		p.IncludeInboundAll = true
-	} else if p.IncludeInboundPorts, err = parsePorts(AnnotationIncludeInboundPorts, v); err != nil {
+	} else if p.IncludeInboundPorts, err = cached(parsedPorts, AnnotationIncludeInboundPorts, v, parsePorts); err != nil {
 		return p, nil, err
 	}
 	v, _ := get(AnnotationExcludeInboundPorts, "")
-	userExcl, err := parsePorts(AnnotationExcludeInboundPorts, v)
-	if err != nil {
+	if p.ExcludeInboundPorts, err = cached(parsedPorts, AnnotationExcludeInboundPorts, v, parseExcludeInbound); err != nil {
 		return p, nil, err
 	}
-	p.ExcludeInboundPorts = dedup(append(userExcl, alwaysExcludedInboundPorts...))
 
 	v, _ = get(AnnotationIncludeOutboundPorts, "")
-	if p.IncludeOutboundPorts, err = parsePorts(AnnotationIncludeOutboundPorts, v); err != nil {
+	if p.IncludeOutboundPorts, err = cached(parsedPorts, AnnotationIncludeOutboundPorts, v, parsePorts); err != nil {
 		return p, nil, err
 	}
 	// The status port is excluded from outbound capture only when the pod
 	// says nothing; an explicit value replaces the default, as in Istio.
 	v, _ = get(AnnotationExcludeOutboundPorts, "15020")
-	if p.ExcludeOutboundPorts, err = parsePorts(AnnotationExcludeOutboundPorts, v); err != nil {
+	if p.ExcludeOutboundPorts, err = cached(parsedPorts, AnnotationExcludeOutboundPorts, v, parsePorts); err != nil {
 		return p, nil, err
 	}
 
@@ -235,6 +237,39 @@ func splitList(key, value string) ([]string, error) {
 	return parts, nil
 }
 
+// Long list values already parsed, by annotation and value (see package
+// memo). The lists are shared: Params' slices are never changed.
+var (
+	parsedCIDRs = memo.New[[]netip.Prefix](4 << 20)
+	parsedPorts = memo.New[[]string](4 << 20)
+)
+
+// memoFrom is the shortest value kept parsed: a short list parses in less
+// time than finding it takes.
+const memoFrom = 256
+
+// cached parses value with parse, or takes it from m when it is long.
+// Only values that parse are kept: a bad one fails every pod carrying it,
+// with the same error, at the same cost.
+func cached[V any](m *memo.LRU[V], key, value string, parse func(key, value string) (V, error)) (V, error) {
+	if len(value) < memoFrom {
+		return parse(key, value)
+	}
+	k := make([]byte, 0, len(key)+1+len(value))
+	k = append(append(append(k, key...), 0), value...)
+	return m.Get(k, func() (V, error) { return parse(key, value) })
+}
+
+// parseExcludeInbound is the excluded inbound ports the pod gives, then
+// the proxy's own, each once.
+func parseExcludeInbound(key, value string) ([]string, error) {
+	ports, err := parsePorts(key, value)
+	if err != nil {
+		return nil, err
+	}
+	return slices.Clip(dedup(append(ports, alwaysExcludedInboundPorts...))), nil
+}
+
 func parsePorts(key, value string) ([]string, error) {
 	items, err := splitList(key, value)
 	if err != nil {
@@ -247,7 +282,8 @@ func parsePorts(key, value string) ([]string, error) {
 		}
 		items[i] = strconv.FormatUint(n, 10)
 	}
-	return items, nil
+	// Clipped: a caller appending to a list kept for other pods copies it.
+	return slices.Clip(items), nil
 }
 
 func parseCIDRs(key, value string) ([]netip.Prefix, error) {
@@ -263,7 +299,7 @@ func parseCIDRs(key, value string) ([]netip.Prefix, error) {
 		}
 		out = append(out, pfx)
 	}
-	return out, nil
+	return slices.Clip(out), nil
 }
 
 // parseInterfaces accepts Linux interface names, and the trailing "+"

@@ -2,7 +2,10 @@ package redirect
 
 import (
 	"errors"
+	"fmt"
+	"net/netip"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -136,4 +139,57 @@ func FuzzFromPod(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestLongListsKeptParsed: the pods of a Deployment with long lists get
+// their parameters from one parse, and what one pod does with its lists
+// (appending, as the inbound exclusions do) reaches no other pod.
+func TestLongListsKeptParsed(t *testing.T) {
+	var cidrs, ports []string
+	for i := 0; i < 300; i++ {
+		cidrs = append(cidrs, fmt.Sprintf("10.%d.%d.0/24", i/256, i%256))
+		ports = append(ports, strconv.Itoa(20000+i))
+	}
+	ann := map[string]string{
+		AnnotationExcludeOutboundCIDRs: strings.Join(cidrs, ","),
+		AnnotationExcludeOutboundPorts: strings.Join(ports, ","),
+		AnnotationExcludeInboundPorts:  strings.Join(ports, ",") + ",15021",
+	}
+	first, _, err := FromPod(pod(ann, podspec.Container{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept := parsedCIDRs.Len() + parsedPorts.Len()
+	second, _, err := FromPod(pod(ann, podspec.Container{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A caller appending to its lists must not write into another pod's.
+	a := append(first.ExcludeInboundPorts, "1")
+	b := append(second.ExcludeInboundPorts, "2")
+	c := append(first.ExcludeOutboundCIDRs, netip.MustParsePrefix("192.0.2.0/24"))
+	d := append(second.ExcludeOutboundCIDRs, netip.MustParsePrefix("198.51.100.0/24"))
+	if a[len(a)-1] != "1" || b[len(b)-1] != "2" || c[len(c)-1] == d[len(d)-1] {
+		t.Fatal("two pods' lists share what lies past their ends")
+	}
+	if parsedCIDRs.Len()+parsedPorts.Len() != kept {
+		t.Fatalf("the second pod parsed its lists again (%d kept, then %d)", kept, parsedCIDRs.Len()+parsedPorts.Len())
+	}
+	if !reflect.DeepEqual(first, second) {
+		t.Fatal("two pods with the same annotations got different parameters")
+	}
+	if len(second.ExcludeOutboundCIDRs) != 300 || second.ExcludeOutboundCIDRs[299].String() != "10.1.43.0/24" {
+		t.Fatalf("excluded CIDRs: %d, last %v", len(second.ExcludeOutboundCIDRs), second.ExcludeOutboundCIDRs[len(second.ExcludeOutboundCIDRs)-1])
+	}
+	if got := second.ExcludeInboundPorts; len(got) != 303 || got[300] != "15021" || got[302] != "15090" {
+		t.Fatalf("excluded inbound ports: %d, ending %v", len(got), got[len(got)-3:])
+	}
+	// A long value that does not parse fails every pod that carries it.
+	ann[AnnotationExcludeOutboundPorts] += ",http"
+	for i := 0; i < 2; i++ {
+		var bad *InvalidAnnotationError
+		if _, _, err := FromPod(pod(ann, podspec.Container{})); !errors.As(err, &bad) || bad.Key != AnnotationExcludeOutboundPorts {
+			t.Fatalf("pod %d: %v, want an error naming %s", i, err, AnnotationExcludeOutboundPorts)
+		}
+	}
 }

@@ -2,7 +2,6 @@ package ruleset
 
 import (
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"net/netip"
@@ -412,8 +411,8 @@ func NeedsIPv6(addrs []netip.Addr, dualStack bool) bool {
 }
 
 // Fingerprint identifies the plan by everything it programs: each
-// family's rules and every entry of their sets (a set's name carries only
-// 32 bits of its contents). Equal plans have equal fingerprints, so what
+// family's rules and every entry of their sets, by the SHA-256 of the
+// set's contents (its name carries only 32 bits of that). Equal plans have equal fingerprints, so what
 // is prepared for one serves the other.
 func (p *Plan) Fingerprint() string {
 	h := sha256.New()
@@ -421,17 +420,11 @@ func (p *Plan) Fingerprint() string {
 	for _, s := range p.Sets() {
 		b = fmt.Appendf(b[:0], "family %d\n%s", s.Family, s.Restore())
 		for _, x := range s.IPSets {
-			// Entries in a fixed-width binary form: a list of thousands
-			// is on every pod's path, and printing it cost more than the
-			// rest of the pod's preparation.
-			b = fmt.Appendf(b, "set %s %d %d %d %d\n", x.Name, x.Kind, x.Family, len(x.Nets), len(x.Ports))
-			for _, n := range x.Nets {
-				a := n.Addr().As16()
-				b = append(append(b, a[:]...), byte(n.Bits()))
-			}
-			for _, r := range x.Ports {
-				b = binary.BigEndian.AppendUint16(binary.BigEndian.AppendUint16(b, r.First), r.Last)
-			}
+			// The digest the set was named from: a list of thousands is
+			// on every pod's path, and hashing its entries again cost as
+			// much as the rest of the pod's preparation.
+			sum := x.digest()
+			b = fmt.Appendf(b, "set %s %d %d %d %d %x\n", x.Name, x.Kind, x.Family, len(x.Nets), len(x.Ports), sum[:])
 		}
 		h.Write(b)
 	}

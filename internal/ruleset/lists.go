@@ -9,6 +9,8 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+
+	"github.com/istio-cni-go/istio-cni/internal/memo"
 )
 
 // SetThreshold is the longest list that keeps Istio's shape, one rule per
@@ -63,6 +65,9 @@ type IPSet struct {
 	Origin string
 	// Listed is how many entries the annotation gave for this set.
 	Listed int
+
+	// sum is the SHA-256 of the contents, kept by setName.
+	sum [sha256.Size]byte
 }
 
 // Len is the number of entries the kernel holds for the set.
@@ -94,12 +99,24 @@ func (s *IPSet) SameContents(o *IPSet) bool {
 	return s.Kind == o.Kind && s.Family == o.Family && slices.Equal(s.Nets, o.Nets) && slices.Equal(s.Ports, o.Ports)
 }
 
+// builtSets are the sets of long lists already built, by their inputs
+// (see package memo).
+var builtSets = memo.New[*IPSet](8 << 20)
+
 // SetPrefix starts the name of every set this plugin owns.
 const SetPrefix = ChainPrefix
 
 // setName is SetPrefix, the set's role and 8 hex digits of its contents:
-// at most 28 characters, within ipset's 31.
+// at most 28 characters, within ipset's 31. It keeps the whole digest in
+// the set, for plan fingerprints.
 func setName(role string, s *IPSet) string {
+	s.sum = s.contentSum()
+	return SetPrefix + role + "_" + hex.EncodeToString(s.sum[:4])
+}
+
+// contentSum is the SHA-256 of the set's kind, family and entries in a
+// fixed-width binary form.
+func (s *IPSet) contentSum() [sha256.Size]byte {
 	b := make([]byte, 0, 2+17*len(s.Nets)+4*len(s.Ports))
 	b = append(b, byte(s.Kind), byte(s.Family))
 	for _, p := range s.Nets {
@@ -110,31 +127,57 @@ func setName(role string, s *IPSet) string {
 		b = binary.BigEndian.AppendUint16(b, r.First)
 		b = binary.BigEndian.AppendUint16(b, r.Last)
 	}
-	h := sha256.Sum256(b)
-	return SetPrefix + role + "_" + hex.EncodeToString(h[:4])
+	return sha256.Sum256(b)
+}
+
+// digest is the contents' SHA-256, as setName took it (a set read back
+// from the kernel has none kept).
+func (s *IPSet) digest() [sha256.Size]byte {
+	if s.sum == ([sha256.Size]byte{}) {
+		return s.contentSum()
+	}
+	return s.sum
 }
 
 // NewNetSet makes the set of the prefixes of one family, named for role
-// (for example OUT_EXCL_NET4).
+// (for example OUT_EXCL_NET4). The set is shared with every other caller
+// passing the same arguments: it must not be changed.
 func NewNetSet(role, origin string, fam Family, prefixes []netip.Prefix) *IPSet {
-	s := &IPSet{Kind: SetNets, Family: fam, Nets: Cover(prefixes), Origin: origin, Listed: len(prefixes)}
-	s.Name = setName(role, s)
+	key := make([]byte, 0, len(role)+len(origin)+3+17*len(prefixes))
+	key = append(append(append(append(key, 'n', byte(fam)), role...), 0), origin...)
+	for _, p := range prefixes {
+		a := p.Addr().As16()
+		key = append(append(key, a[:]...), byte(p.Bits()))
+	}
+	s, _ := builtSets.Get(key, func() (*IPSet, error) {
+		s := &IPSet{Kind: SetNets, Family: fam, Nets: Cover(prefixes), Origin: origin, Listed: len(prefixes)}
+		s.Name = setName(role, s)
+		return s, nil
+	})
 	return s
 }
 
 // NewPortSet makes the set of ports (decimal strings, already validated),
-// named for role.
+// named for role. The set is shared as NewNetSet's is.
 func NewPortSet(role, origin string, ports []string) *IPSet {
-	nums := make([]uint16, 0, len(ports))
+	key := make([]byte, 0, len(role)+len(origin)+2+6*len(ports))
+	key = append(append(append(append(key, 'p'), role...), 0), origin...)
 	for _, p := range ports {
-		n, err := strconv.ParseUint(p, 10, 16)
-		if err != nil {
-			panic("ruleset: unvalidated port " + strconv.Quote(p))
-		}
-		nums = append(nums, uint16(n))
+		key = append(append(key, ','), p...)
 	}
-	s := &IPSet{Kind: SetPorts, Ports: PortRanges(nums), Origin: origin, Listed: len(ports)}
-	s.Name = setName(role, s)
+	s, _ := builtSets.Get(key, func() (*IPSet, error) {
+		nums := make([]uint16, 0, len(ports))
+		for _, p := range ports {
+			n, err := strconv.ParseUint(p, 10, 16)
+			if err != nil {
+				panic("ruleset: unvalidated port " + strconv.Quote(p))
+			}
+			nums = append(nums, uint16(n))
+		}
+		s := &IPSet{Kind: SetPorts, Ports: PortRanges(nums), Origin: origin, Listed: len(ports)}
+		s.Name = setName(role, s)
+		return s, nil
+	})
 	return s
 }
 

@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -126,5 +127,48 @@ func TestSetNamesFollowContents(t *testing.T) {
 		if n := NewPortSet(role, "x", []string{"1"}).Name; len(n) > 31 || !strings.HasPrefix(n, SetPrefix) {
 			t.Fatalf("set name %q", n)
 		}
+	}
+}
+
+// TestSetsBuiltOncePerInput: the sets of equal lists are one set (pods of
+// one Deployment), a list differing in anything its set records (role,
+// origin, an entry, the order of entries) another, and a fingerprint
+// follows the contents either way.
+func TestSetsBuiltOncePerInput(t *testing.T) {
+	var nets []netip.Prefix
+	var ports []string
+	for i := 0; i < 1000; i++ {
+		nets = append(nets, netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), 0}), 24))
+		ports = append(ports, strconv.Itoa(20000+2*i))
+	}
+	a := NewNetSet("OUT_EXCL_NET4", "x", IPv4, nets)
+	if b := NewNetSet("OUT_EXCL_NET4", "x", IPv4, slices.Clone(nets)); b != a {
+		t.Fatal("an equal list built its set again")
+	}
+	if b := NewNetSet("OUT_EXCL_NET4", "y", IPv4, nets); b == a || b.Origin != "y" {
+		t.Fatal("a list from another annotation shares a set that names the first")
+	}
+	if b := NewNetSet("OUT_INCL_NET4", "x", IPv4, nets); b == a || b.Name == a.Name {
+		t.Fatal("a list of another role shares its set")
+	}
+	reordered := slices.Clone(nets)
+	reordered[0], reordered[1] = reordered[1], reordered[0]
+	if b := NewNetSet("OUT_EXCL_NET4", "x", IPv4, reordered); b == a || b.Name != a.Name {
+		t.Fatalf("reordered list: same set %v, names %s %s; want its own set of the same contents", b == a, b.Name, a.Name)
+	}
+	changed := slices.Clone(nets)
+	changed[999] = netip.MustParsePrefix("10.3.231.0/25")
+	if b := NewNetSet("OUT_EXCL_NET4", "x", IPv4, changed); b.Name == a.Name || b.digest() == a.digest() {
+		t.Fatal("a list differing in its last entry got the same contents")
+	}
+	p := NewPortSet("OUT_EXCL_PORT", "x", ports)
+	if q := NewPortSet("OUT_EXCL_PORT", "x", slices.Clone(ports)); q != p {
+		t.Fatal("an equal port list built its set again")
+	}
+	if q := NewPortSet("OUT_EXCL_PORT", "x", append(slices.Clone(ports[:999]), "1")); q == p || q.digest() == p.digest() {
+		t.Fatal("a port list differing in its last entry got the same contents")
+	}
+	if a.digest() != a.contentSum() || p.digest() != p.contentSum() {
+		t.Fatal("a kept digest is not the contents'")
 	}
 }

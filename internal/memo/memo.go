@@ -1,0 +1,74 @@
+// Package memo keeps values computed from long inputs by those inputs,
+// within a byte budget, the most recently used kept: the pods of one
+// Deployment carry the same annotations, and parsing, covering and
+// digesting a list of thousands of entries again for each of them was
+// most of what such a pod cost the agent.
+package memo
+
+import (
+	"container/list"
+	"sync"
+)
+
+// LRU maps keys to values, counting each entry as twice its key's
+// length (the key is the input in full; the value about as large).
+// Values are shared between callers and must not be changed.
+type LRU[V any] struct {
+	mu      sync.Mutex
+	budget  int
+	size    int
+	order   *list.List // of *entry[V], most recent first
+	entries map[string]*list.Element
+}
+
+type entry[V any] struct {
+	key string
+	val V
+}
+
+// New returns an LRU holding at most budget bytes.
+func New[V any](budget int) *LRU[V] {
+	return &LRU[V]{budget: budget, order: list.New(), entries: map[string]*list.Element{}}
+}
+
+// Get returns the value of key, computing it with compute when it is not
+// kept, and keeping it when compute succeeds. Two callers missing at once
+// both compute; the later value replaces the earlier, which equals it.
+func (m *LRU[V]) Get(key []byte, compute func() (V, error)) (V, error) {
+	m.mu.Lock()
+	// Indexing with the conversion does not copy the key.
+	if e, ok := m.entries[string(key)]; ok {
+		m.order.MoveToFront(e)
+		m.mu.Unlock()
+		return e.Value.(*entry[V]).val, nil
+	}
+	m.mu.Unlock()
+	v, err := compute()
+	if err != nil || 2*len(key) > m.budget {
+		return v, err
+	}
+	k := string(key)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if e, ok := m.entries[k]; ok {
+		m.order.Remove(e)
+		m.size -= 2 * len(k)
+	}
+	m.entries[k] = m.order.PushFront(&entry[V]{key: k, val: v})
+	m.size += 2 * len(k)
+	for m.size > m.budget {
+		last := m.order.Back()
+		e := last.Value.(*entry[V])
+		m.order.Remove(last)
+		delete(m.entries, e.key)
+		m.size -= 2 * len(e.key)
+	}
+	return v, nil
+}
+
+// Len is the number of values kept.
+func (m *LRU[V]) Len() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.entries)
+}
