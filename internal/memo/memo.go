@@ -10,25 +10,28 @@ import (
 	"sync"
 )
 
-// LRU maps keys to values, counting each entry as twice its key's
-// length (the key is the input in full; the value about as large).
-// Values are shared between callers and must not be changed.
+// LRU maps keys to values, counting each entry as its key's length and
+// its value's size. Values are shared between callers and must not be
+// changed.
 type LRU[V any] struct {
 	mu      sync.Mutex
 	budget  int
 	size    int
+	sizeOf  func(V) int
 	order   *list.List // of *entry[V], most recent first
 	entries map[string]*list.Element
 }
 
 type entry[V any] struct {
-	key string
-	val V
+	key  string
+	val  V
+	cost int
 }
 
-// New returns an LRU holding at most budget bytes.
-func New[V any](budget int) *LRU[V] {
-	return &LRU[V]{budget: budget, order: list.New(), entries: map[string]*list.Element{}}
+// New returns an LRU holding at most budget bytes, reckoning a value's
+// size with sizeOf.
+func New[V any](budget int, sizeOf func(V) int) *LRU[V] {
+	return &LRU[V]{budget: budget, sizeOf: sizeOf, order: list.New(), entries: map[string]*list.Element{}}
 }
 
 // Get returns the value of key, computing it with compute when it is not
@@ -44,26 +47,32 @@ func (m *LRU[V]) Get(key []byte, compute func() (V, error)) (V, error) {
 	}
 	m.mu.Unlock()
 	v, err := compute()
-	if err != nil || 2*len(key) > m.budget {
+	if err != nil {
 		return v, err
+	}
+	cost := len(key) + m.sizeOf(v)
+	if cost > m.budget {
+		return v, nil
 	}
 	k := string(key)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if e, ok := m.entries[k]; ok {
-		m.order.Remove(e)
-		m.size -= 2 * len(k)
+		m.remove(e)
 	}
-	m.entries[k] = m.order.PushFront(&entry[V]{key: k, val: v})
-	m.size += 2 * len(k)
+	m.entries[k] = m.order.PushFront(&entry[V]{key: k, val: v, cost: cost})
+	m.size += cost
 	for m.size > m.budget {
-		last := m.order.Back()
-		e := last.Value.(*entry[V])
-		m.order.Remove(last)
-		delete(m.entries, e.key)
-		m.size -= 2 * len(e.key)
+		m.remove(m.order.Back())
 	}
 	return v, nil
+}
+
+func (m *LRU[V]) remove(e *list.Element) {
+	x := e.Value.(*entry[V])
+	m.order.Remove(e)
+	delete(m.entries, x.key)
+	m.size -= x.cost
 }
 
 // Len is the number of values kept.

@@ -9,8 +9,9 @@ import (
 )
 
 func TestLRUKeepsWithinBudget(t *testing.T) {
-	// Each entry counts twice its 10-byte key: three fit in 60 bytes.
-	m := New[int](60)
+	// Each entry counts its 10-byte key and 10 bytes of value: three fit
+	// in 60 bytes.
+	m := New[int](60, func(int) int { return 10 })
 	calls := 0
 	get := func(k string) int {
 		v, err := m.Get([]byte(k), func() (int, error) { calls++; return len(k) * 100, nil })
@@ -47,12 +48,12 @@ func TestLRUKeepsWithinBudget(t *testing.T) {
 }
 
 func TestLRUKeepsNoErrorsAndNothingOverBudget(t *testing.T) {
-	m := New[string](100)
+	m := New[string](100, func(v string) int { return len(v) })
 	bad := errors.New("bad")
 	if _, err := m.Get([]byte("k"), func() (string, error) { return "", bad }); !errors.Is(err, bad) {
 		t.Fatalf("error %v, want %v", err, bad)
 	}
-	if v, err := m.Get([]byte(strings.Repeat("x", 51)), func() (string, error) { return "big", nil }); err != nil || v != "big" {
+	if v, err := m.Get([]byte(strings.Repeat("x", 98)), func() (string, error) { return "big", nil }); err != nil || v != "big" {
 		t.Fatalf("got %q, %v", v, err)
 	}
 	if m.Len() != 0 {
@@ -61,7 +62,7 @@ func TestLRUKeepsNoErrorsAndNothingOverBudget(t *testing.T) {
 }
 
 func TestLRUConcurrent(t *testing.T) {
-	m := New[string](1 << 10)
+	m := New[string](1<<10, func(v string) int { return len(v) })
 	var wg sync.WaitGroup
 	for g := 0; g < 8; g++ {
 		wg.Add(1)

@@ -4,7 +4,9 @@
 package redirect
 
 import (
+	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -240,8 +242,8 @@ func splitList(key, value string) ([]string, error) {
 // Long list values already parsed, by annotation and value (see package
 // memo). The lists are shared: Params' slices are never changed.
 var (
-	parsedCIDRs = memo.New[[]netip.Prefix](4 << 20)
-	parsedPorts = memo.New[[]string](4 << 20)
+	parsedCIDRs = memo.New(4<<20, func(l []netip.Prefix) int { return 24 * len(l) })
+	parsedPorts = memo.New(4<<20, func(l []string) int { return 24 * len(l) })
 )
 
 // memoFrom is the shortest value kept parsed: a short list parses in less
@@ -360,4 +362,58 @@ func dedup(in []string) []string {
 		}
 	}
 	return out
+}
+
+// AppendKey appends an encoding of every parameter to b: two Params
+// encode alike exactly when they are equal, so a key serves to look up
+// what was built from equal parameters. Lists of thousands are on every
+// pod's path here, so the key is sized first and written without growing.
+func (p *Params) AppendKey(b []byte) []byte {
+	lists := [...][]string{p.IncludeInboundPorts, p.ExcludeInboundPorts, p.IncludeOutboundPorts, p.ExcludeOutboundPorts,
+		p.ExcludeInterfaces, p.RerouteInterfaces, p.ProxyUID, p.ProxyGID}
+	vlen := func(n int) int { return 1 + max(bits.Len(uint(n))-1, 0)/7 }
+	n := vlen(len(p.Mode)) + len(p.Mode) + vlen(len(p.RerouteSource)) + len(p.RerouteSource) + 1
+	for _, l := range [...][]netip.Prefix{p.IncludeOutboundCIDRs, p.ExcludeOutboundCIDRs} {
+		n += vlen(len(l)) + 18*len(l)
+	}
+	for _, l := range lists {
+		n += vlen(len(l))
+		for _, s := range l {
+			n += vlen(len(s)) + len(s)
+		}
+	}
+	b = slices.Grow(b, n)
+	str := func(s string) {
+		b = binary.AppendUvarint(b, uint64(len(s)))
+		b = append(b, s...)
+	}
+	nets := func(l []netip.Prefix) {
+		b = binary.AppendUvarint(b, uint64(len(l)))
+		off := len(b)
+		b = b[:off+18*len(l)]
+		for _, n := range l {
+			e := b[off : off+18]
+			*(*[16]byte)(e) = n.Addr().As16()
+			e[16], e[17] = byte(n.Bits()), byte(n.Addr().BitLen())
+			off += 18
+		}
+	}
+	var flags byte
+	for i, f := range []bool{p.IncludeOutboundAll, p.IncludeInboundAll, p.DNSCapture, p.DualStack, p.DropInvalid} {
+		if f {
+			flags |= 1 << i
+		}
+	}
+	str(string(p.Mode))
+	b = append(b, flags)
+	nets(p.IncludeOutboundCIDRs)
+	nets(p.ExcludeOutboundCIDRs)
+	for _, l := range lists {
+		b = binary.AppendUvarint(b, uint64(len(l)))
+		for _, s := range l {
+			str(s)
+		}
+	}
+	str(p.RerouteSource)
+	return b
 }

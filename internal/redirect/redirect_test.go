@@ -193,3 +193,46 @@ func TestLongListsKeptParsed(t *testing.T) {
 		}
 	}
 }
+
+// TestKeyCoversEveryParameter: a parameter AppendKey leaves out would let
+// pods that differ in it share one plan. Every field, set alone, must
+// change the key, and items moved between neighbouring lists too.
+func TestKeyCoversEveryParameter(t *testing.T) {
+	key := func(p Params) string { return string(p.AppendKey(nil)) }
+	seen := map[string]string{key(Params{}): "zero"}
+	typ := reflect.TypeOf(Params{})
+	for i := 0; i < typ.NumField(); i++ {
+		var p Params
+		f := reflect.ValueOf(&p).Elem().Field(i)
+		switch v := f.Addr().Interface().(type) {
+		case *Mode:
+			*v = ModeTProxy
+		case *string:
+			*v = "x"
+		case *bool:
+			*v = true
+		case *[]string:
+			*v = []string{"x"}
+		case *[]netip.Prefix:
+			*v = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}
+		default:
+			t.Fatalf("field %s has type %s: teach AppendKey and this test about it", typ.Field(i).Name, f.Type())
+		}
+		k := key(p)
+		if other, dup := seen[k]; dup {
+			t.Fatalf("setting %s leaves the key as for %s", typ.Field(i).Name, other)
+		}
+		seen[k] = typ.Field(i).Name
+	}
+	a := Params{IncludeInboundPorts: []string{"1", "2"}}
+	b := Params{IncludeInboundPorts: []string{"1"}, ExcludeInboundPorts: []string{"2"}}
+	c := Params{IncludeInboundPorts: []string{"12"}}
+	if key(a) == key(b) || key(a) == key(c) {
+		t.Fatal("lists that differ only in where their items end share a key")
+	}
+	v4 := Params{ExcludeOutboundCIDRs: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}
+	mapped := Params{ExcludeOutboundCIDRs: []netip.Prefix{netip.MustParsePrefix("::ffff:10.0.0.0/8")}}
+	if key(v4) == key(mapped) {
+		t.Fatal("an IPv4 prefix and its IPv4-mapped IPv6 form share a key")
+	}
+}

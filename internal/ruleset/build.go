@@ -5,7 +5,9 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net/netip"
+	"slices"
 
+	"github.com/istio-cni-go/istio-cni/internal/memo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
 
@@ -16,6 +18,11 @@ type Plan struct {
 	V6 *Set
 	// TProxyRoutes asks for the fwmark policy route that TPROXY needs.
 	TProxyRoutes bool
+
+	// fingerprint is kept by Build for the plans it shares, of the sets
+	// as they were then (printed).
+	fingerprint string
+	printed     planShape
 }
 
 // Sets returns the non-nil sets, IPv4 first.
@@ -192,9 +199,74 @@ func cat(parts ...[]any) []any {
 	return out
 }
 
+// builtPlans are the plans already built, by their parameters: the pods
+// of one Deployment share theirs, and building and fingerprinting the
+// same rules again was a third of what preparing a pod cost the agent.
+var builtPlans = memo.New(4<<20, (*Plan).memSize)
+
 // Build computes the rules for a pod. ipv6 says whether the pod gets IPv6
 // rules as well (see NeedsIPv6). A pod in ModeNone gets an empty plan.
+// The plan is shared with every other caller passing equal parameters:
+// it must not be changed.
 func Build(p redirect.Params, ipv6 bool) *Plan {
+	key := []byte{0}
+	if ipv6 {
+		key[0] = 1
+	}
+	kept, _ := builtPlans.Get(p.AppendKey(key), func() (*Plan, error) {
+		plan := build(p, ipv6)
+		// Before it is shared: later callers only read it.
+		plan.fingerprint, plan.printed = plan.computeFingerprint(), plan.shape()
+		return plan, nil
+	})
+	// A plan of the caller's own over the shared rules: a caller adding
+	// rules to it (tests do) then neither reaches the shared plan nor
+	// keeps the fingerprint of the rules it had.
+	out := *kept
+	for _, s := range []**Set{&out.V4, &out.V6} {
+		if *s != nil {
+			c := **s
+			c.Rules, c.IPSets = slices.Clip(c.Rules), slices.Clip(c.IPSets)
+			*s = &c
+		}
+	}
+	return &out
+}
+
+// planShape is what of a plan's sets a caller could have replaced.
+type planShape [2]struct {
+	rules *Rule
+	n     int
+	sets  int
+}
+
+func (p *Plan) shape() planShape {
+	var sh planShape
+	for i, s := range p.Sets() {
+		sh[i].n, sh[i].sets = len(s.Rules), len(s.IPSets)
+		if len(s.Rules) > 0 {
+			sh[i].rules = &s.Rules[0]
+		}
+	}
+	return sh
+}
+
+// memSize is roughly the bytes the plan takes (its sets are counted
+// where they are kept).
+func (p *Plan) memSize() int {
+	n := 64
+	for _, s := range p.Sets() {
+		for _, r := range s.Rules {
+			n += 96
+			for _, a := range r.Args {
+				n += 16 + len(a)
+			}
+		}
+	}
+	return n
+}
+
+func build(p redirect.Params, ipv6 bool) *Plan {
 	b := &builder{v4: &Set{Family: IPv4}}
 	if ipv6 {
 		b.v6 = &Set{Family: IPv6}
@@ -415,6 +487,13 @@ func NeedsIPv6(addrs []netip.Addr, dualStack bool) bool {
 // set's contents (its name carries only 32 bits of that). Equal plans have equal fingerprints, so what
 // is prepared for one serves the other.
 func (p *Plan) Fingerprint() string {
+	if p.fingerprint != "" && p.shape() == p.printed {
+		return p.fingerprint
+	}
+	return p.computeFingerprint()
+}
+
+func (p *Plan) computeFingerprint() string {
 	h := sha256.New()
 	var b []byte
 	for _, s := range p.Sets() {

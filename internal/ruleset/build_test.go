@@ -121,3 +121,43 @@ func TestFinalResolvesInserts(t *testing.T) {
 		t.Fatalf("inserts not at the head of ISTIO_INBOUND: %q", in)
 	}
 }
+
+// TestBuildSharesPlans: equal parameters give the rules built once, with
+// their fingerprint; a caller adding a rule to its plan changes neither
+// the next caller's plan nor keeps the old fingerprint; parameters that
+// differ (or the IPv6 choice) give their own plan.
+func TestBuildSharesPlans(t *testing.T) {
+	params := func(ports string) redirect.Params {
+		p, _, err := redirect.FromPod(&podinfo.Pod{
+			Annotations: map[string]string{redirect.AnnotationStatus: "{}", redirect.AnnotationExcludeOutboundPorts: ports},
+			Containers:  []podinfo.Container{{Name: redirect.ProxyContainerName}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a := Build(params("5555"), true)
+	b := Build(params("5555"), true)
+	if &a.V4.Rules[0] != &b.V4.Rules[0] || a.Fingerprint() != b.Fingerprint() {
+		t.Fatal("equal parameters built their rules again")
+	}
+	fresh := build(params("5555"), true)
+	if a.Fingerprint() != fresh.Fingerprint() || render(a) != render(fresh) {
+		t.Fatal("a shared plan differs from one built afresh")
+	}
+	n := len(a.V4.Rules)
+	a.V4.Rules = append(a.V4.Rules, Rule{Table: "nat", Chain: ChainOutput, Args: []string{"-j", "RETURN"}})
+	if a.Fingerprint() == b.Fingerprint() {
+		t.Fatal("a plan with a rule added kept the fingerprint of the rules it had")
+	}
+	if c := Build(params("5555"), true); len(c.V4.Rules) != n || len(b.V4.Rules) != n {
+		t.Fatalf("a rule added to one caller's plan reached others: %d and %d rules, want %d", len(c.V4.Rules), len(b.V4.Rules), n)
+	}
+	if c := Build(params("5556"), true); c.Fingerprint() == b.Fingerprint() {
+		t.Fatal("different parameters share a plan")
+	}
+	if c := Build(params("5555"), false); c.V6 != nil || c.Fingerprint() == b.Fingerprint() {
+		t.Fatal("the IPv4-only plan is the dual one")
+	}
+}

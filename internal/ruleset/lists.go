@@ -101,7 +101,7 @@ func (s *IPSet) SameContents(o *IPSet) bool {
 
 // builtSets are the sets of long lists already built, by their inputs
 // (see package memo).
-var builtSets = memo.New[*IPSet](8 << 20)
+var builtSets = memo.New(8<<20, (*IPSet).memSize)
 
 // SetPrefix starts the name of every set this plugin owns.
 const SetPrefix = ChainPrefix
@@ -129,6 +129,9 @@ func (s *IPSet) contentSum() [sha256.Size]byte {
 	}
 	return sha256.Sum256(b)
 }
+
+// memSize is roughly the bytes the set takes.
+func (s *IPSet) memSize() int { return 128 + 24*len(s.Nets) + 4*len(s.Ports) }
 
 // digest is the contents' SHA-256, as setName took it (a set read back
 // from the kernel has none kept).
