@@ -160,6 +160,7 @@ func podOf(args string) string {
 func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn, error) {
 	req := Request{Command: a.Command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
 		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil}
+	req.RawTxn = req.Steps
 	if req.Steps {
 		getenv := r.Getenv
 		if getenv == nil {
@@ -217,8 +218,8 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn
 	if len(out) == 0 {
 		return nil, nil, fmt.Errorf("%w: no answer on %s (<nil>)", errNoAgent, sock)
 	}
-	resp := &Response{}
-	if err := json.Unmarshal(out, resp); err != nil {
+	resp, err := ParseResponse(out)
+	if err != nil {
 		return nil, nil, NewError(ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
 	}
 	keep = true

@@ -179,7 +179,7 @@ func TestProtocol(t *testing.T) {
 				t.Fatalf("the agent could not read the request: %v", got.err)
 			}
 			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
-				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD}
+				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD, RawTxn: c.command == "ADD" && c.wantFD}
 			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
 				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
 			}
@@ -227,11 +227,11 @@ func jsonEqual(t *testing.T, a, b any) bool {
 // upgrade talks to the new agent), so they are pinned here.
 func TestRequestEncoding(t *testing.T) {
 	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"),
-		Steps: true, ForceIPTables: "legacy"})
+		Steps: true, ForceIPTables: "legacy", RawTxn: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy"}`
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy","rawTxn":true}`
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
@@ -424,4 +424,84 @@ func withCommand(a *Args, command string) *Args {
 	c := *a
 	c.Command = command
 	return &c
+}
+
+// TestFramedAnswers: an answer with a transaction comes framed (JSON,
+// then the transaction's bytes) to a relay that asks for it, and as JSON
+// from an older agent; the relay sends the same transaction either way.
+// Frames that do not add up are refused, not half read.
+func TestFramedAnswers(t *testing.T) {
+	step := nlsteps.Step{Proto: 12}
+	step.Add(1, 0, []byte("body"), "x")
+	prepared, err := (&nlsteps.Txn{Summary: "s", Steps: []nlsteps.Step{step}}).MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp := Response{Txn: prepared, Stdout: []byte(`{"cniVersion":"1.0.0"}`)}
+	framed, err := AppendFramed(nil, &resp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if framed[0] != 0 || bytes.Contains(framed, []byte(`"txn"`)) || !bytes.HasSuffix(framed, prepared) {
+		t.Fatalf("framed answer %q: want a length, JSON without the transaction, then the transaction", framed)
+	}
+	for name, reply := range map[string][]byte{"framed": framed, "JSON, from an older agent": answer(t, resp)} {
+		a := startAgent(t, reply)
+		var got *nlsteps.Txn
+		var out bytes.Buffer
+		r := &Relay{Fallback: "/f", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second,
+			Send: func(_ *os.File, txn *nlsteps.Txn) (time.Duration, error) { got = txn; return 0, nil }}
+		args := &Args{ContainerID: "c1", Netns: "/proc/self/ns/net", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", Stdin: conf(a.runDir)}
+		if err := r.Run(withCommand(args, "ADD")); err != nil || out.String() != `{"cniVersion":"1.0.0"}` {
+			t.Fatalf("%s: %v, output %q", name, err, out.String())
+		}
+		if got == nil || got.Summary != "s" || len(got.Steps) != 1 || !bytes.Equal(got.Steps[0].Msgs, step.Msgs) {
+			t.Fatalf("%s: sent %+v, want the agent's transaction", name, got)
+		}
+		if req := <-a.got; req.err != nil || !req.req.RawTxn {
+			t.Fatalf("%s: the relay did not ask for framed answers: %+v", name, req)
+		}
+	}
+	noTxn, err := AppendFramed(nil, &Response{Stdout: []byte("x")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := ParseResponse(noTxn); err != nil || string(r.Stdout) != "x" || r.Txn != nil {
+		t.Fatalf("a framed answer without a transaction: %+v, %v", r, err)
+	}
+	both := append(binary.BigEndian.AppendUint32(nil, uint32(len(answer(t, resp)))), answer(t, resp)...)
+	for name, bad := range map[string][]byte{
+		"short":                  framed[:3],
+		"length past the end":    framed[:10],
+		"transaction twice":      append(both, 'x'),
+		"JSON that does not end": append(binary.BigEndian.AppendUint32(nil, 3), `{"s`...),
+	} {
+		if r, err := ParseResponse(bad); err == nil {
+			t.Errorf("%s: read as %+v", name, r)
+		}
+	}
+}
+
+// FuzzParseResponse: whatever an agent (or something else on its socket)
+// sends, the relay either refuses it or reads an answer whose
+// transaction, re-framed, reads back the same.
+func FuzzParseResponse(f *testing.F) {
+	framed, _ := AppendFramed(nil, &Response{Stdout: []byte("{}"), Txn: []byte("NLS1xyz")})
+	f.Add(framed)
+	f.Add([]byte(`{"stdout":"e30=","txn":"TkxTMQ=="}`))
+	f.Add([]byte{0, 0, 0, 2, '{', '}'})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := ParseResponse(b)
+		if err != nil {
+			return
+		}
+		again, err := AppendFramed(nil, r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r2, err := ParseResponse(again)
+		if err != nil || !bytes.Equal(r2.Txn, r.Txn) || !bytes.Equal(r2.Stdout, r.Stdout) {
+			t.Fatalf("re-framed %q read back as %+v, %v", again, r2, err)
+		}
+	})
 }

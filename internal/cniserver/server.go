@@ -251,7 +251,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
-		rc := &relayCommit{conn: conn}
+		rc := &relayCommit{conn: conn, framed: req.RawTxn}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
 			return
@@ -273,6 +273,8 @@ type relayCommit struct {
 	conn *net.UnixConn
 	// sent: the answer went out with the prepared requests.
 	sent bool
+	// framed: the relay reads them after the answer's JSON, not in it.
+	framed bool
 }
 
 func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome, error) {
@@ -281,7 +283,13 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 	if err != nil {
 		return a, err
 	}
-	out, err := json.Marshal(&cnirelay.Response{Txn: prepared, Stdout: result})
+	resp := &cnirelay.Response{Txn: prepared, Stdout: result}
+	var out []byte
+	if rc.framed {
+		out, err = cnirelay.AppendFramed(nil, resp)
+	} else {
+		out, err = json.Marshal(resp)
+	}
 	if err != nil {
 		return a, err
 	}

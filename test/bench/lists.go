@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
+	"strings"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -75,6 +76,9 @@ func (b *bench) listsRound(ctx context.Context, s *samples, path string) error {
 			if err != nil {
 				return err
 			}
+			if err := b.recordRelay(s, listSeries(path, n, be), pod); err != nil {
+				return err
+			}
 			// Against the primary of the same round: the load of a
 			// shared machine drifts less within a round than across.
 			s.record(listSeries(path, n, be)+" share", s.last(listSeries(path, n, be)+" ADD")-primary)
@@ -93,4 +97,38 @@ func seedLegacy(pod *testenv.Pod) error {
 		}
 		return nil
 	})
+}
+
+// relayFigures are what the agent logs of an ADD the relay committed: the
+// relay's send, its CPU, and the agent's lookup and planning.
+var relayFigures = []string{"apply", "plugin_cpu", "lookup", "plan"}
+
+// recordRelay records, for an ADD through the agent that the relay
+// committed, the figures the agent logged of it; nothing for an ADD the
+// agent applied itself (legacy tables) or without an agent.
+func (b *bench) recordRelay(s *samples, series string, pod *testenv.Pod) error {
+	if b.agentHost == nil {
+		return nil
+	}
+	text := b.agentHost.LogText()
+	b.logSeen = min(b.logSeen, len(text))
+	want := `"pod":"` + pod.Namespace + "/" + pod.Name + `"`
+	for _, line := range strings.Split(text[b.logSeen:], "\n") {
+		if !strings.Contains(line, "redirect rules programmed") || !strings.Contains(line, want) {
+			continue
+		}
+		if !strings.Contains(line, `"committed_by":"plugin"`) {
+			break
+		}
+		for _, key := range relayFigures {
+			d, err := testenv.LogDuration(line, key)
+			if err != nil {
+				return fmt.Errorf("%s: %w", series, err)
+			}
+			s.record(series+" "+key, d)
+		}
+		break
+	}
+	b.logSeen = len(text)
+	return nil
 }

@@ -161,7 +161,9 @@ func newBench(ctx context.Context, dir string) (b *bench, stop func(), err error
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "bench"); err != nil {
 		return nil, nil, err
 	}
-	node, err := testenv.NewNode(filepath.Join(dir, "node"), bin, map[string]any{"plugin_log_level": "warn"})
+	// The plugin's log level at Istio's default: an operator's pods log
+	// their ADD, and the list series reads the relay's figures from it.
+	node, err := testenv.NewNode(filepath.Join(dir, "node"), bin, map[string]any{"plugin_log_level": "info"})
 	if err != nil {
 		return nil, nil, err
 	}

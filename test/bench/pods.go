@@ -32,8 +32,10 @@ type bench struct {
 	confDir string
 	// agentCPU holds the agent and its children, when cgroup v2 is there.
 	agentCPU *cpuGroup
-	// agentHost is the running agent.
+	// agentHost is the running agent; logSeen how much of its log the
+	// list series has read.
 	agentHost *testenv.AgentHost
+	logSeen   int
 	mu        sync.Mutex
 	seq       int
 }

@@ -147,7 +147,8 @@ func reportLists(r *results) {
 	}
 	fmt.Println()
 	fmt.Println("list-valued settings: excludeOutboundIPRanges with N IPv4 CIDRs and excludeOutboundPorts with N ports, one pod each")
-	fmt.Println("plugin share of ADD, p50 of (chain - primary alone in the same round), and istio-cni's own process p50 in brackets, ms:")
+	fmt.Println("plugin share of ADD, p50 of (chain - primary alone in the same round), and istio-cni's own process p50 in brackets, ms;")
+	fmt.Println("through the agent, its CPU per ADD, and as the agent logs them, the relay's send and CPU and the agent's lookup and planning:")
 	fmt.Printf("  %-26s", "")
 	for _, n := range listLengths {
 		fmt.Printf(" %20s", fmt.Sprintf("N=%d", n))
@@ -167,6 +168,23 @@ func reportLists(r *results) {
 				fmt.Printf(" %20s", fmt.Sprintf("%.2f (%.2f)", msf(share[n]), msf(p50(s+" istio-cni ADD"))))
 			}
 			fmt.Printf("  %8.2fx %8.2fx\n", ratioOf(share[1000], share[10]), ratioOf(share[5000], share[10]))
+			if path != "agent" {
+				continue
+			}
+			fmt.Printf("  %-26s", "  agent CPU per ADD")
+			for _, n := range listLengths {
+				fmt.Printf(" %20.2f", msf(p50(listSeries(path, n, be)+" agent CPU ADD")))
+			}
+			fmt.Println()
+			if len(r.samples[listSeries(path, 10, be)+" apply"]) == 0 {
+				continue
+			}
+			fmt.Printf("  %-26s", "  relay send/CPU, agent")
+			for _, n := range listLengths {
+				k := listSeries(path, n, be)
+				fmt.Printf(" %20s", fmt.Sprintf("%.2f/%.2f, %.2f", msf(p50(k+" apply")), msf(p50(k+" plugin_cpu")), msf(p50(k+" lookup")+p50(k+" plan"))))
+			}
+			fmt.Println()
 		}
 		fmt.Printf("  %-26s primary alone %.2f ms\n", "", msf(primary))
 	}
