@@ -1,4 +1,8 @@
 package cniserver
 
-// BenchInFreshNS serves the package's external benchmarks.
-var BenchInFreshNS = benchInFreshNS
+// BenchInFreshNS and BenchNamespace serve the package's external
+// benchmarks.
+var (
+	BenchInFreshNS = benchInFreshNS
+	BenchNamespace = benchNamespace
+)

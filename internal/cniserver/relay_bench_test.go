@@ -1,0 +1,114 @@
+package cniserver_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/testutils"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
+	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+// BenchmarkRelay is the plugin's own share of a pod start as a runtime
+// sees it: the real istio-cni binary, started per command as a runtime
+// starts it, against an agent serving in this process (its informer
+// holding the pod). VERSION is the process's start alone; DEL adds the
+// round trip to the agent; ADD adds the agent's decision and preparation
+// and the relay's send into a fresh namespace. Besides wall time it
+// reports the relay process's CPU and the agent's (this process's) per
+// command: the bench's sequential own-share figure, without the primary
+// plugin, the API server and libcni around it.
+func BenchmarkRelay(b *testing.B) {
+	testutil.RequireRoot(b)
+	testutil.RequireTools(b, "iptables-nft-restore")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cs := fake.NewClientset()
+	pod, err := testenv.CreatePod(ctx, cs, testenv.PodSpec{Namespace: "bench", Name: "p", Sidecar: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	pod.UID = types.UID("uid-1")
+	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	cache := podcache.Start(ctx, clientset.Of(cs), testenv.NodeName)
+	if err := cache.WaitSynced(ctx); err != nil {
+		b.Fatal(err)
+	}
+	dir := b.TempDir()
+	relay, err := testenv.BuildCommand(dir, "istio-cni")
+	if err != nil {
+		b.Fatal(err)
+	}
+	s := &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
+		Rules: &iptables.Applier{Force: iptables.VariantNFT}, NFTables: &nftables.Applier{},
+		Pods: cache, ReadyReason: func() string { return "" }}
+	done, err := s.Serve(ctx, filepath.Join(dir, "cni.sock"), time.Second)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { cancel(); <-done }()
+	for _, c := range []struct{ name, command, backend string }{
+		{"VERSION", "VERSION", ""}, {"DEL", "DEL", ""}, {"ADD/iptables", "ADD", "iptables"}, {"ADD/nftables", "ADD", "nftables"},
+	} {
+		conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":%q,"native_nftables":%t,
+			"prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.1.0.2/24","gateway":"10.1.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}}`,
+			dir, c.backend == "nftables")
+		b.Run(c.name, func(b *testing.B) {
+			var relayCPU, agentCPU time.Duration
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				podNS, f := cniserver.BenchNamespace(b)
+				_ = f.Close()
+				cmd := exec.Command(relay)
+				cmd.Stdin = bytes.NewReader([]byte(conf))
+				cmd.Env = []string{"CNI_COMMAND=" + c.command, "CNI_CONTAINERID=c1", "CNI_NETNS=" + podNS.Path(), "CNI_IFNAME=eth0",
+					"CNI_ARGS=K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1", "CNI_PATH=" + dir}
+				var out bytes.Buffer
+				cmd.Stdout = &out
+				before := selfCPU(b)
+				b.StartTimer()
+				err := cmd.Run()
+				b.StopTimer()
+				agentCPU += selfCPU(b) - before
+				if err != nil {
+					b.Fatalf("%s: %v: %s", c.command, err, out.String())
+				}
+				ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+				relayCPU += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+				_ = podNS.Close()
+				_ = testutils.UnmountNS(podNS)
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(relayCPU.Microseconds())/float64(b.N), "relay-cpu-us/op")
+			b.ReportMetric(float64(agentCPU.Microseconds())/float64(b.N), "agent-cpu-us/op")
+		})
+	}
+}
+
+func selfCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
