@@ -129,13 +129,12 @@ func (r *Relay) send(conn *agentConn, prepared []byte, netns *os.File, pod strin
 	if unix.Getrusage(unix.RUSAGE_SELF, &ru) == nil {
 		out.CPU = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 	}
-	if body, jerr := json.Marshal(&out); jerr == nil {
-		// The agent logs and counts the pod from this; the pod's
-		// outcome does not depend on it.
-		_ = conn.write(binary.BigEndian.AppendUint32(nil, uint32(len(body))), nil)
-		_ = conn.write(body, nil)
-		conn.closeWrite()
-	}
+	// The agent logs and counts the pod from this; the pod's outcome
+	// does not depend on it.
+	body := appendOutcomeJSON(nil, &out)
+	_ = conn.write(binary.BigEndian.AppendUint32(nil, uint32(len(body))), nil)
+	_ = conn.write(body, nil)
+	conn.closeWrite()
 	if err != nil {
 		return NewError(ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
@@ -160,7 +159,7 @@ func podOf(args string) string {
 func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn, error) {
 	req := Request{Command: a.Command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
 		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil}
-	req.RawTxn = req.Steps
+	req.Framed = true
 	if req.Steps {
 		getenv := r.Getenv
 		if getenv == nil {
@@ -169,10 +168,7 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn
 		req.ForceIPTables = getenv("FORCE_IPTABLES_BINARY")
 	}
 	req.HasNetnsFD = netns != nil
-	body, err := json.Marshal(&req)
-	if err != nil {
-		return nil, nil, NewError(ErrInternal, err.Error(), "")
-	}
+	body := req.appendJSON(make([]byte, 0, 512+len(a.Stdin)*4/3))
 	conn, err := dialAgent(sock, r.Timeout)
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.

@@ -10,6 +10,8 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -179,7 +181,7 @@ func TestProtocol(t *testing.T) {
 				t.Fatalf("the agent could not read the request: %v", got.err)
 			}
 			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
-				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD, RawTxn: c.command == "ADD" && c.wantFD}
+				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD, Framed: true}
 			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
 				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
 			}
@@ -227,11 +229,11 @@ func jsonEqual(t *testing.T, a, b any) bool {
 // upgrade talks to the new agent), so they are pinned here.
 func TestRequestEncoding(t *testing.T) {
 	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"),
-		Steps: true, ForceIPTables: "legacy", RawTxn: true})
+		Steps: true, ForceIPTables: "legacy", Framed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy","rawTxn":true}`
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy","framed":true}`
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
@@ -426,10 +428,9 @@ func withCommand(a *Args, command string) *Args {
 	return &c
 }
 
-// TestFramedAnswers: an answer with a transaction comes framed (JSON,
-// then the transaction's bytes) to a relay that asks for it, and as JSON
-// from an older agent; the relay sends the same transaction either way.
-// Frames that do not add up are refused, not half read.
+// TestFramedAnswers: a relay asks for framed answers and reads them, and
+// still reads an older agent's JSON; it sends the same transaction either
+// way. Frames that do not add up are refused, not half read.
 func TestFramedAnswers(t *testing.T) {
 	step := nlsteps.Step{Proto: 12}
 	step.Add(1, 0, []byte("body"), "x")
@@ -438,12 +439,9 @@ func TestFramedAnswers(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp := Response{Txn: prepared, Stdout: []byte(`{"cniVersion":"1.0.0"}`)}
-	framed, err := AppendFramed(nil, &resp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if framed[0] != 0 || bytes.Contains(framed, []byte(`"txn"`)) || !bytes.HasSuffix(framed, prepared) {
-		t.Fatalf("framed answer %q: want a length, JSON without the transaction, then the transaction", framed)
+	framed := AppendFramed(nil, &resp)
+	if framed[0] != 0 || !bytes.HasSuffix(framed, prepared) {
+		t.Fatalf("framed answer %q: want a zero byte first and the transaction as it is", framed)
 	}
 	for name, reply := range map[string][]byte{"framed": framed, "JSON, from an older agent": answer(t, resp)} {
 		a := startAgent(t, reply)
@@ -458,23 +456,28 @@ func TestFramedAnswers(t *testing.T) {
 		if got == nil || got.Summary != "s" || len(got.Steps) != 1 || !bytes.Equal(got.Steps[0].Msgs, step.Msgs) {
 			t.Fatalf("%s: sent %+v, want the agent's transaction", name, got)
 		}
-		if req := <-a.got; req.err != nil || !req.req.RawTxn {
+		if req := <-a.got; req.err != nil || !req.req.Framed {
 			t.Fatalf("%s: the relay did not ask for framed answers: %+v", name, req)
 		}
 	}
-	noTxn, err := AppendFramed(nil, &Response{Stdout: []byte("x")})
-	if err != nil {
-		t.Fatal(err)
+	for _, want := range []*Response{
+		{Stdout: []byte("x")},
+		{Error: NewError(7, "m", "d"), Unavailable: "u"},
+		{Error: NewError(999, "", "")},
+		{},
+	} {
+		got, err := ParseResponse(AppendFramed(nil, want))
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("framed %+v read back as %+v, %v", want, got, err)
+		}
 	}
-	if r, err := ParseResponse(noTxn); err != nil || string(r.Stdout) != "x" || r.Txn != nil {
-		t.Fatalf("a framed answer without a transaction: %+v, %v", r, err)
-	}
-	both := append(binary.BigEndian.AppendUint32(nil, uint32(len(answer(t, resp)))), answer(t, resp)...)
 	for name, bad := range map[string][]byte{
-		"short":                  framed[:3],
-		"length past the end":    framed[:10],
-		"transaction twice":      append(both, 'x'),
-		"JSON that does not end": append(binary.BigEndian.AppendUint32(nil, 3), `{"s`...),
+		"empty":               nil,
+		"short":               framed[:3],
+		"not framed":          []byte("\x00XYZ...."),
+		"length past the end": framed[:10],
+		"trailing bytes":      append(slices.Clone(framed), 'x'),
+		"unknown error flag":  AppendFramed(nil, &Response{})[:12],
 	} {
 		if r, err := ParseResponse(bad); err == nil {
 			t.Errorf("%s: read as %+v", name, r)
@@ -482,26 +485,73 @@ func TestFramedAnswers(t *testing.T) {
 	}
 }
 
+// TestRequestAsJSON: the relay writes its request without encoding/json;
+// the agent reads it with encoding/json, and must read what
+// encoding/json's own encoding gives.
+func TestRequestAsJSON(t *testing.T) {
+	for _, req := range []Request{
+		{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"), Steps: true, ForceIPTables: "legacy", Framed: true},
+		{Command: "DEL"},
+		{Command: "ADD", Args: "K=\"q\"\\;\n\t\x01\x1f\u2028é<&>", Stdin: []byte{0, 0xff}, Netns: "bad \xff\xfe utf-8"},
+	} {
+		checkRequestJSON(t, req)
+	}
+}
+
+func checkRequestJSON(t *testing.T, req Request) {
+	t.Helper()
+	ours := req.appendJSON(nil)
+	theirs, err := json.Marshal(&req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a, b Request
+	if err := json.Unmarshal(ours, &a); err != nil {
+		t.Fatalf("%q does not decode: %v", ours, err)
+	}
+	if err := json.Unmarshal(theirs, &b); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(a, b) {
+		t.Fatalf("request %+v:\n ours   %s reads as %+v\n theirs %s reads as %+v", req, ours, a, theirs, b)
+	}
+}
+
+func FuzzRequestAsJSON(f *testing.F) {
+	f.Add("ADD", "c1", "/var/run/netns/x", "K8S_POD_NAME=p", []byte(`{"cniVersion":"1.0.0"}`), true)
+	f.Add("DEL", "\x00\\\"", "\xff", "é\u2028", []byte(nil), false)
+	f.Fuzz(func(t *testing.T, cmd, id, netns, args string, stdin []byte, steps bool) {
+		checkRequestJSON(t, Request{Command: cmd, ContainerID: id, Netns: netns, Args: args, Stdin: stdin, Steps: steps, HasNetnsFD: steps, ForceIPTables: netns, Framed: !steps})
+	})
+}
+
+// TestOutcomeAsJSON: the relay's account of a send, written without
+// encoding/json, reads back as encoding/json's does.
+func TestOutcomeAsJSON(t *testing.T) {
+	for _, o := range []nlsteps.Outcome{{}, {Error: "refused: \"x\"\n", Took: 1234567, CPU: 42}, {Took: -1}} {
+		var got nlsteps.Outcome
+		if err := json.Unmarshal(appendOutcomeJSON(nil, &o), &got); err != nil || got != o {
+			t.Fatalf("outcome %+v: %s reads as %+v, %v", o, appendOutcomeJSON(nil, &o), got, err)
+		}
+	}
+}
+
 // FuzzParseResponse: whatever an agent (or something else on its socket)
-// sends, the relay either refuses it or reads an answer whose
-// transaction, re-framed, reads back the same.
+// sends, the relay either refuses it or reads an answer that, framed
+// again, reads back the same.
 func FuzzParseResponse(f *testing.F) {
-	framed, _ := AppendFramed(nil, &Response{Stdout: []byte("{}"), Txn: []byte("NLS1xyz")})
-	f.Add(framed)
+	f.Add(AppendFramed(nil, &Response{Stdout: []byte("{}"), Txn: []byte("NLS1xyz"), Error: NewError(1, "m", "")}))
 	f.Add([]byte(`{"stdout":"e30=","txn":"TkxTMQ=="}`))
-	f.Add([]byte{0, 0, 0, 2, '{', '}'})
+	f.Add([]byte(`{"error":{"code":4294967297,"msg":"m"}}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := ParseResponse(b)
 		if err != nil {
 			return
 		}
-		again, err := AppendFramed(nil, r)
-		if err != nil {
-			t.Fatal(err)
-		}
+		again := AppendFramed(nil, r)
 		r2, err := ParseResponse(again)
-		if err != nil || !bytes.Equal(r2.Txn, r.Txn) || !bytes.Equal(r2.Stdout, r.Stdout) {
-			t.Fatalf("re-framed %q read back as %+v, %v", again, r2, err)
+		if err != nil || !bytes.Equal(r2.Txn, r.Txn) || !bytes.Equal(r2.Stdout, r.Stdout) || r2.Unavailable != r.Unavailable || !reflect.DeepEqual(r2.Error, r.Error) {
+			t.Fatalf("framed again %q read back as %+v, %v; first read %+v", again, r2, err, r)
 		}
 	})
 }

@@ -251,7 +251,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
-		rc := &relayCommit{conn: conn, framed: req.RawTxn}
+		rc := &relayCommit{conn: conn, framed: req.Framed}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
 			return
@@ -259,8 +259,10 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	default:
 		resp = s.Handle(req, netns)
 	}
-	out, err := json.Marshal(resp)
-	if err != nil {
+	var out []byte
+	if req != nil && req.Framed {
+		out = cnirelay.AppendFramed(nil, resp)
+	} else if out, err = json.Marshal(resp); err != nil {
 		return
 	}
 	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
@@ -273,7 +275,7 @@ type relayCommit struct {
 	conn *net.UnixConn
 	// sent: the answer went out with the prepared requests.
 	sent bool
-	// framed: the relay reads them after the answer's JSON, not in it.
+	// framed: the relay reads the framed form (cnirelay.AppendFramed).
 	framed bool
 }
 
@@ -286,11 +288,8 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 	resp := &cnirelay.Response{Txn: prepared, Stdout: result}
 	var out []byte
 	if rc.framed {
-		out, err = cnirelay.AppendFramed(nil, resp)
-	} else {
-		out, err = json.Marshal(resp)
-	}
-	if err != nil {
+		out = cnirelay.AppendFramed(nil, resp)
+	} else if out, err = json.Marshal(resp); err != nil {
 		return a, err
 	}
 	rc.sent = true
