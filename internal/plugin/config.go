@@ -3,6 +3,8 @@
 package plugin
 
 import (
+	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,7 +13,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
-	"github.com/containernetworking/cni/pkg/version"
+	"github.com/containernetworking/cni/pkg/types/create"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/enablement"
@@ -41,6 +43,11 @@ type Config struct {
 	PodNamespace                string          `json:"pod_namespace"`
 	NativeNftables              bool            `json:"native_nftables"`
 	EnableAmbientDetectionRetry bool            `json:"enable_ambient_detection_retry"`
+
+	// RawPrevResult shadows NetConf's (a map, which the CNI library
+	// decodes, encodes and decodes again): the bytes are decoded once,
+	// as the library would (parsePrevResult).
+	RawPrevResult json.RawMessage `json:"prevResult,omitempty"`
 
 	// K8sRequestTimeout bounds one API request ("5s" by default).
 	K8sRequestTimeout string `json:"k8s_request_timeout,omitempty"`
@@ -96,12 +103,44 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			return nil, &ConfigError{Key: "enablement_selectors", Msg: err.Error()}
 		}
 	}
-	if conf.RawPrevResult != nil {
-		if err := version.ParsePrevResult(&conf.NetConf); err != nil {
-			return nil, &ConfigError{Key: "prevResult", Msg: err.Error()}
-		}
+	if conf.PrevResult, err = parsePrevResult(conf.CNIVersion, conf.RawPrevResult); err != nil {
+		return nil, &ConfigError{Key: "prevResult", Msg: err.Error()}
 	}
 	return conf, nil
+}
+
+// parsePrevResult is the CNI library's version.ParsePrevResult without
+// its round trip through a map: the config's version is put first as a
+// "CNIVersion" key, which the result's own cniVersion, later, overrides
+// when it has one (the library's map encodes sorted, with the same
+// effect), and the result is read as the config's version reads it.
+// FuzzParseConfig holds the two to the same results.
+func parsePrevResult(confVersion string, raw json.RawMessage) (types.Result, error) {
+	trimmed := bytes.TrimLeft(raw, " \t\r\n")
+	if len(trimmed) == 0 || string(trimmed) == "null" {
+		return nil, nil
+	}
+	if trimmed[0] != '{' {
+		// As the library's map would have refused it.
+		kind := map[byte]string{'[': "array", '"': "string", 't': "bool", 'f': "bool"}[trimmed[0]]
+		return nil, fmt.Errorf("expected an object, got JSON %s", cmp.Or(kind, "number"))
+	}
+	version, err := json.Marshal(confVersion)
+	if err != nil {
+		return nil, err
+	}
+	b := make([]byte, 0, len(trimmed)+len(version)+16)
+	b = append(append(b, `{"CNIVersion":`...), version...)
+	rest := bytes.TrimLeft(trimmed[1:], " \t\r\n")
+	if len(rest) > 0 && rest[0] != '}' {
+		b = append(b, ',')
+	}
+	b = append(b, rest...)
+	res, err := create.Create(confVersion, b)
+	if err != nil {
+		return nil, fmt.Errorf("could not parse prevResult: %w", err)
+	}
+	return res, nil
 }
 
 func parseDuration(key, v string, def time.Duration) (time.Duration, error) {

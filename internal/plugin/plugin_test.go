@@ -2,10 +2,14 @@ package plugin
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -218,8 +222,14 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(istioConf))
 	f.Add([]byte(`{"type":"istio-cni","cniVersion":"0.3.1","prevResult":{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.2/24"}]}}`))
 	f.Add([]byte(`{"exclude_namespaces":[1]}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{"ips":[{"address":"10.0.0.2/24","interface":0}],"interfaces":[{"name":"eth0"}]}}`))
+	f.Add([]byte(`{"cniVersion":"0.4.0","prevResult":{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.2/24"}]}}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{ }}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":[1]}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":null}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := ParseConfig(data)
+		checkPrevResultAsLibrary(t, data, c, err)
 		if err != nil {
 			return
 		}
@@ -227,4 +237,31 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("accepted an invalid config: %+v", c)
 		}
 	})
+}
+
+// checkPrevResultAsLibrary holds parsePrevResult to the CNI library's
+// version.ParsePrevResult: for a config that otherwise parses, both read
+// the same result, or both refuse it.
+func checkPrevResultAsLibrary(t *testing.T, data []byte, c *Config, err error) {
+	t.Helper()
+	var lib types.NetConf
+	if json.Unmarshal(data, &lib) != nil {
+		return
+	}
+	var ce *ConfigError
+	if err != nil && (!errors.As(err, &ce) || ce.Key != "prevResult") {
+		return
+	}
+	libErr := version.ParsePrevResult(&lib)
+	if (libErr == nil) != (err == nil) {
+		t.Fatalf("%s: the library says %v, ParseConfig %v", data, libErr, err)
+	}
+	if err != nil {
+		return
+	}
+	want, _ := json.Marshal(lib.PrevResult)
+	got, _ := json.Marshal(c.PrevResult)
+	if string(want) != string(got) {
+		t.Fatalf("%s: prevResult read as\n %s, the library reads\n %s", data, got, want)
+	}
 }
