@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -261,7 +262,7 @@ func checkPrevResultAsLibrary(t *testing.T, data []byte, c *Config, err error) {
 	}
 	want, _ := json.Marshal(lib.PrevResult)
 	got, _ := json.Marshal(c.PrevResult)
-	if string(want) != string(got) {
+	if !bytes.Equal(want, got) {
 		t.Fatalf("%s: prevResult read as\n %s, the library reads\n %s", data, got, want)
 	}
 }

@@ -165,10 +165,10 @@ func TestLongListsKeptParsed(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A caller appending to its lists must not write into another pod's.
-	a := append(first.ExcludeInboundPorts, "1")
-	b := append(second.ExcludeInboundPorts, "2")
-	c := append(first.ExcludeOutboundCIDRs, netip.MustParsePrefix("192.0.2.0/24"))
-	d := append(second.ExcludeOutboundCIDRs, netip.MustParsePrefix("198.51.100.0/24"))
+	a, b := first.ExcludeInboundPorts, second.ExcludeInboundPorts
+	a, b = append(a, "1"), append(b, "2")
+	c, d := first.ExcludeOutboundCIDRs, second.ExcludeOutboundCIDRs
+	c, d = append(c, netip.MustParsePrefix("192.0.2.0/24")), append(d, netip.MustParsePrefix("198.51.100.0/24"))
 	if a[len(a)-1] != "1" || b[len(b)-1] != "2" || c[len(c)-1] == d[len(d)-1] {
 		t.Fatal("two pods' lists share what lies past their ends")
 	}
