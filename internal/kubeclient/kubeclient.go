@@ -23,6 +23,7 @@ import (
 	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/client-go/tools/record"
 )
 
@@ -77,6 +78,12 @@ type Client struct {
 // it is what the API server encodes fastest and the agent decodes with
 // the least garbage.
 func New(rc *rest.Config) (*Client, error) {
+	if rc.RateLimiter == nil && rc.QPS > 0 {
+		// One budget for both groups, as client-go's clientset keeps one
+		// for all of its groups.
+		rc = rest.CopyConfig(rc)
+		rc.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(rc.QPS, rc.Burst)
+	}
 	core, err := restFor(rc, "/api", corev1.SchemeGroupVersion)
 	if err != nil {
 		return nil, err
@@ -98,6 +105,11 @@ func restFor(rc *rest.Config, path string, gv schema.GroupVersion) (*rest.RESTCl
 		c.UserAgent = rest.DefaultKubernetesUserAgent()
 	}
 	return rest.RESTClientFor(c)
+}
+
+// RateLimiters are the core and apps groups' request budgets.
+func (c *Client) RateLimiters() (core, apps flowcontrol.RateLimiter) {
+	return c.core.GetRateLimiter(), c.apps.GetRateLimiter()
 }
 
 // Pods implements Interface.
