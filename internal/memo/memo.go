@@ -2,7 +2,9 @@
 // within a byte budget, the most recently used kept: the pods of one
 // Deployment carry the same annotations, and parsing, covering and
 // digesting a list of thousands of entries again for each of them was
-// most of what such a pod cost the agent.
+// most of what such a pod cost the agent. The agent's budgets (parsed
+// lists 3 MiB, sets 2 MiB, plans 2 MiB) hold dozens of distinct lists of
+// 1,000 entries and hundreds of plans, within 7 MiB of the agent's 40 MB.
 package memo
 
 import (

@@ -242,8 +242,8 @@ func splitList(key, value string) ([]string, error) {
 // Long list values already parsed, by annotation and value (see package
 // memo). The lists are shared: Params' slices are never changed.
 var (
-	parsedCIDRs = memo.New(4<<20, func(l []netip.Prefix) int { return 24 * len(l) })
-	parsedPorts = memo.New(4<<20, func(l []string) int { return 24 * len(l) })
+	parsedCIDRs = memo.New(2<<20, func(l []netip.Prefix) int { return 32 * len(l) })
+	parsedPorts = memo.New(1<<20, func(l []string) int { return 24 * len(l) })
 )
 
 // memoFrom is the shortest value kept parsed: a short list parses in less

@@ -202,7 +202,7 @@ func cat(parts ...[]any) []any {
 // builtPlans are the plans already built, by their parameters: the pods
 // of one Deployment share theirs, and building and fingerprinting the
 // same rules again was a third of what preparing a pod cost the agent.
-var builtPlans = memo.New(4<<20, (*Plan).memSize)
+var builtPlans = memo.New(2<<20, (*Plan).memSize)
 
 // Build computes the rules for a pod. ipv6 says whether the pod gets IPv6
 // rules as well (see NeedsIPv6). A pod in ModeNone gets an empty plan.

@@ -101,7 +101,7 @@ func (s *IPSet) SameContents(o *IPSet) bool {
 
 // builtSets are the sets of long lists already built, by their inputs
 // (see package memo).
-var builtSets = memo.New(8<<20, (*IPSet).memSize)
+var builtSets = memo.New(2<<20, (*IPSet).memSize)
 
 // SetPrefix starts the name of every set this plugin owns.
 const SetPrefix = ChainPrefix
