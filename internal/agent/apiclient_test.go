@@ -38,4 +38,13 @@ current-context: x
 	if core == nil || core != apps || core.QPS() != 80 {
 		t.Fatalf("rate limiters core %v, apps %v: want one, at 80 per second", core, apps)
 	}
+	// A rate without a burst gets client-go's burst, not a budget that
+	// never lets a request through.
+	rc.Burst = 0
+	if c, err = kubeclient.New(rc); err != nil {
+		t.Fatal(err)
+	}
+	if core, _ := c.RateLimiters(); !core.TryAccept() {
+		t.Fatal("a rate limiter with no burst refused the first request")
+	}
 }

@@ -11,6 +11,7 @@
 package kubeclient
 
 import (
+	"cmp"
 	"context"
 	"time"
 
@@ -82,7 +83,7 @@ func New(rc *rest.Config) (*Client, error) {
 		// One budget for both groups, as client-go's clientset keeps one
 		// for all of its groups.
 		rc = rest.CopyConfig(rc)
-		rc.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(rc.QPS, rc.Burst)
+		rc.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(rc.QPS, cmp.Or(rc.Burst, rest.DefaultBurst))
 	}
 	core, err := restFor(rc, "/api", corev1.SchemeGroupVersion)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/types/create"
+	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/enablement"
@@ -125,22 +126,47 @@ func parsePrevResult(confVersion string, raw json.RawMessage) (types.Result, err
 		kind := map[byte]string{'[': "array", '"': "string", 't': "bool", 'f': "bool"}[trimmed[0]]
 		return nil, fmt.Errorf("expected an object, got JSON %s", cmp.Or(kind, "number"))
 	}
-	version, err := json.Marshal(confVersion)
-	if err != nil {
+	// The way the runtimes write it: one "cniVersion" (or none) and whole
+	// numbers. Anything else (the key in other cases or twice, numbers
+	// the library's map would make whole) goes through the library,
+	// which decides it. (Other keys given twice, which no runtime writes,
+	// are merged here where the library keeps the last.)
+	if n := foldCount(trimmed, `"cniversion"`); n <= 1 && n == bytes.Count(trimmed, []byte(`"cniVersion"`)) {
+		version, err := json.Marshal(confVersion)
+		if err != nil {
+			return nil, err
+		}
+		b := make([]byte, 0, len(trimmed)+len(version)+16)
+		b = append(append(b, `{"CNIVersion":`...), version...)
+		rest := bytes.TrimLeft(trimmed[1:], " \t\r\n")
+		if len(rest) > 0 && rest[0] != '}' {
+			b = append(b, ',')
+		}
+		b = append(b, rest...)
+		if res, err := create.Create(confVersion, b); err == nil {
+			return res, nil
+		}
+	}
+	lib := types.NetConf{CNIVersion: confVersion}
+	if err := json.Unmarshal(trimmed, &lib.RawPrevResult); err != nil {
 		return nil, err
 	}
-	b := make([]byte, 0, len(trimmed)+len(version)+16)
-	b = append(append(b, `{"CNIVersion":`...), version...)
-	rest := bytes.TrimLeft(trimmed[1:], " \t\r\n")
-	if len(rest) > 0 && rest[0] != '}' {
-		b = append(b, ',')
+	if err := version.ParsePrevResult(&lib); err != nil {
+		return nil, err
 	}
-	b = append(b, rest...)
-	res, err := create.Create(confVersion, b)
-	if err != nil {
-		return nil, fmt.Errorf("could not parse prevResult: %w", err)
+	return lib.PrevResult, nil
+}
+
+// foldCount counts the ASCII-case-insensitive occurrences of a lower-case
+// key in b.
+func foldCount(b []byte, key string) int {
+	n := 0
+	for i := 0; i+len(key) <= len(b); i++ {
+		if b[i] == key[0] && bytes.EqualFold(b[i:i+len(key)], []byte(key)) {
+			n++
+		}
 	}
-	return res, nil
+	return n
 }
 
 func parseDuration(key, v string, def time.Duration) (time.Duration, error) {

@@ -228,6 +228,10 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{ }}`))
 	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":[1]}`))
 	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":null}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{"ips":[{"address":"10.0.0.2/24","interface":0.0}],"interfaces":[{"name":"eth0","mtu":1e3}]}}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{"CNIVersion":"","ips":[]}}`))
+	f.Add([]byte(`{"cniVersion":"1.0.0","prevResult":{"CNIVersion":null}}`))
+	f.Add([]byte(`{"cniVersion":"0.4.0","prevResult":{"cniVersion":"1.0.0","CNIVersion":"0.4.0"}}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := ParseConfig(data)
 		checkPrevResultAsLibrary(t, data, c, err)
@@ -264,5 +268,21 @@ func checkPrevResultAsLibrary(t *testing.T, data []byte, c *Config, err error) {
 	got, _ := json.Marshal(c.PrevResult)
 	if !bytes.Equal(want, got) {
 		t.Fatalf("%s: prevResult read as\n %s, the library reads\n %s", data, got, want)
+	}
+}
+
+// TestPrevResultAsLibrary: inputs a runtime does not write but a config
+// could hold, read as the CNI library reads them.
+func TestPrevResultAsLibrary(t *testing.T) {
+	for _, data := range []string{
+		`{"cniVersion":"1.0.0","prevResult":{"ips":[{"address":"10.0.0.2/24","interface":0.0}],"interfaces":[{"name":"eth0","mtu":1e3}]}}`,
+		`{"cniVersion":"1.0.0","prevResult":{"CNIVersion":"","ips":[]}}`,
+		`{"cniVersion":"1.0.0","prevResult":{"CNIVersion":null}}`,
+		`{"cniVersion":"0.4.0","prevResult":{"cniVersion":"1.0.0","CNIVersion":"0.4.0"}}`,
+		`{"cniVersion":"1.0.0","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.2/24"}]}}`,
+		`{"cniVersion":"0.3.1","prevResult":{"ips":[{"version":"4","address":"10.0.0.2/24"}]}}`,
+	} {
+		c, err := ParseConfig([]byte(data))
+		checkPrevResultAsLibrary(t, []byte(data), c, err)
 	}
 }

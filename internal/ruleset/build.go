@@ -233,19 +233,34 @@ func Build(p redirect.Params, ipv6 bool) *Plan {
 	return &out
 }
 
-// planShape is what of a plan's sets a caller could have replaced.
-type planShape [2]struct {
-	rules *Rule
-	n     int
-	sets  int
+// planShape is what of a plan a caller could have replaced or added to:
+// each family's set, its rules' and sets' slices, the routing flag. (A
+// rule or a set changed in place is not seen: the rules are shared, and
+// Build says they must not be changed.)
+type planShape struct {
+	tproxy bool
+	fams   [2]struct {
+		present bool
+		rules   *Rule
+		n       int
+		sets    *(*IPSet)
+		nsets   int
+	}
 }
 
 func (p *Plan) shape() planShape {
-	var sh planShape
-	for i, s := range p.Sets() {
-		sh[i].n, sh[i].sets = len(s.Rules), len(s.IPSets)
+	sh := planShape{tproxy: p.TProxyRoutes}
+	for i, s := range []*Set{p.V4, p.V6} {
+		f := &sh.fams[i]
+		if s == nil {
+			continue
+		}
+		f.present, f.n, f.nsets = true, len(s.Rules), len(s.IPSets)
 		if len(s.Rules) > 0 {
-			sh[i].rules = &s.Rules[0]
+			f.rules = &s.Rules[0]
+		}
+		if len(s.IPSets) > 0 {
+			f.sets = &s.IPSets[0]
 		}
 	}
 	return sh
@@ -256,6 +271,10 @@ func (p *Plan) shape() planShape {
 func (p *Plan) memSize() int {
 	n := 64
 	for _, s := range p.Sets() {
+		// Its sets too: a set the set memo has let go lives on here.
+		for _, x := range s.IPSets {
+			n += x.memSize()
+		}
 		for _, r := range s.Rules {
 			n += 96
 			for _, a := range r.Args {

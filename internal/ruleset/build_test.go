@@ -154,6 +154,16 @@ func TestBuildSharesPlans(t *testing.T) {
 	if c := Build(params("5555"), true); len(c.V4.Rules) != n || len(b.V4.Rules) != n {
 		t.Fatalf("a rule added to one caller's plan reached others: %d and %d rules, want %d", len(c.V4.Rules), len(b.V4.Rules), n)
 	}
+	d := Build(params("5555"), true)
+	d.TProxyRoutes = !d.TProxyRoutes
+	if d.Fingerprint() == b.Fingerprint() {
+		t.Fatal("a plan with its routing flag changed kept its fingerprint")
+	}
+	e := Build(params("5555"), true)
+	e.V6 = nil
+	if e.Fingerprint() == b.Fingerprint() {
+		t.Fatal("a plan with its IPv6 rules dropped kept its fingerprint")
+	}
 	if c := Build(params("5556"), true); c.Fingerprint() == b.Fingerprint() {
 		t.Fatal("different parameters share a plan")
 	}

@@ -66,8 +66,29 @@ type IPSet struct {
 	// Listed is how many entries the annotation gave for this set.
 	Listed int
 
-	// sum is the SHA-256 of the contents, kept by setName.
-	sum [sha256.Size]byte
+	// sum is the SHA-256 of the contents, kept by setName, of the
+	// entries' slices as they were then (summed).
+	sum    [sha256.Size]byte
+	summed setShape
+}
+
+// setShape is what of a set's entries a copy of the set could have
+// replaced.
+type setShape struct {
+	nets   *netip.Prefix
+	ports  *PortRange
+	nn, np int
+}
+
+func (s *IPSet) shape() setShape {
+	sh := setShape{nn: len(s.Nets), np: len(s.Ports)}
+	if len(s.Nets) > 0 {
+		sh.nets = &s.Nets[0]
+	}
+	if len(s.Ports) > 0 {
+		sh.ports = &s.Ports[0]
+	}
+	return sh
 }
 
 // Len is the number of entries the kernel holds for the set.
@@ -110,7 +131,7 @@ const SetPrefix = ChainPrefix
 // at most 28 characters, within ipset's 31. It keeps the whole digest in
 // the set, for plan fingerprints.
 func setName(role string, s *IPSet) string {
-	s.sum = s.contentSum()
+	s.sum, s.summed = s.contentSum(), s.shape()
 	return SetPrefix + role + "_" + hex.EncodeToString(s.sum[:4])
 }
 
@@ -131,12 +152,13 @@ func (s *IPSet) contentSum() [sha256.Size]byte {
 }
 
 // memSize is roughly the bytes the set takes.
-func (s *IPSet) memSize() int { return 128 + 24*len(s.Nets) + 4*len(s.Ports) }
+func (s *IPSet) memSize() int { return 128 + 32*len(s.Nets) + 4*len(s.Ports) }
 
-// digest is the contents' SHA-256, as setName took it (a set read back
-// from the kernel has none kept).
+// digest is the contents' SHA-256, as setName took it, unless the set has
+// none kept (one read back from the kernel) or is a copy given other
+// entries.
 func (s *IPSet) digest() [sha256.Size]byte {
-	if s.sum == ([sha256.Size]byte{}) {
+	if s.sum == ([sha256.Size]byte{}) || s.shape() != s.summed {
 		return s.contentSum()
 	}
 	return s.sum

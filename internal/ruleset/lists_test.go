@@ -171,4 +171,10 @@ func TestSetsBuiltOncePerInput(t *testing.T) {
 	if a.digest() != a.contentSum() || p.digest() != p.contentSum() {
 		t.Fatal("a kept digest is not the contents'")
 	}
+	// A copy given other entries (as tests make) is digested afresh.
+	cp := *a
+	cp.Nets = cp.Nets[:len(cp.Nets)-1]
+	if cp.digest() == a.digest() || cp.digest() != cp.contentSum() {
+		t.Fatal("a copy with fewer entries kept the original's digest")
+	}
 }
