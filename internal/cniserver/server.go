@@ -259,14 +259,21 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	default:
 		resp = s.Handle(req, netns)
 	}
-	var out []byte
-	if req != nil && req.Framed {
-		out = cnirelay.AppendFramed(nil, resp)
-	} else if out, err = json.Marshal(resp); err != nil {
+	out, err := encodeAnswer(resp, req != nil && req.Framed)
+	if err != nil {
 		return
 	}
 	_ = conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	_, _ = conn.Write(out)
+}
+
+// encodeAnswer is an answer as the relay reads it: framed for a relay
+// that asked (cnirelay.AppendFramed), else JSON.
+func encodeAnswer(resp *cnirelay.Response, framed bool) ([]byte, error) {
+	if framed {
+		return cnirelay.AppendFramed(nil, resp), nil
+	}
+	return json.Marshal(resp)
 }
 
 // relayCommit hands a pod's prepared requests to the relay on conn and
@@ -285,11 +292,8 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 	if err != nil {
 		return a, err
 	}
-	resp := &cnirelay.Response{Txn: prepared, Stdout: result}
-	var out []byte
-	if rc.framed {
-		out = cnirelay.AppendFramed(nil, resp)
-	} else if out, err = json.Marshal(resp); err != nil {
+	out, err := encodeAnswer(&cnirelay.Response{Txn: prepared, Stdout: result}, rc.framed)
+	if err != nil {
 		return a, err
 	}
 	rc.sent = true
