@@ -241,33 +241,37 @@ type planShape struct {
 	tproxy bool
 	fams   [2]struct {
 		present bool
-		rules   *Rule
-		n       int
-		sets    *(*IPSet)
-		nsets   int
+		rules   sliceID[Rule]
+		sets    sliceID[*IPSet]
 	}
 }
 
 func (p *Plan) shape() planShape {
 	sh := planShape{tproxy: p.TProxyRoutes}
 	for i, s := range []*Set{p.V4, p.V6} {
-		f := &sh.fams[i]
-		if s == nil {
-			continue
-		}
-		f.present, f.n, f.nsets = true, len(s.Rules), len(s.IPSets)
-		if len(s.Rules) > 0 {
-			f.rules = &s.Rules[0]
-		}
-		if len(s.IPSets) > 0 {
-			f.sets = &s.IPSets[0]
+		if s != nil {
+			f := &sh.fams[i]
+			f.present, f.rules, f.sets = true, idOf(s.Rules), idOf(s.IPSets)
 		}
 	}
 	return sh
 }
 
-// memSize is roughly the bytes the plan takes (its sets are counted
-// where they are kept).
+// sliceID tells slices apart by where they start and how long they are:
+// a slice replaced, or appended to past its capacity, has another.
+type sliceID[T any] struct {
+	first *T
+	n     int
+}
+
+func idOf[T any](s []T) sliceID[T] {
+	if len(s) == 0 {
+		return sliceID[T]{}
+	}
+	return sliceID[T]{&s[0], len(s)}
+}
+
+// memSize is roughly the bytes the plan takes, its sets included.
 func (p *Plan) memSize() int {
 	n := 64
 	for _, s := range p.Sets() {

@@ -75,21 +75,11 @@ type IPSet struct {
 // setShape is what of a set's entries a copy of the set could have
 // replaced.
 type setShape struct {
-	nets   *netip.Prefix
-	ports  *PortRange
-	nn, np int
+	nets  sliceID[netip.Prefix]
+	ports sliceID[PortRange]
 }
 
-func (s *IPSet) shape() setShape {
-	sh := setShape{nn: len(s.Nets), np: len(s.Ports)}
-	if len(s.Nets) > 0 {
-		sh.nets = &s.Nets[0]
-	}
-	if len(s.Ports) > 0 {
-		sh.ports = &s.Ports[0]
-	}
-	return sh
-}
+func (s *IPSet) shape() setShape { return setShape{idOf(s.Nets), idOf(s.Ports)} }
 
 // Len is the number of entries the kernel holds for the set.
 func (s *IPSet) Len() int {
