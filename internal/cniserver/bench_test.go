@@ -28,10 +28,33 @@ import (
 // backend. It reports CPU per ADD besides wall time, since CPU is what a
 // burst of pod starts queues on; run with -cpuprofile to see where it goes.
 func BenchmarkAgentADD(b *testing.B) {
-	testutil.RequireRoot(b)
-	testutil.RequireTools(b, "iptables-nft-restore")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	s := benchAgent(ctx, b)
+	for _, backend := range []string{"iptables", "nftables"} {
+		b.Run(backend, func(b *testing.B) {
+			conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","native_nftables":%t,
+				"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, backend == "nftables")
+			req := &cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0", Args: benchPodArgs, Stdin: []byte(conf)}
+			cniserver.BenchInFreshNS(b, func(f *os.File) error {
+				if resp := s.Handle(req, f); resp.Error != nil {
+					return fmt.Errorf("ADD: %w", resp.Error)
+				}
+				return nil
+			})
+		})
+	}
+}
+
+// benchPodArgs are the CNI_ARGS of benchAgent's pod.
+const benchPodArgs = "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1"
+
+// benchAgent is the agent's CNI server, both backends, over a pod cache
+// (stopped with ctx) holding one sidecar pod, bench/p, as the benchmarks
+// of a pod's ADD need it.
+func benchAgent(ctx context.Context, b *testing.B) *cniserver.Server {
+	testutil.RequireRoot(b)
+	testutil.RequireTools(b, "iptables-nft-restore")
 	cs := fake.NewClientset()
 	pod, err := testenv.CreatePod(ctx, cs, testenv.PodSpec{Namespace: "bench", Name: "p", Sidecar: true})
 	if err != nil {
@@ -45,21 +68,7 @@ func BenchmarkAgentADD(b *testing.B) {
 	if err := cache.WaitSynced(ctx); err != nil {
 		b.Fatal(err)
 	}
-	for _, backend := range []string{"iptables", "nftables"} {
-		b.Run(backend, func(b *testing.B) {
-			s := &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
-				Rules: &iptables.Applier{Force: iptables.VariantNFT}, NFTables: &nftables.Applier{},
-				Pods: cache, ReadyReason: func() string { return "" }}
-			conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","native_nftables":%t,
-				"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`, backend == "nftables")
-			req := &cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0",
-				Args: "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1", Stdin: []byte(conf)}
-			cniserver.BenchInFreshNS(b, func(f *os.File) error {
-				if resp := s.Handle(req, f); resp.Error != nil {
-					return fmt.Errorf("ADD: %w", resp.Error)
-				}
-				return nil
-			})
-		})
-	}
+	return &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
+		Rules: &iptables.Applier{Force: iptables.VariantNFT}, NFTables: &nftables.Applier{},
+		Pods: cache, ReadyReason: func() string { return "" }}
 }

@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"os/exec"
 	"path/filepath"
 	"syscall"
@@ -13,17 +11,9 @@ import (
 	"time"
 
 	"github.com/containernetworking/plugins/pkg/testutils"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
-	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
-	"github.com/istio-cni-go/istio-cni/internal/nftables"
-	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
-	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // BenchmarkRelay is the plugin's own share of a pod start as a runtime
@@ -36,31 +26,14 @@ import (
 // command: the bench's sequential own-share figure, without the primary
 // plugin, the API server and libcni around it.
 func BenchmarkRelay(b *testing.B) {
-	testutil.RequireRoot(b)
-	testutil.RequireTools(b, "iptables-nft-restore")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	cs := fake.NewClientset()
-	pod, err := testenv.CreatePod(ctx, cs, testenv.PodSpec{Namespace: "bench", Name: "p", Sidecar: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	pod.UID = types.UID("uid-1")
-	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
-		b.Fatal(err)
-	}
-	cache := podcache.Start(ctx, clientset.Of(cs), testenv.NodeName)
-	if err := cache.WaitSynced(ctx); err != nil {
-		b.Fatal(err)
-	}
+	s := benchAgent(ctx, b)
 	dir := b.TempDir()
 	relay, err := testenv.BuildCommand(dir, "istio-cni")
 	if err != nil {
 		b.Fatal(err)
 	}
-	s := &cniserver.Server{Log: slog.New(slog.NewJSONHandler(io.Discard, nil)),
-		Rules: &iptables.Applier{Force: iptables.VariantNFT}, NFTables: &nftables.Applier{},
-		Pods: cache, ReadyReason: func() string { return "" }}
 	done, err := s.Serve(ctx, filepath.Join(dir, "cni.sock"), time.Second)
 	if err != nil {
 		b.Fatal(err)
@@ -82,7 +55,7 @@ func BenchmarkRelay(b *testing.B) {
 				cmd := exec.Command(relay)
 				cmd.Stdin = bytes.NewReader([]byte(conf))
 				cmd.Env = []string{"CNI_COMMAND=" + c.command, "CNI_CONTAINERID=c1", "CNI_NETNS=" + podNS.Path(), "CNI_IFNAME=eth0",
-					"CNI_ARGS=K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1", "CNI_PATH=" + dir}
+					"CNI_ARGS=" + benchPodArgs, "CNI_PATH=" + dir}
 				var out bytes.Buffer
 				cmd.Stdout = &out
 				before := selfCPU(b)
