@@ -69,8 +69,8 @@ func (rs *Ruleset) tablePrefix() string {
 	return rs.prefix
 }
 
-// Set is a named interval set in one of our tables, holding the entries
-// of a long list: what one rule looks up instead of a rule per entry.
+// Set is a named set in one of our tables, holding the entries of a long
+// list: what one rule looks up instead of a rule per entry.
 type Set struct {
 	Table, Name string
 	// ID names the set within the transaction that creates it, so rules
@@ -78,9 +78,9 @@ type Set struct {
 	ID      uint32
 	KeyType nftables.SetDatatype
 	// Interval sets hold ranges. The others hold prefixes of one length
-	// (Bits) as addresses, which rules look up masked, in a hash sized
-	// for them: the kernel fills that several times faster than the tree
-	// an interval set is.
+	// (Bits) as addresses, which rules look up masked, or ports paired
+	// with a protocol (portKey), in a hash sized for them: the kernel
+	// fills that several times faster than the tree an interval set is.
 	Interval bool
 	Bits     int
 	Size     uint32
@@ -99,6 +99,9 @@ type Set struct {
 	// The contents as written: the list's set, or interface names.
 	list  *ruleset.IPSet
 	names []string
+	// protos are the protocols rules look a port set up with, in the
+	// order of the rules: its elements pair each with every port.
+	protos []byte
 }
 
 // TableName maps an iptables table to ours.
@@ -239,6 +242,9 @@ func (rs *Ruleset) Text() string {
 	return b.String()
 }
 
+// protoNumbers are the protocols a rule may name.
+var protoNumbers = map[string]byte{"tcp": unix.IPPROTO_TCP, "udp": unix.IPPROTO_UDP}
+
 type builder struct {
 	fam   ruleset.Family
 	text  []string
@@ -317,7 +323,7 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 			if err != nil {
 				return Rule{}, err
 			}
-			proto := map[string]byte{"tcp": unix.IPPROTO_TCP, "udp": unix.IPPROTO_UDP}[v]
+			proto := protoNumbers[v]
 			if proto == 0 {
 				return Rule{}, fmt.Errorf("unsupported protocol %q", v)
 			}

@@ -5,10 +5,12 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/google/nftables"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -24,10 +26,10 @@ func listPlan(t testing.TB, ann map[string]string, v6 bool) *ruleset.Plan {
 	return plan
 }
 
-// TestListsGolden pins the nftables form of long lists: a named interval
-// set per list (per family for CIDRs) looked up by one rule, interface
-// runs merged into a set of names, lists up to the threshold a rule per
-// entry as before.
+// TestListsGolden pins the nftables form of long lists: a named set per
+// list (per family for CIDRs; ports keyed by protocol) looked up by one
+// rule, interface runs merged into a set of names, lists up to the
+// threshold a rule per entry as before.
 func TestListsGolden(t *testing.T) {
 	for _, c := range testenv.ListCases() {
 		t.Run(c.Name, func(t *testing.T) {
@@ -43,6 +45,55 @@ func TestListsGolden(t *testing.T) {
 				testutil.CompareGolden(t, c.Name+suffix, rs.Text())
 			}
 		})
+	}
+}
+
+// TestPortSetHoldsEachPortPerProtocol: a port set holds every listed
+// port once for each protocol its rules look it up with, in a hash sized
+// for exactly that, whatever runs the list merges into ranges.
+func TestPortSetHoldsEachPortPerProtocol(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for round := 0; round < 100; round++ {
+		var ports []string
+		want := map[uint16]bool{}
+		for i := 0; i < 17+r.IntN(300); i++ {
+			p := uint16(r.IntN(400))
+			if round%2 == 1 {
+				p = uint16(65535 - r.IntN(400))
+			}
+			want[p] = true
+			ports = append(ports, strconv.Itoa(int(p)))
+		}
+		s := fromIPSet("t", ruleset.NewPortSet("T", "o", ports))
+		protos := []byte{unix.IPPROTO_TCP, unix.IPPROTO_UDP}[:1+round%2]
+		for _, proto := range protos {
+			s.withProto(proto)
+			s.withProto(proto)
+		}
+		if s.Interval || s.KeyType.Name != "inet_proto . inet_service" || int(s.Size) != len(s.Elements) {
+			t.Fatalf("port set: interval %v, type %q, size %d for %d elements", s.Interval, s.KeyType.Name, s.Size, len(s.Elements))
+		}
+		got := map[string]bool{}
+		for _, e := range s.Elements {
+			if len(e.Key) != 8 || e.Key[1] != 0 || e.Key[2] != 0 || e.Key[3] != 0 || e.Key[6] != 0 || e.Key[7] != 0 || e.IntervalEnd {
+				t.Fatalf("element %x is not a protocol and a port, each padded to 4 bytes", e.Key)
+			}
+			if got[string(e.Key)] {
+				t.Fatalf("element %x twice", e.Key)
+			}
+			got[string(e.Key)] = true
+		}
+		for _, proto := range protos {
+			for p := range want {
+				k := []byte{proto, 0, 0, 0, byte(p >> 8), byte(p), 0, 0}
+				if !got[string(k)] {
+					t.Fatalf("port %d of protocol %d missing", p, proto)
+				}
+			}
+		}
+		if len(got) != len(want)*len(protos) {
+			t.Fatalf("%d elements for %d ports and %d protocols", len(got), len(want), len(protos))
+		}
 	}
 }
 

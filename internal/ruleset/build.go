@@ -329,9 +329,18 @@ func build(p redirect.Params, ipv6 bool) *Plan {
 	buildInbound(b, p, tproxy)
 
 	b.appendRule("nat", "OUTPUT", "-j", ChainOutput)
-	newPortList(redirect.AnnotationExcludeOutboundPorts, "OUT_EXCL_PORT", p.ExcludeOutboundPorts).each(b, "nat", ChainOutput,
+	exclOut := newPortList(redirect.AnnotationExcludeOutboundPorts, "OUT_EXCL_PORT", p.ExcludeOutboundPorts)
+	exclOut.each(b, "nat", ChainOutput,
 		func(m []any) [][]any {
-			return [][]any{cat([]any{"-p", "tcp"}, m, []any{"-j", "RETURN"}), cat([]any{"-p", "udp"}, m, []any{"-j", "RETURN"})}
+			tcp := cat([]any{"-p", "tcp"}, m, []any{"-j", "RETURN"})
+			// Without DNS capture nothing after this rule acts on UDP
+			// (TestUDPExclusionOnlyForDNS), so a set's UDP rule would
+			// only cost every pod's start: the ports again, as nftables
+			// set elements. Istio's rule per port stays as Istio writes it.
+			if exclOut.set != nil && !p.DNSCapture {
+				return [][]any{tcp}
+			}
+			return [][]any{tcp, cat([]any{"-p", "udp"}, m, []any{"-j", "RETURN"})}
 		})
 	b.appendRule("nat", ChainOutput, "-o", "lo", "-s", passthroughAddr, "-j", "RETURN")
 

@@ -2,6 +2,8 @@ package ruleset
 
 import (
 	"net/netip"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -170,4 +172,104 @@ func TestBuildSharesPlans(t *testing.T) {
 	if c := Build(params("5555"), false); c.V6 != nil || c.Fingerprint() == b.Fingerprint() {
 		t.Fatal("the IPv4-only plan is the dual one")
 	}
+}
+
+// TestUDPExclusionOnlyForDNS: a long excludeOutboundPorts list gets its
+// UDP rule only with DNS capture, because without it no rule a UDP packet
+// meets in the nat table's output path after the exclusion does anything
+// but return: dropping the rule changes no packet's fate. Checked over
+// plans with every setting that adds output rules; a rule added later
+// that acts on UDP fails here and needs the UDP exclusion back.
+func TestUDPExclusionOnlyForDNS(t *testing.T) {
+	ports := make([]string, SetThreshold+1)
+	for i := range ports {
+		ports[i] = strconv.Itoa(20000 + i)
+	}
+	variants := []map[string]string{
+		{},
+		{redirect.AnnotationInterceptionMode: "TPROXY", redirect.AnnotationIncludeInboundPorts: "*"},
+		{redirect.AnnotationIncludeOutboundCIDRs: "*", redirect.AnnotationRerouteVirtualIfaces: "eth1"},
+		{redirect.AnnotationIncludeOutboundCIDRs: "10.0.0.0/8,127.0.0.0/8,fd00::/8", redirect.AnnotationExcludeOutboundCIDRs: "10.1.0.0/16"},
+		{redirect.AnnotationIncludeOutboundPorts: strings.Join(ports, ","), redirect.AnnotationKubevirtInterfaces: "net1"},
+	}
+	for _, dns := range []bool{false, true} {
+		for i, ann := range variants {
+			a := map[string]string{redirect.AnnotationStatus: "{}", redirect.AnnotationExcludeOutboundPorts: strings.Join(ports, ",")}
+			for k, v := range ann {
+				a[k] = v
+			}
+			env := map[string]string{}
+			if dns {
+				env[redirect.EnvDNSCapture] = "true"
+			}
+			pod := &podinfo.Pod{Annotations: a, Containers: []podinfo.Container{{Name: redirect.ProxyContainerName, Env: env}}}
+			params, _, err := redirect.FromPod(pod)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, s := range Build(params, true).Sets() {
+				past, udpExcl, actsOnUDP := false, false, ""
+				rules := map[string][]Rule{}
+				for _, r := range s.Rules {
+					if r.Table == "nat" {
+						rules[r.Chain] = append(rules[r.Chain], r)
+					}
+				}
+				for _, r := range rules[ChainOutput] {
+					if r.Origin == redirect.AnnotationExcludeOutboundPorts {
+						past = true
+						udpExcl = udpExcl || slices.Contains(r.Args, "udp")
+						continue
+					}
+					if past && actsOnUDP == "" {
+						actsOnUDP = udpEffect(rules, r, 0)
+					}
+				}
+				switch {
+				case !past:
+					t.Errorf("variant %d, %v: no exclusion rule", i, s.Family)
+				case dns && !udpExcl:
+					t.Errorf("variant %d, %v, DNS capture: no UDP exclusion", i, s.Family)
+				case !dns && udpExcl:
+					t.Errorf("variant %d, %v: a UDP exclusion without DNS capture", i, s.Family)
+				case !dns && actsOnUDP != "":
+					t.Errorf("variant %d, %v: without DNS capture, a UDP packet past the exclusion meets %s", i, s.Family, actsOnUDP)
+				case dns && actsOnUDP == "":
+					t.Errorf("variant %d, %v: DNS capture, but no rule past the exclusion acts on UDP (the check sees nothing)", i, s.Family)
+				}
+			}
+		}
+	}
+}
+
+// udpEffect says which rule, r or one in a chain it jumps to, can do to a
+// UDP packet anything but return to the caller or fall through; "" if
+// none can.
+func udpEffect(rules map[string][]Rule, r Rule, depth int) string {
+	if depth > 8 {
+		return "a jump loop at " + strings.Join(r.Args, " ")
+	}
+	for i := 0; i+1 < len(r.Args); i++ {
+		if r.Args[i] == "-p" && r.Args[i+1] == "tcp" && (i == 0 || r.Args[i-1] != "!") {
+			return ""
+		}
+	}
+	target := ""
+	for i := 0; i+1 < len(r.Args); i++ {
+		if r.Args[i] == "-j" {
+			target = r.Args[i+1]
+		}
+	}
+	switch {
+	case target == "RETURN" || target == "":
+		return ""
+	case rules[target] != nil:
+		for _, x := range rules[target] {
+			if what := udpEffect(rules, x, depth+1); what != "" {
+				return what
+			}
+		}
+		return ""
+	}
+	return strings.Join(r.Args, " ")
 }

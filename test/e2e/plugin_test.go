@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -27,6 +28,8 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -394,6 +397,36 @@ func trafficCases(t *testing.T, path, variant string) {
 		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15053", ap(remote+":53"), func() (net.Conn, error) {
 			return testenv.Dial(sb.pod, "tcp4", remote+":53")
 		})
+	})
+
+	// A list long enough for a set keeps its UDP rule under DNS capture:
+	// DNS to an excluded port 53 leaves the pod as sent.
+	t.Run("dns-capture-long-exclusion", func(t *testing.T) {
+		ports := []string{"53"}
+		for p := 20001; len(ports) <= ruleset.SetThreshold; p++ {
+			ports = append(ports, strconv.Itoa(p))
+		}
+		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"},
+			Annotations: map[string]string{redirect.AnnotationExcludeOutboundPorts: strings.Join(ports, ",")}})
+		u, err := testenv.ListenUDP(nil, "udp4", remote+":53")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer u.Close()
+		c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("query")); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 64)
+		_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
+		n, from, err := u.ReadFromUDP(buf)
+		if err != nil || string(buf[:n]) != "query" || from.String() != c.LocalAddr().String() {
+			t.Fatalf("UDP DNS to an excluded port 53 did not arrive as sent: %v %q from %v, sent from %v", err, buf[:n], from, c.LocalAddr())
+		}
 	})
 
 	t.Run("ipv6-dual-stack", func(t *testing.T) {
