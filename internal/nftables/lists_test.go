@@ -57,9 +57,13 @@ func TestPortSetHoldsEachPortPerProtocol(t *testing.T) {
 		var ports []string
 		want := map[uint16]bool{}
 		for i := 0; i < 17+r.IntN(300); i++ {
+			// Runs of at most two ports: the keyed form.
 			p := uint16(r.IntN(400))
+			if p%3 == 2 {
+				p--
+			}
 			if round%2 == 1 {
-				p = uint16(65535 - r.IntN(400))
+				p = 65535 - p
 			}
 			want[p] = true
 			ports = append(ports, strconv.Itoa(int(p)))
@@ -94,6 +98,32 @@ func TestPortSetHoldsEachPortPerProtocol(t *testing.T) {
 		if len(got) != len(want)*len(protos) {
 			t.Fatalf("%d elements for %d ports and %d protocols", len(got), len(want), len(protos))
 		}
+	}
+}
+
+// TestPortRunsStayIntervals: a list whose ports run on for more than two
+// in a row on average (how a range is listed, the annotation having no
+// range syntax) is an interval set of its runs, which holds 20,000 ports
+// in two elements where the keyed form would need 40,000.
+func TestPortRunsStayIntervals(t *testing.T) {
+	var ports []string
+	for p := 10000; p < 30000; p++ {
+		ports = append(ports, strconv.Itoa(p))
+	}
+	s := fromIPSet("t", ruleset.NewPortSet("T", "o", ports))
+	if !s.Interval || s.KeyType.Name != nftables.TypeInetService.Name || len(s.Elements) != 3 {
+		t.Fatalf("20,000 consecutive ports: interval %v, type %q, %d elements", s.Interval, s.KeyType.Name, len(s.Elements))
+	}
+	if got := strings.Join(s.Entries(), ","); got != "10000-29999" {
+		t.Fatalf("entries %q", got)
+	}
+	// Runs of three: more ports than twice the runs.
+	ports = nil
+	for p := 0; p < 60; p += 4 {
+		ports = append(ports, strconv.Itoa(1000+p), strconv.Itoa(1001+p), strconv.Itoa(1002+p))
+	}
+	if s := fromIPSet("t", ruleset.NewPortSet("T", "o", ports)); !s.Interval {
+		t.Fatal("runs of three ports: not an interval set")
 	}
 }
 

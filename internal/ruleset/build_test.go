@@ -209,12 +209,7 @@ func TestUDPExclusionOnlyForDNS(t *testing.T) {
 			}
 			for _, s := range Build(params, true).Sets() {
 				past, udpExcl, actsOnUDP := false, false, ""
-				rules := map[string][]Rule{}
-				for _, r := range s.Rules {
-					if r.Table == "nat" {
-						rules[r.Chain] = append(rules[r.Chain], r)
-					}
-				}
+				rules := s.Final()["nat"]
 				for _, r := range rules[ChainOutput] {
 					if r.Origin == redirect.AnnotationExcludeOutboundPorts {
 						past = true
