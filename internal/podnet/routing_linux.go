@@ -42,9 +42,20 @@ func Mismatch(plan *ruleset.Plan, diffs []string) error {
 		}
 	}
 	if len(diffs) > 0 {
-		return fmt.Errorf("redirect rules differ from what the pod needs: %s", strings.Join(diffs, "; "))
+		return &MismatchError{Diffs: diffs}
 	}
 	return nil
+}
+
+// MismatchError is a Check's finding that the namespace's rules differ
+// from the plan, as against a failure to read them.
+type MismatchError struct {
+	// Diffs says what differs, for people to read.
+	Diffs []string
+}
+
+func (e *MismatchError) Error() string {
+	return "redirect rules differ from what the pod needs: " + strings.Join(e.Diffs, "; ")
 }
 
 // ensurePassthroughV6 adds ::6/128 to lo: IPv6 loopback is a single

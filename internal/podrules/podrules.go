@@ -50,6 +50,21 @@ func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.
 	return planFor(addrs, params)
 }
 
+// HoldsRules reports whether the namespace holds any redirect rules of
+// ours, whatever they are: Check against a plan of none finds a
+// difference exactly then.
+func HoldsRules(rules Rules, netnsPath string) (bool, error) {
+	err := rules.Check(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
+	var m *podnet.MismatchError
+	switch {
+	case err == nil:
+		return false, nil
+	case errors.As(err, &m):
+		return true, nil
+	}
+	return false, err
+}
+
 func planFor(addrs []netip.Addr, params redirect.Params) (*ruleset.Plan, error) {
 	global := false
 	for _, a := range addrs {

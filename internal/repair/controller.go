@@ -212,7 +212,21 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 		return
 	}
 	plan, err := podrules.BuildPlan(c.rules, netns, params)
-	if err != nil || c.rules.Check(netns, plan) == nil {
+	if err != nil {
+		return
+	}
+	differs := c.rules.Check(netns, plan)
+	if differs == nil {
+		return
+	}
+	// Rules other than this agent's plan still redirect: an earlier
+	// agent's form of them, or the plan of annotations since changed.
+	// Istio never rewrites a running pod's rules; neither does the scan.
+	if holds, err := podrules.HoldsRules(c.rules, netns); err != nil || holds {
+		if holds {
+			c.log.Info("start-up scan: the pod's redirect rules differ from this agent's plan; left as they are",
+				"pod", pod.Namespace+"/"+pod.Name, "differences", differs.Error())
+		}
 		return
 	}
 	reason := "running without redirect rules (found at agent start-up)"

@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -219,6 +220,50 @@ func TestRepairStartupScan(t *testing.T) {
 	}
 	if code, out, _ := runValidation(t, pod); code != 0 {
 		t.Fatalf("validation after the start-up repair: exit %d:\n%s", code, out)
+	}
+}
+
+// TestRepairStartupScanLeavesOtherRules: the start-up scan acts only on
+// pods whose namespace holds none of our rules. A pod whose rules differ
+// from this agent's plan (here its annotations changed after it started;
+// after an upgrade, an earlier agent's form of the same rules) keeps them
+// untouched, even with --repair-delete-pods, while a pod without rules
+// beside it is deleted.
+func TestRepairStartupScanLeavesOtherRules(t *testing.T) {
+	ensureDaemonSet(t, false)
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	kept := e.add(&testenv.PodSpec{Sidecar: true})
+	stop, err := kept.pod.StartSandboxProcess()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	setPodIP(t, kept.pod.Name, kept.v4.String())
+	before := saveNoise.ReplaceAllString(rulesIn(t, kept.pod), "")
+	p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, kept.pod.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Annotations[redirect.AnnotationExcludeOutboundPorts] = "5000"
+	if _, err := cluster.Client.CoreV1().Pods(testNS).Update(ctx, p, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	raced, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true})
+	setPodIP(t, raced.Name, ip)
+
+	h := repairHost(t, "--repair-host-proc", "/proc", "--repair-repair-pods=false", "--repair-delete-pods")
+	waitEvent(t, raced.Name, "DeleteBrokenPod")
+	h.waitLog("left as they are", 20*time.Second)
+	if !strings.Contains(h.LogText(), kept.pod.Name) {
+		t.Fatalf("the scan's log does not name %s:\n%s", kept.pod.Name, h.LogText())
+	}
+	got, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, kept.pod.Name, metav1.GetOptions{})
+	if err != nil || got.DeletionTimestamp != nil {
+		t.Fatalf("the pod with rules was deleted: %v", err)
+	}
+	if after := saveNoise.ReplaceAllString(rulesIn(t, kept.pod), ""); after != before {
+		t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
 	}
 }
 
