@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
@@ -33,12 +32,7 @@ func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, s
 // Examine reads the namespace's facts and says why it cannot take
 // prepared requests, "" when it can.
 func (a *Applier) Examine(netnsPath string) (podnet.Facts, string, error) {
-	var facts podnet.Facts
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		var err error
-		facts, err = podnet.ReadFacts()
-		return err
-	})
+	facts, err := podnet.ReadFactsIn(netnsPath)
 	return facts, unfit(facts), err
 }
 

@@ -87,6 +87,49 @@ func TestRunInTheNamespace(t *testing.T) {
 	}
 }
 
+// TestInNetNS: fn runs in the namespace given, on the calling thread,
+// which is back in its own namespace afterwards and unlocked as it was; a
+// descriptor that is not a network namespace is refused before fn runs.
+func TestInNetNS(t *testing.T) {
+	testutil.RequireRoot(t)
+	pod := testutil.NewNS(t)
+	f, err := os.Open(pod.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	inode := func(path string) uint64 {
+		var st unix.Stat_t
+		if err := unix.Stat(path, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Ino
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	before := inode("/proc/thread-self/ns/net")
+	var inside uint64
+	if err := nlsteps.InNetNS(f, func() error { inside = inode("/proc/thread-self/ns/net"); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if inside != inode(pod.Path()) || inside == before {
+		t.Fatalf("fn ran in namespace %d; the pod's is %d, the caller's %d", inside, inode(pod.Path()), before)
+	}
+	if now := inode("/proc/thread-self/ns/net"); now != before {
+		t.Fatalf("the calling thread is in namespace %d after, not its own %d", now, before)
+	}
+	devNull, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer devNull.Close()
+	ran := false
+	err = nlsteps.InNetNS(devNull, func() error { ran = true; return nil })
+	if err == nil || ran || !strings.Contains(err.Error(), "entering the pod's network namespace") {
+		t.Fatalf("a descriptor that is no namespace: ran %v, %v", ran, err)
+	}
+}
+
 // TestValidate: what the relay would send is checked before the kernel
 // sees it: messages that do not parse, names that do not match them, and
 // messages that are not requests.

@@ -47,6 +47,23 @@ type Table struct {
 	Name   string
 }
 
+// ReadFactsIn reads the facts of the network namespace at netnsPath,
+// from the calling goroutine's thread (nlsteps.InNetNS).
+func ReadFactsIn(netnsPath string) (Facts, error) {
+	f, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's namespace path, entered only if it is one (setns refuses other files)
+	if err != nil {
+		return Facts{}, fmt.Errorf("opening the pod's network namespace: %w", err)
+	}
+	defer f.Close()
+	var facts Facts
+	err = nlsteps.InNetNS(f, func() error {
+		var err error
+		facts, err = ReadFacts()
+		return err
+	})
+	return facts, err
+}
+
 // ReadFacts reads the calling thread's namespace: two dumps on one
 // routing socket, one on a netfilter socket, two /proc files and one
 // ioctl, each in a plain system call. The agent reads every pod's
