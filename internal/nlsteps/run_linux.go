@@ -235,7 +235,9 @@ func RunIn(netns *os.File, t *Txn) (took time.Duration, err error) {
 // starts a goroutine, whose thread handoffs cost a pod start tens of
 // microseconds on an idle VM). A thread that cannot return is left to end
 // with its goroutine (Go then ends it rather than run other code there).
-func InNetNS(netns *os.File, fn func() error) error {
+// The thread returns even when fn panics, so a caller that recovers goes
+// on in its own namespace.
+func InNetNS(netns *os.File, fn func() error) (err error) {
 	runtime.LockOSThread()
 	own, err := os.Open("/proc/thread-self/ns/net")
 	if err != nil {
@@ -247,11 +249,13 @@ func InNetNS(netns *os.File, fn func() error) error {
 		runtime.UnlockOSThread()
 		return fmt.Errorf("entering the pod's network namespace: %w", err)
 	}
-	err = fn()
-	if rerr := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); rerr != nil {
-		// Locked for good: see above.
-		return errors.Join(err, fmt.Errorf("returning from the pod's network namespace: %w", rerr))
-	}
-	runtime.UnlockOSThread()
-	return err
+	defer func() {
+		if rerr := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); rerr != nil {
+			// Locked for good: see above.
+			err = errors.Join(err, fmt.Errorf("returning from the pod's network namespace: %w", rerr))
+			return
+		}
+		runtime.UnlockOSThread()
+	}()
+	return fn()
 }

@@ -88,7 +88,7 @@ func TestRunInTheNamespace(t *testing.T) {
 }
 
 // TestInNetNS: fn runs in the namespace given, on the calling thread,
-// which is back in its own namespace afterwards and unlocked as it was; a
+// which is back in its own namespace afterwards, also when fn panics; a
 // descriptor that is not a network namespace is refused before fn runs.
 func TestInNetNS(t *testing.T) {
 	testutil.RequireRoot(t)
@@ -117,6 +117,15 @@ func TestInNetNS(t *testing.T) {
 	}
 	if now := inode("/proc/thread-self/ns/net"); now != before {
 		t.Fatalf("the calling thread is in namespace %d after, not its own %d", now, before)
+	}
+	// A panic in fn leaves the thread where it was, for a caller that
+	// recovers.
+	func() {
+		defer func() { _ = recover() }()
+		_ = nlsteps.InNetNS(f, func() error { panic("in the pod's namespace") })
+	}()
+	if now := inode("/proc/thread-self/ns/net"); now != before {
+		t.Fatalf("after a panic in fn the calling thread is in namespace %d, not its own %d", now, before)
 	}
 	devNull, err := os.Open(os.DevNull)
 	if err != nil {

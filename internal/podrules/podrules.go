@@ -15,6 +15,9 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
@@ -50,19 +53,47 @@ func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.
 	return planFor(addrs, params)
 }
 
-// HoldsRules reports whether the namespace holds any redirect rules of
-// ours, whatever they are: Check against a plan of none finds a
-// difference exactly then.
-func HoldsRules(rules Rules, netnsPath string) (bool, error) {
-	err := rules.Check(netnsPath, &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}})
-	var m *podnet.MismatchError
-	switch {
-	case err == nil:
-		return false, nil
-	case errors.As(err, &m):
-		return true, nil
+// HoldsRules reports whether the namespace holds redirect rules of ours
+// in any form a release of ours writes, whichever backend or iptables
+// variant wrote them: native nftables tables (istio-proxy-*,
+// istio-ambient-*), or ISTIO_ chains through iptables-nft or legacy
+// iptables. A backend switched across an upgrade must not make a running
+// pod look bare. The iptables forms are read (Check against a plan of
+// none, which differs exactly when any of ours is there) only where the
+// namespace has tables of that variant.
+func HoldsRules(netnsPath string) (bool, error) {
+	facts, err := podnet.ReadFactsIn(netnsPath)
+	if err != nil {
+		return false, err
 	}
-	return false, err
+	iptablesNFT := false
+	for _, t := range facts.Tables {
+		switch {
+		case t.Family == unix.NFPROTO_INET && (strings.HasPrefix(t.Name, nftables.TablePrefix) || strings.HasPrefix(t.Name, nftables.AmbientTablePrefix)):
+			return true, nil
+		case t.Family == unix.NFPROTO_IPV4 || t.Family == unix.NFPROTO_IPV6:
+			iptablesNFT = true
+		}
+	}
+	var readers []Rules
+	if iptablesNFT {
+		readers = append(readers, &iptables.Applier{Force: iptables.VariantNFT})
+	}
+	if facts.LegacyTables {
+		readers = append(readers, &iptables.Applier{Force: iptables.VariantLegacy})
+	}
+	none := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
+	for _, r := range readers {
+		err := r.Check(netnsPath, none)
+		var m *podnet.MismatchError
+		switch {
+		case errors.As(err, &m):
+			return true, nil
+		case err != nil:
+			return false, err
+		}
+	}
+	return false, nil
 }
 
 func planFor(addrs []netip.Addr, params redirect.Params) (*ruleset.Plan, error) {

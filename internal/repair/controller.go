@@ -222,11 +222,15 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 	// Rules other than this agent's plan still redirect: an earlier
 	// agent's form of them, or the plan of annotations since changed.
 	// Istio never rewrites a running pod's rules; neither does the scan.
-	if holds, err := podrules.HoldsRules(c.rules, netns); err != nil || holds {
-		if holds {
-			c.log.Info("start-up scan: the pod's redirect rules differ from this agent's plan; left as they are",
-				"pod", pod.Namespace+"/"+pod.Name, "differences", differs.Error())
-		}
+	holds, err := podrules.HoldsRules(netns)
+	switch {
+	case err != nil:
+		c.log.Warn("start-up scan: cannot tell whether the pod holds redirect rules; leaving it to its validation",
+			"pod", pod.Namespace+"/"+pod.Name, "error", err.Error(), "check", differs.Error())
+		return
+	case holds:
+		c.log.Info("start-up scan: the pod's redirect rules differ from this agent's plan; left as they are",
+			"pod", pod.Namespace+"/"+pod.Name, "differences", differs.Error())
 		return
 	}
 	reason := "running without redirect rules (found at agent start-up)"
