@@ -234,6 +234,33 @@ func dialPing(pod *testenv.Pod, network, addr string) func() error {
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 
+// udpQuery sends "query" from pod to dst and reads one datagram on listen
+// in listenIn (nil: the node): what arrived, from where, and the address
+// it was sent from.
+func udpQuery(t *testing.T, pod, listenIn *testenv.Pod, listen, dst string) (got, from, sent string, err error) {
+	t.Helper()
+	u, err := testenv.ListenUDP(listenIn, "udp4", listen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer u.Close()
+	c, err := testenv.Dial(pod, "udp4", dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("query")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64)
+	_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
+	n, addr, err := u.ReadFromUDP(buf)
+	if addr != nil {
+		from = addr.String()
+	}
+	return string(buf[:n]), from, c.LocalAddr().String(), err
+}
+
 // TestTraffic runs every traffic case on both iptables variants and on
 // the native nftables backend, with the same assertions.
 func TestTraffic(t *testing.T) {
@@ -375,24 +402,8 @@ func trafficCases(t *testing.T, path, variant string) {
 
 	t.Run("dns-capture", func(t *testing.T) {
 		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"}})
-		u, err := testenv.ListenUDP(sb.pod, "udp4", "0.0.0.0:15053")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer u.Close()
-		c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		if _, err := c.Write([]byte("query")); err != nil {
-			t.Fatal(err)
-		}
-		buf := make([]byte, 64)
-		_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
-		n, _, err := u.ReadFromUDP(buf)
-		if err != nil || string(buf[:n]) != "query" {
-			t.Fatalf("UDP DNS did not reach 15053: %v %q", err, buf[:n])
+		if got, _, _, err := udpQuery(t, sb.pod, sb.pod, "0.0.0.0:15053", remote+":53"); err != nil || got != "query" {
+			t.Fatalf("UDP DNS did not reach 15053: %v %q", err, got)
 		}
 		expectRedirect(t, sb.pod, "tcp4", "0.0.0.0:15053", ap(remote+":53"), func() (net.Conn, error) {
 			return testenv.Dial(sb.pod, "tcp4", remote+":53")
@@ -408,24 +419,9 @@ func trafficCases(t *testing.T, path, variant string) {
 		}
 		sb := e.add(&testenv.PodSpec{Sidecar: true, ProxyEnv: map[string]string{"ISTIO_META_DNS_CAPTURE": "true"},
 			Annotations: map[string]string{redirect.AnnotationExcludeOutboundPorts: strings.Join(ports, ",")}})
-		u, err := testenv.ListenUDP(nil, "udp4", remote+":53")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer u.Close()
-		c, err := testenv.Dial(sb.pod, "udp4", remote+":53")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		if _, err := c.Write([]byte("query")); err != nil {
-			t.Fatal(err)
-		}
-		buf := make([]byte, 64)
-		_ = u.SetReadDeadline(time.Now().Add(5 * time.Second))
-		n, from, err := u.ReadFromUDP(buf)
-		if err != nil || string(buf[:n]) != "query" || from.String() != c.LocalAddr().String() {
-			t.Fatalf("UDP DNS to an excluded port 53 did not arrive as sent: %v %q from %v, sent from %v", err, buf[:n], from, c.LocalAddr())
+		got, from, sent, err := udpQuery(t, sb.pod, nil, remote+":53", remote+":53")
+		if err != nil || got != "query" || from != sent {
+			t.Fatalf("UDP DNS to an excluded port 53 did not arrive as sent: %v %q from %v, sent from %v", err, got, from, sent)
 		}
 	})
 
