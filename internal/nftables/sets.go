@@ -13,7 +13,6 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
-	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -293,9 +292,11 @@ func (s *Set) Entries() []string {
 		out := make([]string, len(s.Elements))
 		for i := range s.Elements {
 			k := s.Elements[i].Key
-			proto := "tcp"
-			if k[0] == unix.IPPROTO_UDP {
-				proto = "udp"
+			proto := strconv.Itoa(int(k[0]))
+			for name, n := range protoNumbers {
+				if n == k[0] {
+					proto = name
+				}
 			}
 			out[i] = proto + " . " + strconv.Itoa(int(binary.BigEndian.Uint16(k[4:])))
 		}
