@@ -198,3 +198,67 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		t.Fatal("one rewrite counted as a conflict")
 	}
 }
+
+// TestWatchAfterDirRemadeWithSameInode: a watched directory deleted and
+// made again can get the inode number of the one deleted (ext4 hands it
+// out again at once), so a sync that runs before the deletion's event is
+// read sees the same identity and keeps the dead watch. The deletion's
+// event must still lead to a watch on the new directory; without it no
+// later change in the directory wakes the loop (seen in CI, where the
+// config dir's recreation test missed a rewrite).
+func TestWatchAfterDirRemadeWithSameInode(t *testing.T) {
+	d := filepath.Join(t.TempDir(), "net.d")
+	if err := os.Mkdir(d, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ws, err := newWatchSet([]string{d}, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ws.close()
+	ws.sync()
+	if err := os.Remove(d); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(d, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Whatever this file system does with inode numbers, the case under
+	// test is the one where the new directory looks like the old.
+	id, ok := dirID(d)
+	if !ok {
+		t.Fatal("the directory made again is not there")
+	}
+	ws.ids[d] = id
+	ws.sync()
+
+	// waitFor reads events until one matches; others (the files of the
+	// deletion, the directory's own events) may come first.
+	deadline := time.After(10 * time.Second)
+	waitFor := func(what string, match func(fsnotify.Event) bool) {
+		t.Helper()
+		for {
+			select {
+			case ev, ok := <-ws.events():
+				if !ok {
+					t.Fatalf("the watcher closed while waiting for %s", what)
+				}
+				if match(ev) {
+					return
+				}
+			case <-deadline:
+				t.Fatalf("no event for %s within 10s", what)
+			}
+		}
+	}
+	waitFor("the deletion", ws.lost)
+	ws.sync()
+	conf := filepath.Join(d, "10-calico.conflist")
+	if err := os.WriteFile(conf, []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("a file written in the new directory", func(ev fsnotify.Event) bool { return ev.Name == conf })
+	if ws.lost(fsnotify.Event{Name: conf, Op: fsnotify.Remove}) {
+		t.Error("a file's removal was taken for the directory's")
+	}
+}

@@ -175,6 +175,25 @@ func (s *watchSet) missingSince(dir string) time.Time {
 	return s.missingFrom[filepath.Clean(dir)]
 }
 
+// lost takes note of an event saying a watched directory itself was
+// deleted or moved away: the kernel has then ended its watch, and fsnotify
+// forgotten it. The next sync must not trust the directory's identity to
+// tell whether it is still watched: a file system may give a directory
+// made again under the same path the inode number of the one deleted
+// (ext4 does, at once), so the path would look watched while no event of
+// the new directory arrives. It reports whether ev was such an event.
+func (s *watchSet) lost(ev fsnotify.Event) bool {
+	if !ev.Has(fsnotify.Remove) && !ev.Has(fsnotify.Rename) {
+		return false
+	}
+	name := filepath.Clean(ev.Name)
+	if _, watched := s.ids[name]; !watched {
+		return false
+	}
+	delete(s.ids, name)
+	return true
+}
+
 // concerns reports whether an event is about one of the directories
 // themselves: deleted, moved, or (seen from its parent) created again.
 func (s *watchSet) concerns(ev fsnotify.Event) bool {

@@ -295,9 +295,10 @@ func TestHardeningRecreatedConfigDir(t *testing.T) {
 			n, last := entryCount(t, calico)
 			return n == 1 && last
 		}) {
-			// Seen once under CI load and not since: the agent's own log
-			// (at debug, with every file event and pass) and its goroutines
-			// say whether it missed the event or was stuck.
+			// The agent's own log (at debug, with every file event and
+			// pass) and its goroutines say whether it missed the event or
+			// was stuck. It missed them under CI load when the new dir got
+			// the old one's inode number (TestWatchAfterDirRemadeWithSameInode).
 			code, body := h.ReadyZ()
 			h.Signal(syscall.SIGQUIT)
 			select {
