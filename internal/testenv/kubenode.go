@@ -21,10 +21,20 @@ const (
 	AppImage   = "istio-cni-go/app:test"
 )
 
+// PlainHandler is a second runtime handler of the node: runc as the
+// default one, whose pods' network is set up from PlainConfDir, which holds
+// the same primary config and nothing else: so no istio-cni, whatever the
+// agent inserts into ConfDir. A RuntimeClass naming it lets one burst
+// hold pods started with the plugin and pods started without it, side by
+// side under the same load.
+const PlainHandler = "no-istio-cni"
+
 // KubeNode is a real node: containerd with runc and a kubelet registered
 // with the cluster, its CNI config a ptp primary.
 type KubeNode struct {
 	Dir, ConfDir, BinDir, Socket string
+	// PlainConfDir is PlainHandler's CNI config dir.
+	PlainConfDir string
 	// Cgroups is the node's cgroup layout: the kubelet's QoS tree, and
 	// the runtime and kubelet in a cgroup of their own.
 	Cgroups *NodeCgroups
@@ -74,8 +84,8 @@ func BuildImage(dir, pkg, name, tag string) (string, error) {
 // waits for the node to be Ready. Call it inside the node namespace.
 func StartKubeNode(ctx context.Context, c *Cluster, dir string) (_ *KubeNode, err error) {
 	n := &KubeNode{Dir: dir, ConfDir: filepath.Join(dir, "cni-conf"), BinDir: filepath.Join(dir, "cni-bin"),
-		Socket: filepath.Join(dir, "containerd.sock"), cluster: c}
-	for _, d := range []string{n.ConfDir, n.BinDir, filepath.Join(dir, "ipam")} {
+		PlainConfDir: filepath.Join(dir, "cni-conf-plain"), Socket: filepath.Join(dir, "containerd.sock"), cluster: c}
+	for _, d := range []string{n.ConfDir, n.PlainConfDir, n.BinDir, filepath.Join(dir, "ipam")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
 		}
@@ -87,8 +97,12 @@ func StartKubeNode(ctx context.Context, c *Cluster, dir string) (_ *KubeNode, er
 	}
 	ptp := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","ipMasq":false,"ipam":{"type":"host-local","dataDir":"` +
 		filepath.Join(dir, "ipam") + `","ranges":[[{"subnet":"10.249.0.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}`
-	if err := os.WriteFile(filepath.Join(n.ConfDir, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
-		return nil, err
+	// The same network name and IPAM store in both dirs: the two handlers'
+	// pods draw addresses from one pool.
+	for _, d := range []string{n.ConfDir, n.PlainConfDir} {
+		if err := os.WriteFile(filepath.Join(d, "10-ptp.conflist"), []byte(ptp), 0o644); err != nil {
+			return nil, err
+		}
 	}
 	logf, err := os.Create(filepath.Join(dir, "node.log"))
 	if err != nil {
@@ -105,7 +119,14 @@ state = %q
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %q
     conf_dir = %q
-`, filepath.Join(dir, "containerd-root"), filepath.Join(dir, "containerd-state"), n.Socket, PauseImage, n.BinDir, n.ConfDir)
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.%s]
+    runtime_type = "io.containerd.runc.v2"
+    cni_conf_dir = %q
+    cni_max_conf_num = 1
+`, filepath.Join(dir, "containerd-root"), filepath.Join(dir, "containerd-state"), n.Socket, PauseImage, n.BinDir, n.ConfDir,
+		PlainHandler, n.PlainConfDir)
 	cfgPath := filepath.Join(dir, "containerd.toml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return nil, err

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
+	nodev1 "k8s.io/api/node/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 )
@@ -95,4 +96,25 @@ func CreatePod(ctx context.Context, cs kubernetes.Interface, s PodSpec) (*corev1
 		return nil, fmt.Errorf("creating pod %s/%s: %w", s.Namespace, s.Name, err)
 	}
 	return created, nil
+}
+
+// RuntimeClasses a pod may name to choose how the node sets up its
+// network: PlainRuntimeClass runs it through PlainHandler (the primary
+// plugin alone, never istio-cni); DefaultRuntimeClass through the node's
+// default handler, as a pod naming none, so that pods compared with plain
+// ones take the same path through the kubelet and the runtime.
+const (
+	PlainRuntimeClass   = "istio-cni-test-plain"
+	DefaultRuntimeClass = "istio-cni-test-default"
+)
+
+// EnsureRuntimeClasses creates PlainRuntimeClass and DefaultRuntimeClass.
+func EnsureRuntimeClasses(ctx context.Context, cs kubernetes.Interface) error {
+	for name, handler := range map[string]string{PlainRuntimeClass: PlainHandler, DefaultRuntimeClass: "runc"} {
+		_, err := cs.NodeV1().RuntimeClasses().Create(ctx, &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Handler: handler}, metav1.CreateOptions{})
+		if err != nil && !isExists(err) {
+			return fmt.Errorf("runtime class %s: %w", name, err)
+		}
+	}
+	return nil
 }

@@ -234,6 +234,9 @@ func chartOnNode(t *testing.T, backend string) {
 	}
 	waitLog(t, created, "to-sidecar", "original destination "+target)
 	waitLog(t, created, "to-remote", "connection refused")
+	if backend == "iptables" {
+		plainRuntimeUntouched(t, agentPod)
+	}
 
 	// The raced pod was repaired when the agent came up, and now runs
 	// with its traffic through the proxy.
@@ -291,6 +294,41 @@ func chartOnNode(t *testing.T, backend string) {
 		pods, err := cluster.Client.CoreV1().Pods("istio-system").List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=istio-cni-node"})
 		return err == nil && len(pods.Items) == 0, "agent pod still there"
 	})
+}
+
+// plainRuntimeUntouched: a sidecar pod run through the node's plain
+// runtime handler (the primary's config alone, as the cluster bench's
+// mixed bursts use it for their pods without the plugin) starts without
+// istio-cni: once its app runs, the agent has still not heard of it (a
+// pod of the default handler is logged by its ADD, long before).
+func plainRuntimeUntouched(t *testing.T, agentPod *corev1.Pod) {
+	ctx := context.Background()
+	if err := testenv.EnsureRuntimeClasses(ctx, cluster.Client); err != nil {
+		t.Fatal(err)
+	}
+	p := sidecarPod("plain-runtime-sidecar", testenv.RemoteV4+":80")
+	// Its validation would fail: nothing redirects its traffic.
+	p.Spec.InitContainers = nil
+	class := testenv.PlainRuntimeClass
+	p.Spec.RuntimeClassName = &class
+	created, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, p, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		zero := int64(0)
+		_ = cluster.Client.CoreV1().Pods("mesh").Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	}()
+	waitLog(t, created, "app", "connection refused")
+	agentLog, err := os.ReadFile(filepath.Join(podLogDir, agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(agentLog), "\n") {
+		if strings.Contains(line+" ", "pod=mesh/"+p.Name+" ") {
+			t.Fatalf("the agent served a pod of the plain runtime handler: %s", line)
+		}
+	}
 }
 
 // waitLog waits until the container's log (the kubelet's files) has want.
