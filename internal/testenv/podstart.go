@@ -48,6 +48,20 @@ func PodStartTimes(ctx context.Context, c *Cluster, ns string, pods []*corev1.Po
 // from its creation request to the moment a watch saw it Ready; the pods
 // stay.
 func StartPods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) ([]time.Duration, error) {
+	ready, err := StartPodsByName(ctx, c, ns, pods, limit)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]time.Duration, 0, len(ready))
+	for _, d := range ready {
+		out = append(out, d)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out, nil
+}
+
+// StartPodsByName is StartPods with each time under its pod's name.
+func StartPodsByName(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) (map[string]time.Duration, error) {
 	w, err := c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, err
@@ -115,12 +129,7 @@ func StartPods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, l
 			return nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
 		}
 	}
-	out := make([]time.Duration, 0, len(ready))
-	for _, d := range ready {
-		out = append(out, d)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
-	return out, nil
+	return ready, nil
 }
 
 // DeletePods deletes the pods with a one-second grace period and waits

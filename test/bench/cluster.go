@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -49,7 +50,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,agent", "the ways the node runs, rotated round by round: without, plugin, agent")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
@@ -61,6 +62,10 @@ type clusterArm struct {
 	name, about string
 	// values adds to the chart's values; nil runs without the plugin.
 	values func(map[string]any)
+	// mixed bursts run every other pod through the node's plain runtime
+	// handler, which never runs istio-cni: the two halves start side by
+	// side, under the same load, one with the plugin and one without.
+	mixed bool
 }
 
 // clusterArms are the arms the series knows. Each with-plugin arm is the
@@ -71,12 +76,17 @@ var clusterArms = map[string]clusterArm{
 		values: func(map[string]any) {}},
 	"agent": {name: "agent", about: "istio-cni, the agent applies every pod's rules in its own container (CNI_RULES_COMMITTER=agent)",
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
+	"mixed": {name: "mixed", about: "istio-cni, chart defaults, for every other pod of the burst; the rest run through a runtime handler without it (which half is which alternates by round)",
+		values: func(map[string]any) {}, mixed: true},
 }
 
 // burstFigures are one burst's: each pod's creation to Ready, sorted, and
 // the node's CPU over the burst by cgroup.
 type burstFigures struct {
 	startup []time.Duration
+	// without is, in a mixed burst, each plain-handler pod's creation to
+	// Ready, sorted (startup then holds the other half's).
+	without []time.Duration
 	cpu     nodeCPU
 	// pluginCPU is each ADD's plugin process CPU as the agent logged it
 	// (plugin_cpu); fallback counts the burst's ADDs that went to the
@@ -117,7 +127,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	for _, name := range parseArms(cfg.arms) {
 		arm, ok := clusterArms[name]
 		if !ok {
-			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent)", name)
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed)", name)
 		}
 		res.arms = append(res.arms, arm)
 	}
@@ -128,9 +138,13 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	}
 	defer one.Stop()
 	cluster := one.Cluster
+	if err := testenv.EnsureRuntimeClasses(ctx, cluster.Client); err != nil {
+		return nil, err
+	}
 	busy := busyPods(cfg.busy, cfg.busyCPU)
-	// A warm-up burst: images unpacked, caches filled.
-	if _, err := burst(ctx, one, "warm", cfg.pods, ""); err != nil {
+	// A warm-up burst: images unpacked, caches filled; half of it through
+	// the plain handler, whose config containerd loads apart.
+	if _, err := burst(ctx, one, sidecarPods("warm", cfg.pods, mixedClasses(0)), ""); err != nil {
 		return nil, err
 	}
 	// One burst's pods plus the agent and the busy pods; full fills the
@@ -162,7 +176,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 			// Rotated, so no arm always follows the same one.
 			for i := range res.arms {
 				arm := res.arms[(i+round)%len(res.arms)]
-				f, err := armBurst(ctx, one, cfg, arm, fmt.Sprintf("%s-%d-%d", arm.name, size, round))
+				f, err := armBurst(ctx, one, cfg, arm, fmt.Sprintf("%s-%d-%d", arm.name, size, round), round)
 				if err != nil {
 					return nil, fmt.Errorf("%s, %d pods on the node, round %d: %w", arm.name, size, round, err)
 				}
@@ -178,9 +192,14 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 
 // armBurst runs one burst with the node as arm has it: the chart installed
 // with the arm's values for the burst and removed after it.
-func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm clusterArm, round string) (burstFigures, error) {
+func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm clusterArm, round string, index int) (burstFigures, error) {
+	var classes func(int) string
+	if arm.mixed {
+		classes = mixedClasses(index)
+	}
+	ps := sidecarPods(round, cfg.pods, classes)
 	if arm.values == nil {
-		return burst(ctx, one, round, cfg.pods, "")
+		return burst(ctx, one, ps, "")
 	}
 	values := testenv.NodeChartValues(one.Cluster, one.Node, false)
 	if cfg.agentCPU != "" {
@@ -195,11 +214,26 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
-	f, err := burst(ctx, one, round, cfg.pods, testenv.PodCgroupRel(string(agent.UID), agent.Status.QOSClass))
+	f, err := burst(ctx, one, ps, testenv.PodCgroupRel(string(agent.UID), agent.Status.QOSClass))
 	if err != nil {
 		return burstFigures{}, err
 	}
 	f.pluginCPU, f.fallback = pluginLines(agent, round)
+	if arm.mixed {
+		// Each half is what it says: the plugin served every pod of its
+		// half, and never saw one of the other.
+		text, _ := podLogs(agent)
+		for _, line := range strings.Split(text, "\n") {
+			// A CNI command's lines name it; the repair controller's
+			// (which sees every pod of the node come and go) do not.
+			if strings.Contains(line, "pod=bench/"+plainPrefix+round) && strings.Contains(line, "cmd=") {
+				return burstFigures{}, fmt.Errorf("the plugin served a pod of the plain runtime handler: %s", line)
+			}
+		}
+		if got := len(f.pluginCPU) + f.fallback; got < len(f.startup) {
+			return burstFigures{}, fmt.Errorf("round %s: %d ADDs of the plugin's half logged, want %d", round, got, len(f.startup))
+		}
+	}
 	// The agent's last words say why, if it leaves the plugin behind.
 	logs := followLogs(ctx, one.Cluster, agent)
 	if err := rel.Uninstall(); err != nil {
@@ -321,7 +355,7 @@ func waitPluginRemoved(ctx context.Context, n *testenv.KubeNode) error {
 // burst creates n sidecar pods at once and measures each one's creation
 // to Ready and the node's CPU meanwhile, agentCgroup being the agent's
 // pod ("" when there is none); the pods are deleted before it returns.
-func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agentCgroup string) (burstFigures, error) {
+func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgroup string) (burstFigures, error) {
 	cg := one.Node.Cgroups
 	read := func() (nodeCPU, error) {
 		var s nodeCPU
@@ -361,11 +395,20 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 	if err != nil {
 		return burstFigures{}, err
 	}
-	ps := sidecarPods(round, n)
-	d, err := testenv.StartPods(ctx, one.Cluster, "bench", ps, 5*time.Minute)
+	byPod, err := testenv.StartPodsByName(ctx, one.Cluster, "bench", ps, 5*time.Minute)
 	if err != nil {
 		return burstFigures{}, err
 	}
+	var f burstFigures
+	for name, d := range byPod {
+		if strings.HasPrefix(name, plainPrefix) {
+			f.without = append(f.without, d)
+		} else {
+			f.startup = append(f.startup, d)
+		}
+	}
+	slices.Sort(f.startup)
+	slices.Sort(f.without)
 	after, err := read()
 	if err != nil {
 		return burstFigures{}, err
@@ -374,7 +417,8 @@ func burst(ctx context.Context, one *testenv.OneNode, round string, n int, agent
 		agent: after.agent - before.agent, containerd: after.containerd - before.containerd,
 		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet}
 	split.pods = after.pods - before.pods - split.agent
-	return burstFigures{startup: d, cpu: split}, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
+	f.cpu = split
+	return f, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
 }
 
 // procCPU is a process's own CPU time and that of its children it has
@@ -443,20 +487,47 @@ func settle(ctx context.Context, cg *testenv.NodeCgroups, agentCgroup string) er
 	return nil
 }
 
+// plainPrefix starts the name of a mixed burst's pods that run through
+// the plain runtime handler.
+const plainPrefix = "plain-"
+
+// mixedClasses gives a mixed burst's pod i its runtime class: every other
+// pod the plain handler's, starting with the second in even rounds and
+// the first in odd ones, so neither half always has the head of the queue.
+func mixedClasses(round int) func(int) string {
+	return func(i int) string {
+		if (i+round)%2 == 1 {
+			return testenv.PlainRuntimeClass
+		}
+		return testenv.DefaultRuntimeClass
+	}
+}
+
 // sidecarPods are n pods shaped as Istio's injector shapes a sidecar pod,
 // named after the round. The proxy requests a tenth of Istio's default
 // (100m CPU, 128Mi) so that a burst plus a full node fits the 2-core
-// machine's allocatable: Burstable pods, as injected pods are.
-func sidecarPods(round string, n int) []*corev1.Pod {
+// machine's allocatable: Burstable pods, as injected pods are. classes,
+// when not nil, gives pod i its runtime class; those of the plain handler
+// are named with plainPrefix.
+func sidecarPods(round string, n int, classes func(int) string) []*corev1.Pod {
 	never := corev1.PullNever
 	f := false
 	uid := int64(1337)
 	var out []*corev1.Pod
 	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("%s-%d", round, i)
+		var class *string
+		if classes != nil {
+			c := classes(i)
+			class = &c
+			if c == testenv.PlainRuntimeClass {
+				name = plainPrefix + name
+			}
+		}
 		out = append(out, &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", round, i),
+			ObjectMeta: metav1.ObjectMeta{Name: name,
 				Annotations: map[string]string{"sidecar.istio.io/status": testenv.InjectedStatus}},
-			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f, RuntimeClassName: class,
 				Containers: []corev1.Container{
 					{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}},
 					{Name: "istio-proxy", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"proxy", "sidecar", ":15001", ":15006"},
@@ -471,7 +542,7 @@ func sidecarPods(round string, n int) []*corev1.Pod {
 
 // idleSidecarPods are the pods a node already runs when the burst comes.
 func idleSidecarPods(n int) []*corev1.Pod {
-	ps := sidecarPods("idle", n)
+	ps := sidecarPods("idle", n, nil)
 	for _, p := range ps {
 		// Requests of their own would leave no allocatable CPU for the
 		// burst on this machine: BestEffort.

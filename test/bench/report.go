@@ -210,7 +210,8 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			all, lasts, rounds := burstStats(bs)
 			var cpu nodeCPU
 			n := 0
-			for _, b := range bs {
+			for i := range bs {
+				b := &bs[i]
 				cpu.node += b.cpu.node
 				cpu.runtime += b.cpu.runtime
 				cpu.agent += b.cpu.agent
@@ -218,17 +219,23 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpu.containerd += b.cpu.containerd
 				cpu.cni += b.cpu.cni
 				cpu.kubelet += b.cpu.kubelet
-				n += len(b.startup)
+				n += len(b.startup) + len(b.without)
 			}
 			n = max(n, 1)
 			per := func(d time.Duration) float64 { return msf(d) / float64(n) }
 			fmt.Printf("  %-8s %s %s %s   %-30s %.1f = %.1f + %.1f + %.1f ms\n", a.name, ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds,
 				per(cpu.node), per(cpu.runtime), per(cpu.agent), per(cpu.pods))
+			if a.mixed {
+				all, lasts, rounds := burstStats(plainHalves(bs))
+				fmt.Printf("  %-8s %s %s %s   %-30s (the same bursts' plain-handler half; the row above is the plugin's half, the CPU both)\n", "  plain",
+					ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds)
+			}
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
 				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
 			var pluginCPU []time.Duration
 			fallback := 0
-			for _, b := range bs {
+			for i := range bs {
+				b := &bs[i]
 				pluginCPU = append(pluginCPU, b.pluginCPU...)
 				fallback += b.fallback
 			}
@@ -237,16 +244,18 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 					ms(pct(pluginCPU, .5)), ms(pct(pluginCPU, .99)), len(pluginCPU), fallback)
 			}
 		}
-		if len(base) == 0 {
-			continue
-		}
-		baseAll, baseLasts, _ := burstStats(base)
 		for _, a := range r.arms {
-			if a.values == nil {
+			against, base := "without", base
+			if a.mixed {
+				// Its own bursts' plain half, started side by side.
+				against, base = "its plain half", plainHalves(r.bursts[size][a.name])
+			}
+			if a.values == nil || len(base) == 0 {
 				continue
 			}
+			baseAll, baseLasts, _ := burstStats(base)
 			all, lasts, _ := burstStats(r.bursts[size][a.name])
-			fmt.Printf("  %-8s against without, all rounds pooled: p50 %+.1f%%, last pod %+.1f%%\n", a.name,
+			fmt.Printf("  %-8s against %s, all rounds pooled: p50 %+.1f%%, last pod %+.1f%%\n", a.name, against,
 				100*(ratioOf(pct(all, .5), pct(baseAll, .5))-1), 100*(ratioOf(pct(lasts, .5), pct(baseLasts, .5))-1))
 			// Each round ran both arms back to back: its ratio is free of
 			// the machine's drift between rounds.
@@ -262,6 +271,16 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 	}
 }
 
+// plainHalves are mixed bursts' plain-handler halves, as bursts of their
+// own.
+func plainHalves(bs []burstFigures) []burstFigures {
+	out := make([]burstFigures, len(bs))
+	for i := range bs {
+		out[i] = burstFigures{startup: bs[i].without}
+	}
+	return out
+}
+
 // percents renders ratios as signed percentages.
 func percents(rs []float64) string {
 	out := make([]string, len(rs))
@@ -274,7 +293,8 @@ func percents(rs []float64) string {
 // burstStats pools a series' start-up times, collects each burst's last
 // pod, and renders each round's p50 in seconds.
 func burstStats(bs []burstFigures) (all, lasts []time.Duration, rounds string) {
-	for i, b := range bs {
+	for i := range bs {
+		b := &bs[i]
 		all = append(all, b.startup...)
 		if len(b.startup) > 0 {
 			lasts = append(lasts, b.startup[len(b.startup)-1])

@@ -325,8 +325,8 @@ func plainRuntimeUntouched(t *testing.T, agentPod *corev1.Pod) {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(agentLog), "\n") {
-		if strings.Contains(line+" ", "pod=mesh/"+p.Name+" ") {
-			t.Fatalf("the agent served a pod of the plain runtime handler: %s", line)
+		if strings.Contains(line+" ", "pod=mesh/"+p.Name+" ") && strings.Contains(line, "cmd=") {
+			t.Fatalf("the plugin served a pod of the plain runtime handler: %s", line)
 		}
 	}
 }
