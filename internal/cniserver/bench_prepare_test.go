@@ -140,8 +140,7 @@ func benchInFreshNS(b *testing.B, op func(netns *os.File) error) {
 			b.Fatal(err)
 		}
 		_ = f.Close()
-		_ = podNS.Close()
-		_ = testutils.UnmountNS(podNS)
+		_ = testutil.RemoveNS(podNS)
 		b.StartTimer()
 	}
 	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-us/op")

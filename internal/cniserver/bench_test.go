@@ -18,6 +18,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -49,6 +50,10 @@ func BenchmarkAgentADD(b *testing.B) {
 // benchPodArgs are the CNI_ARGS of benchAgent's pod.
 const benchPodArgs = "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=p;K8S_POD_UID=uid-1"
 
+// benchListsPodArgs name benchAgent's pod with 1,000 CIDRs and ports
+// excluded.
+const benchListsPodArgs = "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=lists;K8S_POD_UID=uid-2"
+
 // benchAgent is the agent's CNI server, both backends, over a pod cache
 // (stopped with ctx) holding one sidecar pod, bench/p, as the benchmarks
 // of a pod's ADD need it.
@@ -62,6 +67,17 @@ func benchAgent(ctx context.Context, b *testing.B) *cniserver.Server {
 	}
 	pod.UID = types.UID("uid-1")
 	if _, err := cs.CoreV1().Pods("bench").Update(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	// The same pod with the long lists: 1,000 CIDRs and ports.
+	l := testenv.Lists{N: 1000}
+	lists, err := testenv.CreatePod(ctx, cs, testenv.PodSpec{Namespace: "bench", Name: "lists", Sidecar: true,
+		Annotations: map[string]string{redirect.AnnotationExcludeOutboundCIDRs: l.CIDRs4(), redirect.AnnotationExcludeOutboundPorts: l.Ports()}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	lists.UID = types.UID("uid-2")
+	if _, err := cs.CoreV1().Pods("bench").Update(ctx, lists, metav1.UpdateOptions{}); err != nil {
 		b.Fatal(err)
 	}
 	cache := podcache.Start(ctx, clientset.Of(cs), testenv.NodeName)

@@ -10,10 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/testutils"
-
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // BenchmarkRelay is the plugin's own share of a pod start as a runtime
@@ -39,8 +38,11 @@ func BenchmarkRelay(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { cancel(); <-done }()
-	for _, c := range []struct{ name, command, backend string }{
-		{"VERSION", "VERSION", ""}, {"DEL", "DEL", ""}, {"ADD/iptables", "ADD", "iptables"}, {"ADD/nftables", "ADD", "nftables"},
+	for _, c := range []struct{ name, command, backend, args string }{
+		{"VERSION", "VERSION", "", benchPodArgs}, {"DEL", "DEL", "", benchPodArgs},
+		{"ADD/iptables", "ADD", "iptables", benchPodArgs}, {"ADD/nftables", "ADD", "nftables", benchPodArgs},
+		// 1,000 CIDRs and ports: what a long list adds to the process.
+		{"ADD/iptables/lists", "ADD", "iptables", benchListsPodArgs}, {"ADD/nftables/lists", "ADD", "nftables", benchListsPodArgs},
 	} {
 		conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":%q,"native_nftables":%t,
 			"prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.1.0.2/24","gateway":"10.1.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}}`,
@@ -55,7 +57,7 @@ func BenchmarkRelay(b *testing.B) {
 				cmd := exec.Command(relay)
 				cmd.Stdin = bytes.NewReader([]byte(conf))
 				cmd.Env = []string{"CNI_COMMAND=" + c.command, "CNI_CONTAINERID=c1", "CNI_NETNS=" + podNS.Path(), "CNI_IFNAME=eth0",
-					"CNI_ARGS=" + benchPodArgs, "CNI_PATH=" + dir}
+					"CNI_ARGS=" + c.args, "CNI_PATH=" + dir}
 				var out bytes.Buffer
 				cmd.Stdout = &out
 				before := selfCPU(b)
@@ -68,8 +70,9 @@ func BenchmarkRelay(b *testing.B) {
 				}
 				ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
 				relayCPU += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-				_ = podNS.Close()
-				_ = testutils.UnmountNS(podNS)
+				if err := testutil.RemoveNS(podNS); err != nil {
+					b.Fatal(err)
+				}
 				b.StartTimer()
 			}
 			b.ReportMetric(float64(relayCPU.Microseconds())/float64(b.N), "relay-cpu-us/op")

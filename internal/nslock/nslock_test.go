@@ -20,12 +20,12 @@ func TestOneNamespaceOneLock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = a.Close(); _ = testutils.UnmountNS(a) }()
+	defer func() { _ = testutil.RemoveNS(a) }()
 	b, err := testutils.NewNS()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = b.Close(); _ = testutils.UnmountNS(b) }()
+	defer func() { _ = testutil.RemoveNS(b) }()
 
 	f, err := os.Open(a.Path())
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 const nodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
@@ -307,7 +308,7 @@ func (p *Pod) Close() {
 		_ = p.holder.Wait()
 		return
 	}
-	_ = testutils.UnmountNS(p.NetNS)
+	_ = testutil.RemoveNS(p.NetNS)
 }
 
 // Add runs ADD of a network list for the pod.

@@ -1,10 +1,15 @@
 package testutil
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
@@ -20,14 +25,28 @@ func NewNS(t *testing.T) ns.NetNS {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_ = n.Close()
-		_ = testutils.UnmountNS(n)
-	})
+	t.Cleanup(func() { _ = RemoveNS(n) })
 	if err := n.Do(func(ns.NetNS) error { return exec.Command("ip", "link", "set", "lo", "up").Run() }); err != nil {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// RemoveNS closes a namespace made by testutils.NewNS and removes its
+// mount. The mount is detached, as runtimes remove a pod's: the node agent
+// may still hold the namespace open for a moment after the plugin that
+// handed it over has exited, and a plain unmount then fails with EBUSY,
+// leaving the mount behind (thousands of them over a few test runs, which
+// every Go process then reads at start through /proc/self/mountinfo).
+func RemoveNS(n ns.NetNS) error {
+	_ = n.Close()
+	if err := unix.Unmount(n.Path(), unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("unmounting %s: %w", n.Path(), err)
+	}
+	if err := os.Remove(n.Path()); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
 }
 
 // RunIn runs a command inside n and returns its combined output; a

@@ -28,6 +28,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // sequential runs n pods through each series, one at a time. The series
@@ -347,8 +348,7 @@ func ruleFloor(write func(path string) error) (took, cpu time.Duration, err erro
 		return 0, 0, err
 	}
 	defer func() {
-		_ = netns.Close()
-		_ = testutils.UnmountNS(netns)
+		_ = testutil.RemoveNS(netns)
 	}()
 	cpuBefore, err := ownCPU()
 	if err != nil {

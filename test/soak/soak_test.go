@@ -41,6 +41,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 var (
@@ -150,8 +151,7 @@ func soakPod() (ns.NetNS, error) {
 		return netlink.AddrAdd(eth, &netlink.Addr{IPNet: &net.IPNet{IP: net.IPv4(10, 1, 0, 2), Mask: net.CIDRMask(24, 32)}})
 	})
 	if err != nil {
-		_ = n.Close()
-		_ = testutils.UnmountNS(n)
+		_ = testutil.RemoveNS(n)
 		return nil, err
 	}
 	return n, nil
@@ -305,7 +305,7 @@ func BenchmarkSoak(b *testing.B) {
 			b.Errorf("pod %d: %v", i, err)
 			return
 		}
-		defer func() { _ = netns.Close(); _ = testutils.UnmountNS(netns) }()
+		defer func() { _ = testutil.RemoveNS(netns) }()
 		podMu[k].Lock()
 		p := pods[k]
 		args := "K8S_POD_NAMESPACE=" + soakNS + ";K8S_POD_NAME=" + p.name + ";K8S_POD_UID=" + p.uid
