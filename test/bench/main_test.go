@@ -2,12 +2,15 @@ package main
 
 import (
 	"flag"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
 func TestParseFlags(t *testing.T) {
@@ -22,7 +25,7 @@ func TestParseFlags(t *testing.T) {
 		return c
 	}
 	want := config{seqPods: 40, parallel: 20, rounds: 3, listPods: 15, ambientPods: 30, flat: flatConfig{rounds: 4, pods: 5},
-		cluster: clusterConfig{rounds: 3, busy: 2, busyCPU: "600m", full: true, arms: "without,plugin,agent"}}
+		cluster: clusterConfig{rounds: 3, busy: 2, busyCPU: "600m", full: true, arms: "without,plugin,mixed"}}
 	if got := parse(); got != want {
 		t.Errorf("defaults: got %+v, want %+v", got, want)
 	}
@@ -85,5 +88,38 @@ func TestClusterSVG(t *testing.T) {
 		if !strings.Contains(svg, want) {
 			t.Errorf("the plot lacks %q", want)
 		}
+	}
+}
+
+// A mixed burst alternates its pods between the two runtime classes,
+// which half starts first flips by round, and the plain half is told
+// apart by name (how burst splits the times, and how the plugin's log is
+// checked).
+func TestMixedBurstPods(t *testing.T) {
+	for round := 0; round < 2; round++ {
+		ps := sidecarPods(fmt.Sprintf("mixed-33-%d", round), 6, mixedClasses(round))
+		plain := 0
+		for i, p := range ps {
+			isPlain := *p.Spec.RuntimeClassName == testenv.PlainRuntimeClass
+			if isPlain != strings.HasPrefix(p.Name, plainPrefix) {
+				t.Errorf("round %d: pod %s has class %s", round, p.Name, *p.Spec.RuntimeClassName)
+			}
+			if want := (i+round)%2 == 1; isPlain != want {
+				t.Errorf("round %d: pod %d plain %t, want %t", round, i, isPlain, want)
+			}
+			if isPlain {
+				plain++
+			}
+		}
+		if plain != 3 {
+			t.Errorf("round %d: %d of 6 pods plain, want 3", round, plain)
+		}
+	}
+	if p := sidecarPods("plugin-33-0", 1, nil)[0]; p.Spec.RuntimeClassName != nil || strings.HasPrefix(p.Name, plainPrefix) {
+		t.Errorf("a pod of an unmixed burst names runtime class %v (%s)", p.Spec.RuntimeClassName, p.Name)
+	}
+	halves := plainHalves([]burstFigures{{startup: []time.Duration{1, 2}, without: []time.Duration{3}}})
+	if len(halves) != 1 || len(halves[0].startup) != 1 || halves[0].startup[0] != 3 {
+		t.Errorf("plain halves %v", halves)
 	}
 }

@@ -89,6 +89,8 @@ func armLegend(a clusterArm) string {
 		return "istio-cni, the relay commits (default)"
 	case "agent":
 		return "istio-cni, the agent applies"
+	case "mixed":
+		return "istio-cni, half of a mixed burst"
 	}
 	return a.name
 }
