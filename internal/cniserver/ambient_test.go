@@ -139,7 +139,7 @@ func newAmbientRig(t *testing.T, committer string, amb *fakeAmbient) *commitRig 
 	commands, latency, lookups := NewMetrics()
 	r := &commitRig{agent: &recordingRules{}, logs: logs}
 	r.s = &Server{Log: root.Logger(logging.ScopePlugin), Rules: r.agent, NFTables: r.agent, Pods: pods, Clientset: clientset.Of(cs),
-		Committer: committer, Commands: commands, Latency: latency, Lookups: lookups}
+		Committer: committer, Commands: commands, Latency: latency, Lookups: lookups, Send: r.agent.send}
 	if amb != nil {
 		r.s.Ambient = amb
 		amb.server = r.s
@@ -266,12 +266,21 @@ func TestAmbientEnrolsOnAdd(t *testing.T) {
 			if calls := amb.asked(); len(calls) != 2 || calls[1].name != "web" || calls[1].uid != "u1" {
 				t.Fatalf("controller not asked about ns/web: %+v", calls)
 			}
-			wantPrepared, wantAgent := 0, 1
-			if tc.canCommit && tc.committer == CommitterPlugin {
+			// The relay sends them when it can and the agent lets it; an
+			// agent that commits sends them itself; an older relay's get
+			// applied by the agent in place.
+			wantPrepared, wantSent, wantAgent := 0, 0, 1
+			switch {
+			case tc.committer == CommitterAgent:
+				wantSent, wantAgent = 1, 0
+			case tc.canCommit:
 				wantPrepared, wantAgent = 1, 0
 			}
 			if n := prepared(); n != wantPrepared {
 				t.Errorf("rules prepared for the relay %d times, want %d", n, wantPrepared)
+			}
+			if n := len(r.agent.sentHere()); n != wantSent {
+				t.Errorf("the agent sent prepared rules %d times, want %d", n, wantSent)
 			}
 			if n := len(r.agent.applied()); n != wantAgent {
 				t.Errorf("the agent applied %d plans, want %d", n, wantAgent)
@@ -390,8 +399,8 @@ func TestNoAmbientControllerMeansSidecarPath(t *testing.T) {
 			t.Fatalf("ADD of %s printed %q", pod[0], out.String())
 		}
 	}
-	if n := len(r.agent.applied()); n != 1 {
-		t.Fatalf("the agent applied %d plans, want 1 (web's)", n)
+	if sent := r.agent.sentHere(); len(sent) != 1 || len(r.agent.applied()) != 0 {
+		t.Fatalf("the agent sent %d prepared plans and applied %d in place, want web's sent", len(sent), len(r.agent.applied()))
 	}
 }
 

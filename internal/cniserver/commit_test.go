@@ -43,6 +43,22 @@ type recordingRules struct {
 	plans   []*ruleset.Plan
 	fail    error
 	inPlace string
+	// sent are the summaries of the transactions the agent sent itself.
+	sent []string
+}
+
+// send records a transaction the agent sends itself (Server.Send).
+func (r *recordingRules) send(_ *os.File, txn *nlsteps.Txn) (time.Duration, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sent = append(r.sent, txn.Summary)
+	return time.Millisecond, nil
+}
+
+func (r *recordingRules) sentHere() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.sent...)
 }
 
 func (r *recordingRules) Apply(_ string, plan *ruleset.Plan) (podnet.Report, error) {
@@ -117,7 +133,7 @@ func newCommitRig(t *testing.T, committer string) *commitRig {
 	commands, latency, lookups := NewMetrics()
 	r := &commitRig{agent: &recordingRules{}, logs: logs}
 	r.s = &Server{Log: root.Logger(logging.ScopePlugin), Rules: r.agent, NFTables: r.agent, Pods: pods, Clientset: clientset.Of(cs),
-		Committer: committer, ForceIPTables: "legacy", Commands: commands, Latency: latency, Lookups: lookups}
+		Committer: committer, ForceIPTables: "legacy", Commands: commands, Latency: latency, Lookups: lookups, Send: r.agent.send}
 	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
 	done, err := r.s.Serve(ctx, sock, time.Second)
 	if err != nil {
@@ -278,10 +294,9 @@ func TestRelaySendFailureFailsTheADD(t *testing.T) {
 	}
 }
 
-// TestAgentAppliesWhenTheRelayCannotSend: an older relay, any relay when
-// the agent is told to apply itself, and a namespace the backend cannot
-// prepare for (it holds rules already) get the rules applied by the
-// agent; the last is logged with why.
+// TestAgentAppliesWhenTheRelayCannotSend: an older relay, and a namespace
+// the backend cannot prepare for (it holds rules already), get the rules
+// applied by the agent; the last is logged with why.
 func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -290,8 +305,8 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 		inPlace   string
 	}{
 		{"old relay", CommitterPlugin, false, ""},
-		{"agent committer", CommitterAgent, true, ""},
 		{"namespace not fresh", CommitterPlugin, true, "the namespace holds ipsets"},
+		{"agent committer, namespace not fresh", CommitterAgent, true, "the namespace holds ipsets"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newCommitRig(t, tc.committer)
@@ -318,6 +333,44 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 			r.stop()
 			if tc.inPlace != "" && !strings.Contains(r.logs.String(), `"committed_by":"agent","why":"`+tc.inPlace+`"`) {
 				t.Fatalf("the agent did not say why it applied:\n%s", r.logs.String())
+			}
+		})
+	}
+}
+
+// TestAgentSendsWhenItCommits: an agent told to commit the rules itself
+// sends the requests it prepared from its own process, to a relay that
+// could have sent them as much as to one that could not; the relay prints
+// the previous result it gets with the answer, and the log names the
+// agent as the committer.
+func TestAgentSendsWhenItCommits(t *testing.T) {
+	for _, canSend := range []bool{true, false} {
+		t.Run(fmt.Sprintf("relay can send %t", canSend), func(t *testing.T) {
+			r := newCommitRig(t, CommitterAgent)
+			var c *relaySender
+			if canSend {
+				c = &relaySender{}
+			}
+			var out strings.Builder
+			if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
+				t.Fatalf("ADD: %v", err)
+			}
+			sent := r.agent.sentHere()
+			if len(sent) != 1 || !strings.Contains(sent[0], "5432") {
+				t.Fatalf("the agent sent %q, want the pod's plan once", sent)
+			}
+			if n := len(r.agent.applied()); n != 0 {
+				t.Fatalf("the agent also applied %d plans in place", n)
+			}
+			if c != nil && len(c.sent) != 0 {
+				t.Fatalf("the relay was handed rules: %+v", c.sent)
+			}
+			if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
+				t.Fatalf("the relay did not print the previous result: %q", out.String())
+			}
+			r.stop()
+			if !strings.Contains(r.logs.String(), `"committed_by":"agent"`) || strings.Contains(r.logs.String(), "plugin_cpu") {
+				t.Fatalf("the log does not name the agent as the committer:\n%s", r.logs.String())
 			}
 		})
 	}

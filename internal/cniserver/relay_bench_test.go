@@ -38,15 +38,29 @@ func BenchmarkRelay(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { cancel(); <-done }()
-	for _, c := range []struct{ name, command, backend, args string }{
-		{"VERSION", "VERSION", "", benchPodArgs}, {"DEL", "DEL", "", benchPodArgs},
-		{"ADD/iptables", "ADD", "iptables", benchPodArgs}, {"ADD/nftables", "ADD", "nftables", benchPodArgs},
+	// A second agent that sends the prepared rules itself
+	// (CNI_RULES_COMMITTER=agent), on a socket of its own.
+	agentDir := b.TempDir()
+	sa := benchAgent(ctx, b)
+	sa.Committer = cniserver.CommitterAgent
+	doneAgent, err := sa.Serve(ctx, filepath.Join(agentDir, "cni.sock"), time.Second)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { cancel(); <-doneAgent }()
+	for _, c := range []struct{ name, command, backend, args, runDir string }{
+		{"VERSION", "VERSION", "", benchPodArgs, dir}, {"DEL", "DEL", "", benchPodArgs, dir},
+		{"ADD/iptables", "ADD", "iptables", benchPodArgs, dir}, {"ADD/nftables", "ADD", "nftables", benchPodArgs, dir},
 		// 1,000 CIDRs and ports: what a long list adds to the process.
-		{"ADD/iptables/lists", "ADD", "iptables", benchListsPodArgs}, {"ADD/nftables/lists", "ADD", "nftables", benchListsPodArgs},
+		{"ADD/iptables/lists", "ADD", "iptables", benchListsPodArgs, dir}, {"ADD/nftables/lists", "ADD", "nftables", benchListsPodArgs, dir},
+		// The agent sends what it prepared; the relay only asks.
+		{"ADD/iptables/agent-commits", "ADD", "iptables", benchPodArgs, agentDir},
+		{"ADD/nftables/agent-commits", "ADD", "nftables", benchPodArgs, agentDir},
+		{"ADD/nftables/lists/agent-commits", "ADD", "nftables", benchListsPodArgs, agentDir},
 	} {
 		conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":%q,"native_nftables":%t,
 			"prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.1.0.2/24","gateway":"10.1.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}}`,
-			dir, c.backend == "nftables")
+			c.runDir, c.backend == "nftables")
 		b.Run(c.name, func(b *testing.B) {
 			var relayCPU, agentCPU time.Duration
 			b.ResetTimer()

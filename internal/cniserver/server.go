@@ -65,6 +65,9 @@ type Server struct {
 	// Committer is who writes a redirected pod's rules on ADD:
 	// CommitterPlugin (the default) or CommitterAgent.
 	Committer string
+	// Send sends prepared rules from this process when it commits them
+	// itself; nil means nlsteps.RunIn.
+	Send func(netns *os.File, txn *nlsteps.Txn) (time.Duration, error)
 	// ForceIPTables is the agent's FORCE_IPTABLES_BINARY; when empty, a
 	// relay's own (the runtime's environment, which the fallback plugin
 	// reads) picks the variant of its pod's rules.
@@ -111,10 +114,29 @@ const (
 	// rule work is then weighted as the runtime's own per-pod work, not as
 	// the agent container's small CPU request.
 	CommitterPlugin = "plugin"
-	// CommitterAgent: the agent applies the rules itself, as it does for
-	// a relay too old to commit.
+	// CommitterAgent: the agent applies the rules itself. It sends the
+	// requests it prepared from its own process, which is warm: the send
+	// takes it 0.15-0.2 ms, where a relay process just started takes
+	// 0.5-0.9 ms for the same requests. A namespace it cannot prepare for
+	// (legacy iptables) gets the rules applied in place, as for a relay
+	// too old to commit.
 	CommitterAgent = "agent"
 )
+
+// sendHere sends a pod's prepared requests from this process into its
+// namespace (through s.Send when set), reporting as a relay reports.
+func (s *Server) sendHere(netns *os.File, txn *nlsteps.Txn) nlsteps.Outcome {
+	send := s.Send
+	if send == nil {
+		send = nlsteps.RunIn
+	}
+	took, err := send(netns, txn)
+	o := nlsteps.Outcome{Took: took}
+	if err != nil {
+		o.Error = err.Error()
+	}
+	return o
+}
 
 // NewMetrics returns the command counter, latency histogram and
 // lookup counter.
@@ -255,6 +277,20 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
 			return
+		}
+	case req.Command == "ADD" && netns != nil && s.Committer == CommitterAgent:
+		// The result a relay would print once it had sent the rules is
+		// this answer's.
+		var result []byte
+		resp = s.handle(req, netns, func(txn *nlsteps.Txn, res []byte) (nlsteps.Outcome, error) {
+			o := s.sendHere(netns, txn)
+			if o.Error == "" {
+				result = res
+			}
+			return o, nil
+		})
+		if resp.Error == nil && resp.Unavailable == "" && len(resp.Stdout) == 0 {
+			resp.Stdout = result
 		}
 	default:
 		resp = s.Handle(req, netns)
@@ -485,6 +521,10 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 			}
 			return nil
 		},
+	}
+	if s.Committer == CommitterAgent && commit != nil {
+		// This agent sends the prepared rules itself (sendHere).
+		p.CommittedBy = CommitterAgent
 	}
 	if s.Ambient != nil && netns != nil && req.Command == "ADD" {
 		p.Ambient = func(ctx context.Context, a *plugin.K8sArgs) (bool, error) {

@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -49,6 +50,9 @@ type Plugin struct {
 	// with the result to print once they are in. A namespace the backend
 	// cannot prepare for gets them applied here with Rules all the same.
 	Commit func(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome, error)
+	// CommittedBy names, in the log, whom Commit has the rules sent by:
+	// "plugin" (the relay) when empty.
+	CommittedBy string
 	// Ambient, when set (the node agent in ambient mode), is asked first
 	// on ADD: true means it enrolled the pod in the ambient mesh, which
 	// then gets no sidecar rules; an error fails the ADD.
@@ -356,14 +360,18 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 			"duration", time.Since(start).String())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
 	}
+	by := cmp.Or(p.CommittedBy, "plugin")
 	if a.Error != "" {
-		req.log.Error("programming redirect rules failed", "error", a.Error, "committed_by", "plugin")
+		req.log.Error("programming redirect rules failed", "error", a.Error, "committed_by", by)
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %s", pod, a.Error), "")
 	}
-	req.log.Info("redirect rules programmed", "mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
-		"result", txn.Summary+" applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
-		"plan", planned.Sub(decided).String(), "apply", a.Took.String(),
-		"committed_by", "plugin", "plugin_cpu", a.CPU.String())
+	attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+		"result", txn.Summary + " applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
+		"plan", planned.Sub(decided).String(), "apply", a.Took.String(), "committed_by", by}
+	if a.CPU != 0 {
+		attrs = append(attrs, "plugin_cpu", a.CPU.String())
+	}
+	req.log.Info("redirect rules programmed", attrs...)
 	return nil
 }
 

@@ -74,7 +74,7 @@ var clusterArms = map[string]clusterArm{
 	"without": {name: "without", about: "no istio-cni"},
 	"plugin": {name: "plugin", about: "istio-cni, chart defaults: the relay sends the rules the agent prepared",
 		values: func(map[string]any) {}},
-	"agent": {name: "agent", about: "istio-cni, the agent applies every pod's rules in its own container (CNI_RULES_COMMITTER=agent)",
+	"agent": {name: "agent", about: "istio-cni, the agent commits every pod's rules in its own container, sending the requests it prepared (CNI_RULES_COMMITTER=agent)",
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
 	"mixed": {name: "mixed", about: "istio-cni, chart defaults, for every other pod of the burst; the rest run through a runtime handler without it (which half is which alternates by round)",
 		values: func(map[string]any) {}, mixed: true},

@@ -88,7 +88,7 @@ func armLegend(a clusterArm) string {
 	case "plugin":
 		return "istio-cni, the relay commits (default)"
 	case "agent":
-		return "istio-cni, the agent applies"
+		return "istio-cni, the agent commits"
 	case "mixed":
 		return "istio-cni, half of a mixed burst"
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -66,8 +67,11 @@ func backendEnv(t *testing.T, path, variant string) *env {
 		t.Setenv("FORCE_IPTABLES_BINARY", variant)
 	}
 	e := newEnv(t, conf)
-	if path == "agent" {
+	switch path {
+	case "agent":
 		e.serveCNI(variant)
+	case "agent-commits":
+		e.serveCNIWith(variant, cniserver.CommitterAgent)
 	}
 	return e
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -39,6 +40,9 @@ var podSeq atomic.Int64
 type env struct {
 	t    *testing.T
 	node *testenv.Node
+	// agentSends counts the transactions an agent that commits the rules
+	// itself sent from its own process.
+	agentSends atomic.Int64
 }
 
 func newEnv(t *testing.T, pluginConf map[string]any) *env {
@@ -262,10 +266,16 @@ func udpQuery(t *testing.T, pod, listenIn *testenv.Pod, listen, dst string) (got
 }
 
 // TestTraffic runs every traffic case on both iptables variants and on
-// the native nftables backend, with the same assertions.
+// the native nftables backend, with the same assertions. "agent-commits"
+// is the agent told to send the rules it prepared itself
+// (CNI_RULES_COMMITTER=agent); legacy iptables, which it cannot prepare
+// for, it applies in place as on the "agent" path.
 func TestTraffic(t *testing.T) {
-	for _, path := range []string{"agent", "fallback"} {
+	for _, path := range []string{"agent", "agent-commits", "fallback"} {
 		for _, variant := range []string{"nft", "legacy", "nftables"} {
+			if path == "agent-commits" && variant == "legacy" {
+				continue
+			}
 			t.Run(path+"/"+variant, func(t *testing.T) { trafficCases(t, path, variant) })
 		}
 	}
@@ -285,6 +295,11 @@ func trafficCases(t *testing.T, path, variant string) {
 		})
 		if err := e.node.Check(context.Background(), e.node.Chained, sb.pod); err != nil {
 			t.Fatalf("CHECK on a redirected pod: %v", err)
+		}
+		// The rules traffic just went through are the ones the agent
+		// sent, on the path where it commits them.
+		if n := e.agentSends.Load(); (path == "agent-commits") != (n > 0) {
+			t.Fatalf("the agent sent %d transactions itself on the %s path", n, path)
 		}
 	})
 
@@ -456,7 +471,10 @@ func trafficCases(t *testing.T, path, variant string) {
 
 // serveCNI runs the node agent's CNI server for this node in the test
 // process, as the agent does: the relay then hands it every command.
-func (e *env) serveCNI(variant string) {
+func (e *env) serveCNI(variant string) { e.serveCNIWith(variant, cniserver.CommitterPlugin) }
+
+// serveCNIWith is serveCNI with the agent's CNI_RULES_COMMITTER.
+func (e *env) serveCNIWith(variant, committer string) {
 	e.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	force := variant
@@ -472,7 +490,11 @@ func (e *env) serveCNI(variant string) {
 		Log:   slog.New(slog.NewJSONHandler(os.Stderr, nil)).With("scope", "cni-plugin"),
 		Rules: &iptables.Applier{Force: force}, NFTables: &nftables.Applier{}, ForceIPTables: force,
 		Pods: podcache.Start(ctx, api, testenv.NodeName), Clientset: api,
-		ReadyReason: func() string { return "" },
+		ReadyReason: func() string { return "" }, Committer: committer,
+		Send: func(netns *os.File, txn *nlsteps.Txn) (time.Duration, error) {
+			e.agentSends.Add(1)
+			return nlsteps.RunIn(netns, txn)
+		},
 	}
 	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)
 	if err != nil {
