@@ -92,7 +92,14 @@ type burstFigures struct {
 	// (plugin_cpu); fallback counts the burst's ADDs that went to the
 	// fallback plugin instead.
 	pluginCPU []time.Duration
-	fallback  int
+	// agentTime is each ADD's time in the agent as it logged it
+	// (duration: from the request read to the relay's report), waits for
+	// the CPU included.
+	agentTime []time.Duration
+	// agentOwn is each ADD's lookup and planning in the agent (lookup +
+	// plan as logged): its part before the relay takes over.
+	agentOwn []time.Duration
+	fallback int
 }
 
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
@@ -218,7 +225,7 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
-	f.pluginCPU, f.fallback = pluginLines(agent, round)
+	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback = pluginLines(agent, round)
 	if arm.mixed {
 		// Each half is what it says: the plugin served every pod of its
 		// half, and never saw one of the other.
@@ -251,10 +258,8 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 // pluginLines reads, from the agent's log as the kubelet keeps it, the
 // plugin process CPU of each of the round's ADDs and how many of them the
 // fallback served.
-func pluginLines(p *corev1.Pod, round string) ([]time.Duration, int) {
+func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, fallback int) {
 	text, _ := podLogs(p)
-	var cpu []time.Duration
-	fallback := 0
 	for _, line := range strings.Split(text, "\n") {
 		if !strings.Contains(line, "pod=bench/"+round+"-") {
 			continue
@@ -266,9 +271,19 @@ func pluginLines(p *corev1.Pod, round string) ([]time.Duration, int) {
 			if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
 				cpu = append(cpu, d)
 			}
+			if d, err := testenv.LogDuration(line, "duration"); err == nil {
+				took = append(took, d)
+			}
+			l, lerr := testenv.LogDuration(line, "lookup")
+			pl, perr := testenv.LogDuration(line, "plan")
+			if lerr == nil && perr == nil {
+				own = append(own, l+pl)
+			}
 		}
 	}
-	return cpu, fallback
+	slices.Sort(took)
+	slices.Sort(own)
+	return cpu, took, own, fallback
 }
 
 // podLogs is a pod's log as the kubelet keeps it (under /var/log/pods,

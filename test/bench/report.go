@@ -225,6 +225,26 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			per := func(d time.Duration) float64 { return msf(d) / float64(n) }
 			fmt.Printf("  %-8s %s %s %s   %-30s %.1f = %.1f + %.1f + %.1f ms\n", a.name, ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds,
 				per(cpu.node), per(cpu.runtime), per(cpu.agent), per(cpu.pods))
+			if a.values != nil {
+				// Per round: the agent's time per ADD, p50 / slowest, to
+				// set beside the rounds' start-up.
+				byRound := func(get func(*burstFigures) []time.Duration) string {
+					var per []string
+					for i := range bs {
+						t := get(&bs[i])
+						if len(t) == 0 {
+							per = append(per, "-")
+							continue
+						}
+						per = append(per, fmt.Sprintf("%.1f/%.0f", msf(pct(t, .5)), msf(t[len(t)-1])))
+					}
+					return strings.Join(per, " ")
+				}
+				fmt.Printf("  %-8s the agent's time per ADD by round, p50/slowest, ms: %s\n", "",
+					byRound(func(b *burstFigures) []time.Duration { return b.agentTime }))
+				fmt.Printf("  %-8s of it lookup and planning, before the relay takes over: %s\n", "",
+					byRound(func(b *burstFigures) []time.Duration { return b.agentOwn }))
+			}
 			if a.mixed {
 				all, lasts, rounds := burstStats(plainHalves(bs))
 				fmt.Printf("  %-8s %s %s %s   %-30s (the same bursts' plain-handler half; the row above is the plugin's half, the CPU both)\n", "  plain",
