@@ -269,12 +269,6 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 					l.metrics.Resyncs.WithLabelValues("watch").Inc()
 					ws.reset()
 					pending = true
-				case ws.lost(ev):
-					l.log.Debug("a watched directory went; watching it again when it is back", "dir", ev.Name, "op", ev.Op.String())
-					if changedAt.IsZero() {
-						changedAt = time.Now()
-					}
-					pending = true
 				case l.wakes(ws, ev):
 					l.log.Debug("file event", "file", ev.Name, "op", ev.Op.String())
 					if changedAt.IsZero() {

@@ -63,6 +63,23 @@ func (s *watchSet) sync() {
 			s.w = w
 		}
 	}
+	// A watch the kernel ended (its directory deleted, moved or unmounted)
+	// is gone from the watcher's own list, with or without an event. The
+	// directory's identity cannot tell: a file system may give a directory
+	// made again under the same path the inode number of the one deleted
+	// (ext4 does, at once), and the path would look watched while no event
+	// of the new directory arrives.
+	if s.w != nil {
+		live := map[string]bool{}
+		for _, p := range s.w.WatchList() {
+			live[p] = true
+		}
+		for d := range s.ids {
+			if !live[d] {
+				delete(s.ids, d)
+			}
+		}
+	}
 	missing := map[string]bool{}
 	dirs := s.dirs
 	if s.extra != "" {
@@ -173,25 +190,6 @@ func (s *watchSet) missingSince(dir string) time.Time {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.missingFrom[filepath.Clean(dir)]
-}
-
-// lost takes note of an event saying a watched directory itself was
-// deleted or moved away: the kernel has then ended its watch, and fsnotify
-// forgotten it. The next sync must not trust the directory's identity to
-// tell whether it is still watched: a file system may give a directory
-// made again under the same path the inode number of the one deleted
-// (ext4 does, at once), so the path would look watched while no event of
-// the new directory arrives. It reports whether ev was such an event.
-func (s *watchSet) lost(ev fsnotify.Event) bool {
-	if !ev.Has(fsnotify.Remove) && !ev.Has(fsnotify.Rename) {
-		return false
-	}
-	name := filepath.Clean(ev.Name)
-	if _, watched := s.ids[name]; !watched {
-		return false
-	}
-	delete(s.ids, name)
-	return true
 }
 
 // concerns reports whether an event is about one of the directories
