@@ -313,28 +313,37 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 			r.agent.mu.Lock()
 			r.agent.inPlace = tc.inPlace
 			r.agent.mu.Unlock()
-			var c *relaySender
-			if tc.canSend {
-				c = &relaySender{}
-			}
-			var out strings.Builder
-			if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
-				t.Fatalf("ADD: %v", err)
-			}
+			addCommittedByAgent(t, r, tc.canSend)
 			if n := len(r.agent.applied()); n != 1 {
 				t.Fatalf("the agent applied %d plans, want 1", n)
-			}
-			if c != nil && len(c.sent) != 0 {
-				t.Fatalf("the relay was handed rules: %+v", c.sent)
-			}
-			if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
-				t.Fatalf("the relay did not print the previous result: %q", out.String())
 			}
 			r.stop()
 			if tc.inPlace != "" && !strings.Contains(r.logs.String(), `"committed_by":"agent","why":"`+tc.inPlace+`"`) {
 				t.Fatalf("the agent did not say why it applied:\n%s", r.logs.String())
 			}
 		})
+	}
+}
+
+// addCommittedByAgent runs web's ADD through a relay that can send rules
+// or not, where the agent commits them, and checks what then holds
+// whichever way the agent does: the relay was handed no rules, and it
+// printed the previous result.
+func addCommittedByAgent(t *testing.T, r *commitRig, canSend bool) {
+	t.Helper()
+	var c *relaySender
+	if canSend {
+		c = &relaySender{}
+	}
+	var out strings.Builder
+	if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
+		t.Fatalf("ADD: %v", err)
+	}
+	if c != nil && len(c.sent) != 0 {
+		t.Fatalf("the relay was handed rules: %+v", c.sent)
+	}
+	if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
+		t.Fatalf("the relay did not print the previous result: %q", out.String())
 	}
 }
 
@@ -347,26 +356,13 @@ func TestAgentSendsWhenItCommits(t *testing.T) {
 	for _, canSend := range []bool{true, false} {
 		t.Run(fmt.Sprintf("relay can send %t", canSend), func(t *testing.T) {
 			r := newCommitRig(t, CommitterAgent)
-			var c *relaySender
-			if canSend {
-				c = &relaySender{}
-			}
-			var out strings.Builder
-			if err := runRelay(r.relay(c, &out), "ADD", r.add("web")); err != nil {
-				t.Fatalf("ADD: %v", err)
-			}
+			addCommittedByAgent(t, r, canSend)
 			sent := r.agent.sentHere()
 			if len(sent) != 1 || !strings.Contains(sent[0], "5432") {
 				t.Fatalf("the agent sent %q, want the pod's plan once", sent)
 			}
 			if n := len(r.agent.applied()); n != 0 {
 				t.Fatalf("the agent also applied %d plans in place", n)
-			}
-			if c != nil && len(c.sent) != 0 {
-				t.Fatalf("the relay was handed rules: %+v", c.sent)
-			}
-			if !strings.Contains(out.String(), `"10.1.0.2/24"`) {
-				t.Fatalf("the relay did not print the previous result: %q", out.String())
 			}
 			r.stop()
 			if !strings.Contains(r.logs.String(), `"committed_by":"agent"`) || strings.Contains(r.logs.String(), "plugin_cpu") {
