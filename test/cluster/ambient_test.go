@@ -213,9 +213,26 @@ func waitPodReady(t *testing.T, ns, name string, limit time.Duration) *corev1.Po
 	return getPod(t, ns, name)
 }
 
-// containerLog is a container's log as the kubelet wrote it.
+// logPath is a container's log file as the kubelet writes it.
+func logPath(p *corev1.Pod, container string) string {
+	return filepath.Join(podLogDir, p.Namespace+"_"+p.Name+"_"+string(p.UID), container, "0.log")
+}
+
+// containerLog is a container's log as the kubelet wrote it ("" while
+// there is none).
 func containerLog(p *corev1.Pod, container string) string {
-	b, _ := os.ReadFile(filepath.Join(podLogDir, p.Namespace+"_"+p.Name+"_"+string(p.UID), container, "0.log"))
+	b, _ := os.ReadFile(logPath(p, container))
+	return string(b)
+}
+
+// readLog is a container's log that must be there: a failure to read it
+// fails the test rather than read as an empty log.
+func readLog(t *testing.T, p *corev1.Pod, container string) string {
+	t.Helper()
+	b, err := os.ReadFile(logPath(p, container))
+	if err != nil {
+		t.Fatal(err)
+	}
 	return string(b)
 }
 

@@ -185,12 +185,9 @@ func chartOnNode(t *testing.T, backend string) {
 	// The chart's default, as Istio's: the console format, labels as key=value.
 	podLabel := "pod=mesh/" + name + " "
 	waitLog(t, agentPod, "install-cni", podLabel)
-	agentLog, err := os.ReadFile(filepath.Join(podLogDir, agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	agentLog := readLog(t, agentPod, "install-cni")
 	served := false
-	for _, line := range strings.Split(string(agentLog), "\n") {
+	for _, line := range strings.Split(agentLog, "\n") {
 		if !strings.Contains(line+" ", podLabel) {
 			continue
 		}
@@ -320,11 +317,7 @@ func plainRuntimeUntouched(t *testing.T, agentPod *corev1.Pod) {
 		_ = cluster.Client.CoreV1().Pods("mesh").Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
 	}()
 	waitLog(t, created, "app", "connection refused")
-	agentLog, err := os.ReadFile(filepath.Join(podLogDir, agentPod.Namespace+"_"+agentPod.Name+"_"+string(agentPod.UID), "install-cni", "0.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(agentLog), "\n") {
+	for _, line := range strings.Split(readLog(t, agentPod, "install-cni"), "\n") {
 		if strings.Contains(line+" ", "pod=mesh/"+p.Name+" ") && strings.Contains(line, "cmd=") {
 			t.Fatalf("the plugin served a pod of the plain runtime handler: %s", line)
 		}
@@ -334,7 +327,7 @@ func plainRuntimeUntouched(t *testing.T, agentPod *corev1.Pod) {
 // waitLog waits until the container's log (the kubelet's files) has want.
 func waitLog(t *testing.T, pod *corev1.Pod, container, want string) {
 	t.Helper()
-	path := filepath.Join(podLogDir, pod.Namespace+"_"+pod.Name+"_"+string(pod.UID), container, "0.log")
+	path := logPath(pod, container)
 	waitFor(t, container+" log containing "+want, 60*time.Second, func() (bool, string) {
 		b, err := os.ReadFile(path)
 		if err != nil {
