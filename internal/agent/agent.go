@@ -22,6 +22,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/pluginlog"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve"
 )
@@ -307,7 +308,9 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		Pods: pods, Clientset: a.Clientset, Locker: a.locker,
 		Committer: cfg.RulesCommitter, ForceIPTables: cfg.ForceIPTablesBinary,
 		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
-		Panics: a.metrics.Panics, Sockets: a.metrics.Sockets,
+		PreparedAdds: a.metrics.PreparedAdds,
+		Panics:       a.metrics.Panics, Sockets: a.metrics.Sockets,
+		PreparedDir: filepath.Join(runDir, prepared.DirName), Prepare: cfg.PrepareAhead,
 	}
 	if amb != nil {
 		cni.Ambient = amb.c

@@ -20,6 +20,7 @@ type Metrics struct {
 	PluginCommands *prometheus.CounterVec
 	PluginLatency  *prometheus.HistogramVec
 	PluginLookups  *prometheus.CounterVec
+	PreparedAdds   *prometheus.CounterVec
 	Panics         *prometheus.CounterVec
 	Sockets        *sockserve.Metrics
 }
@@ -33,12 +34,13 @@ func NewMetrics() *Metrics {
 		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
 	m.PluginCommands, m.PluginLatency, m.PluginLookups = cniserver.NewMetrics()
 	m.Panics = cniserver.NewPanicMetric()
+	m.PreparedAdds = cniserver.NewPreparedMetric()
 	m.Sockets = sockserve.NewMetrics()
 	// The Go runtime and process collectors, as Istio's agent exposes
 	// (go_*, process_*): memory, goroutines, open descriptors.
 	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Registry.MustRegister(m.Install.Collectors()...)
-	m.Registry.MustRegister(m.Repaired, m.RepairLatency, m.PluginCommands, m.PluginLatency, m.PluginLookups, m.Panics,
+	m.Registry.MustRegister(m.Repaired, m.RepairLatency, m.PluginCommands, m.PluginLatency, m.PluginLookups, m.PreparedAdds, m.Panics,
 		m.Sockets.Rejected, m.Sockets.AcceptErrors)
 	return m
 }

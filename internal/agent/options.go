@@ -60,6 +60,9 @@ type Config struct {
 	// RulesCommitter is who writes a redirected pod's rules on ADD: the
 	// plugin process (cniserver.CommitterPlugin) or the agent.
 	RulesCommitter string
+	// PrepareAhead keeps the ADDs of the node's pods that have not
+	// started prepared for the relay (internal/prepared).
+	PrepareAhead bool
 	// DisableSafeUpgrade removes the plugin on every termination, even
 	// while the DaemonSet still exists (a rollout or a node reboot).
 	DisableSafeUpgrade bool
@@ -282,6 +285,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			}
 			return fmt.Errorf("want %s or %s", cniserver.CommitterPlugin, cniserver.CommitterAgent)
 		}},
+		{name: "cni-prepare-ahead", help: "decide and prepare each pod's ADD when the pod is bound to the node, so the plugin process serves the ADD without asking the agent (false: it always asks)", def: "true", set: boolean(&o.PrepareAhead)},
 		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
 		{name: "ambient-enabled", help: "ambient mode: enrol the pods the enablement selectors select and serve them to ztunnel", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},
 		{name: "ambient-enablement-selector", help: "pods enrolled in ambient mode: Istio's YAML list of {podSelector, namespaceSelector} (empty: Istio's default)", set: str(&am.SelectorsYAML), istio: true},

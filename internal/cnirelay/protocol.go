@@ -13,6 +13,8 @@
 // (cniserver), and talks to the agent over raw socket calls.
 package cnirelay
 
+import "time"
+
 // SocketName is the agent's CNI socket in the plugin's run directory.
 const SocketName = "cni.sock"
 
@@ -49,6 +51,30 @@ type Request struct {
 	// 0.4 ms for long lists. An older relay leaves it unset and gets
 	// JSON.
 	Framed bool `json:"framed,omitempty"`
+	// Done, when set, says the relay served this ADD from the record the
+	// agent prepared for the pod (internal/prepared), and how it went.
+	// The agent logs and counts it and answers nothing; the relay does
+	// not wait for it to.
+	Done *Done `json:"done,omitempty"`
+}
+
+// Done is how a relay served an ADD from a prepared record.
+type Done struct {
+	// Skip is the record's reason the pod gets no rules; Mode its
+	// interception mode otherwise.
+	Skip string `json:"skip,omitempty"`
+	Mode string `json:"mode,omitempty"`
+	// Summary names what wrote the rules (nsfacts.Kind*); IPv6 says
+	// they had IPv6 rules as well.
+	Summary string `json:"summary,omitempty"`
+	IPv6    bool   `json:"ipv6,omitempty"`
+	// Error is why sending the rules failed, which failed the ADD.
+	Error string `json:"error,omitempty"`
+	// Took is the send's time, Total the relay's from its start, and CPU
+	// the relay's CPU time (nanoseconds).
+	Took  time.Duration `json:"took,omitempty"`
+	Total time.Duration `json:"total,omitempty"`
+	CPU   time.Duration `json:"cpu,omitempty"`
 }
 
 // Response is what the plugin would have printed, or its error.

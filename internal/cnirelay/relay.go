@@ -9,13 +9,13 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
 // DefaultRunDir is the plugin's run directory when its config names none.
@@ -47,6 +47,12 @@ type Relay struct {
 	// Getenv reads the runtime's environment (FORCE_IPTABLES_BINARY);
 	// nil means os.Getenv.
 	Getenv func(string) string
+	// SendHere sends a prepared record's transaction from the calling
+	// thread, in the pod's namespace; nil means nlsteps.Run.
+	SendHere func(txn *nlsteps.Txn) error
+	// Start is when the runtime started the process, for the agent's
+	// log; zero means when Run was called.
+	Start time.Time
 }
 
 // errNoAgent means nothing answered on the socket: the fallback may run
@@ -56,16 +62,27 @@ var errNoAgent = errors.New("no node agent")
 // Run serves one command: through the agent when one answers, else by
 // running the complete plugin. Its error is an *Error, for the runtime.
 func (r *Relay) Run(a *Args) error {
-	var conf struct {
-		RunDir string `json:"cni_agent_run_dir"`
+	start := r.Start
+	if start.IsZero() {
+		start = time.Now()
 	}
-	// A config that does not parse goes to the agent or the fallback all
-	// the same: either reports it with the key that was wrong.
-	_ = json.Unmarshal(a.Stdin, &conf)
-	if conf.RunDir == "" {
-		conf.RunDir = DefaultRunDir
+	var runDir string
+	conf, cerr := prepared.ParseConfig(a.Stdin)
+	if cerr == nil {
+		runDir = conf.RunDir
+	} else {
+		var c struct {
+			RunDir string `json:"cni_agent_run_dir"`
+		}
+		// A config that does not parse goes to the agent or the fallback
+		// all the same: either reports it with the key that was wrong.
+		_ = json.Unmarshal(a.Stdin, &c)
+		runDir = c.RunDir
 	}
-	sock := filepath.Join(conf.RunDir, SocketName)
+	if runDir == "" {
+		runDir = DefaultRunDir
+	}
+	sock := filepath.Join(runDir, SocketName)
 	var netns *os.File
 	if a.Netns != "" {
 		f, err := os.Open(a.Netns)
@@ -75,6 +92,11 @@ func (r *Relay) Run(a *Args) error {
 			netns = f
 		case a.Command == "ADD" || a.Command == "CHECK":
 			return NewError(ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", a.Netns, err), "")
+		}
+	}
+	if cerr == nil && a.Command == "ADD" && netns != nil && !r.NoSteps {
+		if served, err := r.servePrepared(start, a, conf, runDir, netns); served {
+			return err
 		}
 	}
 	resp, conn, err := r.ask(sock, a, netns)
@@ -143,16 +165,7 @@ func (r *Relay) send(conn *agentConn, prepared []byte, netns *os.File, pod strin
 
 // podOf names the pod of a CNI_ARGS string, for messages.
 func podOf(args string) string {
-	var ns, name string
-	for _, kv := range strings.Split(args, ";") {
-		k, v, _ := strings.Cut(kv, "=")
-		switch k {
-		case "K8S_POD_NAMESPACE":
-			ns = v
-		case "K8S_POD_NAME":
-			name = v
-		}
-	}
+	ns, name, _ := podArgs(args)
 	return ns + "/" + name
 }
 

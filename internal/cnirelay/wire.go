@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 	"unicode/utf8"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
@@ -139,6 +140,47 @@ func (req *Request) appendJSON(b []byte) []byte {
 	flag("steps", req.Steps)
 	str("forceIPTables", req.ForceIPTables, true)
 	flag("framed", req.Framed)
+	if d := req.Done; d != nil {
+		key("done", false)
+		b = d.appendJSON(b)
+	}
+	return append(b, '}')
+}
+
+// appendJSON writes d as encoding/json would.
+func (d *Done) appendJSON(b []byte) []byte {
+	first := true
+	key := func(k string) {
+		if !first {
+			b = append(b, ',')
+		}
+		first = false
+		b = append(append(append(b, '"'), k...), '"', ':')
+	}
+	str := func(k, v string) {
+		if v != "" {
+			key(k)
+			b = appendJSONString(b, v)
+		}
+	}
+	num := func(k string, v time.Duration) {
+		if v != 0 {
+			key(k)
+			b = strconv.AppendInt(b, int64(v), 10)
+		}
+	}
+	b = append(b, '{')
+	str("skip", d.Skip)
+	str("mode", d.Mode)
+	str("summary", d.Summary)
+	if d.IPv6 {
+		key("ipv6")
+		b = append(b, "true"...)
+	}
+	str("error", d.Error)
+	num("took", d.Took)
+	num("total", d.Total)
+	num("cpu", d.CPU)
 	return append(b, '}')
 }
 

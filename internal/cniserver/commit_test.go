@@ -1,6 +1,7 @@
 package cniserver
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -28,9 +29,11 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
@@ -85,15 +88,15 @@ func (r *recordingRules) applied() []*ruleset.Plan {
 var _ podrules.Preparer = (*recordingRules)(nil)
 
 // Examine says inPlace.
-func (r *recordingRules) Examine(string) (podnet.Facts, string, error) {
+func (r *recordingRules) Examine(string) (nsfacts.Facts, string, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.1.0.2")}}, r.inPlace, nil
+	return nsfacts.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.1.0.2")}}, r.inPlace, nil
 }
 
 // PrepareFresh names the plan in the transaction's summary, so the test
 // sees which plan the relay was handed.
-func (r *recordingRules) PrepareFresh(_ podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (r *recordingRules) PrepareFresh(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil
@@ -113,6 +116,13 @@ type commitRig struct {
 }
 
 func newCommitRig(t *testing.T, committer string) *commitRig {
+	t.Helper()
+	return newCommitRigWith(t, committer, nil)
+}
+
+// newCommitRigWith is newCommitRig with the server set by with before it
+// serves.
+func newCommitRigWith(t *testing.T, committer string, with func(*Server)) *commitRig {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	sidecar := corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"}}}}
@@ -134,6 +144,9 @@ func newCommitRig(t *testing.T, committer string) *commitRig {
 	r := &commitRig{agent: &recordingRules{}, logs: logs}
 	r.s = &Server{Log: root.Logger(logging.ScopePlugin), Rules: r.agent, NFTables: r.agent, Pods: pods, Clientset: clientset.Of(cs),
 		Committer: committer, ForceIPTables: "legacy", Commands: commands, Latency: latency, Lookups: lookups, Send: r.agent.send}
+	if with != nil {
+		with(r.s)
+	}
 	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
 	done, err := r.s.Serve(ctx, sock, time.Second)
 	if err != nil {
@@ -398,4 +411,143 @@ func TestRelayForcesTheVariant(t *testing.T) {
 func runRelay(rl *cnirelay.Relay, command string, a *skel.CmdArgs) error {
 	return rl.Run(&cnirelay.Args{Command: command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
 		Args: a.Args, Path: a.Path, Stdin: a.StdinData})
+}
+
+// TestPreparesUnderLearntConfigs: the agent prepares the ADDs of its
+// node's pods that have not started under the configs it has seen in two
+// ADDs it served, not before, and never under a config that differs from
+// one ADD to the next (a runtime putting something of each pod's into
+// it); a pod without a sidecar is prepared as one that gets no rules.
+func TestPreparesUnderLearntConfigs(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "prepared")
+	r := newCommitRigWith(t, CommitterPlugin, func(s *Server) { s.PreparedDir, s.Prepare = dir, true })
+	rl := r.relay(&relaySender{}, io.Discard)
+	records := func() []string {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, e := range entries {
+			// The learnt configs' file, and records being written.
+			if !strings.HasPrefix(e.Name(), ".") {
+				names = append(names, e.Name())
+			}
+		}
+		return names
+	}
+	for i := 0; i < 20; i++ {
+		a := r.add("web")
+		a.StdinData = []byte(strings.Replace(r.conf, `"name":"n"`, fmt.Sprintf(`"name":"n","runtimeConfig":{"i":%d}`, i), 1))
+		if err := runRelay(rl, "ADD", a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := runRelay(rl, "ADD", r.add("web")); err != nil {
+		t.Fatal(err)
+	}
+	// The preparer has had the pods since the start, and each config is
+	// seen once so far (the agent's work is synchronous with the ADDs).
+	learnt := func() int {
+		r.s.prep.mu.Lock()
+		defer r.s.prep.mu.Unlock()
+		return len(r.s.prep.learnt)
+	}
+	if n, got := learnt(), records(); n != 0 || len(got) != 0 {
+		t.Fatalf("%d configs learnt and records %v after configs seen once each", n, got)
+	}
+	if err := runRelay(rl, "ADD", r.add("web")); err != nil {
+		t.Fatal(err)
+	}
+	if n := learnt(); n != 1 {
+		t.Fatalf("%d configs learnt, want the one seen twice", n)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for len(records()) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("records after the config was seen twice: %v", records())
+		}
+		time.Sleep(time.Millisecond) // polling the preparer's goroutine, bounded
+	}
+	web, err := prepared.Read(dir, "u1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := prepared.ParseConfig([]byte(r.conf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(web.Entries) != 1 || !bytes.Equal(web.Entries[0].Config, want.Canonical) || web.Entries[0].Skip != "" ||
+		len(web.Entries[0].Txn4) == 0 || len(web.Entries[0].Txn46) == 0 {
+		t.Fatalf("web's record: %+v", web)
+	}
+	var txn nlsteps.Txn
+	if err := txn.UnmarshalBinary(web.Entries[0].Txn4); err != nil || !strings.Contains(txn.Summary, "--dport 5432 -j RETURN") {
+		t.Fatalf("web's prepared rules %q (%v), want the plan excluding port 5432", txn.Summary, err)
+	}
+	plain, err := prepared.Read(dir, "u2")
+	if err != nil || len(plain.Entries) != 1 || !strings.Contains(plain.Entries[0].Skip, "no istio-proxy container") {
+		t.Fatalf("plain's record: %+v, %v", plain, err)
+	}
+	// The next agent on the node prepares under the learnt config from
+	// its start, before it has served any ADD.
+	r.stop()
+	r2 := newCommitRigWith(t, CommitterPlugin, func(s *Server) { s.PreparedDir, s.Prepare = dir, true })
+	for len(records()) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("records of the next agent: %v", records())
+		}
+		time.Sleep(time.Millisecond) // polling the preparer's goroutine, bounded
+	}
+	if got := promtest.ToFloat64(r2.s.Commands.WithLabelValues("ADD", "ok")); got != 0 {
+		t.Fatalf("the next agent served %v ADDs", got)
+	}
+}
+
+// TestPrepQueueOrder: pods new to the node are prepared before the
+// backlog, and by a worker of their own; each key waits once, and a shut
+// queue gives nothing more.
+func TestPrepQueueOrder(t *testing.T) {
+	q := newPrepQueue()
+	q.add("a", false)
+	q.add("b", false)
+	q.add("a", true) // waiting already: stays where it is
+	q.add("c", true)
+	var got []string
+	for i := 0; i < 3; i++ {
+		k, ok := q.get(false)
+		if !ok {
+			t.Fatal("queue shut")
+		}
+		got = append(got, k)
+	}
+	if strings.Join(got, ",") != "c,a,b" {
+		t.Fatalf("order %v, want c,a,b", got)
+	}
+	done := make(chan bool)
+	// The worker for new pods leaves the backlog alone.
+	q.add("e", false)
+	go func() {
+		k, ok := q.get(true)
+		done <- ok && k == "f"
+	}()
+	q.add("f", true)
+	if !<-done {
+		t.Fatal("the new pods' worker did not get the new pod")
+	}
+	if k, ok := q.get(false); !ok || k != "e" {
+		t.Fatalf("backlog: %q, %t", k, ok)
+	}
+	go func() {
+		_, ok := q.get(false)
+		done <- ok
+	}()
+	q.shutDown()
+	if <-done {
+		t.Fatal("a shut queue gave a key")
+	}
+	q.add("d", true)
+	if _, ok := q.get(true); ok {
+		t.Fatal("a shut queue took a key")
+	}
 }

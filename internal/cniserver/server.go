@@ -75,11 +75,22 @@ type Server struct {
 	// Ambient, when set (ambient mode), decides each ADD first and enrols
 	// the pods it selects; the others take the sidecar path.
 	Ambient Ambient
+	// PreparedDir is where the agent keeps, when Prepare is set, the
+	// ADDs of the node's pods prepared before their sandboxes exist
+	// (internal/prepared), for relays to serve without asking it. They
+	// need Pods, and are not kept in ambient mode or when the agent
+	// commits; the directory is then emptied, so that no relay serves a
+	// pod from an earlier agent's records.
+	PreparedDir string
+	Prepare     bool
 
 	Commands *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
 	// Lookups counts where pods were read from: "cache" or "api".
 	Lookups *prometheus.CounterVec
+	// PreparedAdds counts the ADDs relays served from prepared records,
+	// by result.
+	PreparedAdds *prometheus.CounterVec
 	// Panics counts commands that panicked, by component ("cni").
 	Panics  *prometheus.CounterVec
 	Sockets *sockserve.Metrics
@@ -90,6 +101,7 @@ type Server struct {
 	srv      *sockserve.Server
 	api      apiClients
 	lockOnce sync.Once
+	prep     *preparer
 }
 
 // Ambient enrols pods in the ambient mesh on ADD (ambient.Controller).
@@ -152,6 +164,13 @@ func NewMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometheus
 			[]string{"source"})
 }
 
+// NewPreparedMetric is istio_cni_plugin_prepared_adds_total{result}.
+func NewPreparedMetric() *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_prepared_adds_total",
+		Help: "ADDs the plugin process served from what the agent prepared when the pod was bound to the node, without asking the agent, by result (ok or the CNI error code); they are counted in istio_cni_plugin_commands_total too."},
+		[]string{"result"})
+}
+
 // NewPanicMetric is istio_cni_agent_panics_total{component}.
 func NewPanicMetric() *prometheus.CounterVec {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_agent_panics_total",
@@ -176,6 +195,24 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 	srv, err := sockserve.Listen(path, socketLimits, log, s.Sockets)
 	if err != nil {
 		return nil, err
+	}
+	if s.PreparedDir != "" {
+		prepare := s.Prepare && s.Pods != nil && s.Ambient == nil && s.Committer != CommitterAgent
+		if prepare {
+			if err := s.startPreparing(ctx, s.PreparedDir); err != nil {
+				// Every relay then asks the agent, as before.
+				log.Warn("cannot prepare pods' ADDs ahead", "dir", s.PreparedDir, "error", err.Error())
+				prepare = false
+			}
+		}
+		// Records an agent of other settings left (sidecar mode, before
+		// ambient mode was turned on) must not serve any pod.
+		if !prepare {
+			if err := os.RemoveAll(s.PreparedDir); err != nil {
+				_ = srv.Close()
+				return nil, fmt.Errorf("removing the prepared ADDs an earlier agent left: %w", err)
+			}
+		}
 	}
 	s.mu.Lock()
 	s.srv = srv
@@ -218,6 +255,14 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 		case <-time.After(grace):
 			s.Log.Warn("CNI commands still running at shutdown; their relays will retry with the fallback plugin")
 			srv.CloseConns()
+		}
+		if s.prep != nil {
+			// Its queue is shut with ctx, and a record being prepared
+			// is not written; a plan being compiled may take a moment.
+			select {
+			case <-s.prep.done:
+			case <-time.After(grace):
+			}
 		}
 		close(finished)
 	}()
@@ -272,7 +317,13 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
+	case req.Done != nil:
+		s.noteDone(req)
+		return
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
+		if s.prep != nil {
+			s.prep.learn(req.Stdin)
+		}
 		rc := &relayCommit{conn: conn, framed: req.Framed}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -34,10 +35,6 @@ import (
 // fingerprint. 4 MiB holds hundreds of plans with short lists.
 var preparedTxns = nlsteps.NewCache(4 << 20)
 
-// Tables iptables can make in a family that our rules use: a namespace
-// holding one of them is not fresh.
-var ourTables = map[string]bool{"nat": true, "mangle": true, "raw": true}
-
 // Prepare returns the requests that give a namespace with none of our
 // rules the plan, exactly as Apply would, for a relay to send; or, with a
 // nil transaction, why the namespace needs Apply instead (it holds rules,
@@ -53,39 +50,27 @@ func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, s
 
 // Examine reads the namespace's facts and says why it cannot take
 // prepared requests, "" when it can.
-func (a *Applier) Examine(netnsPath string) (podnet.Facts, string, error) {
-	facts, err := podnet.ReadFactsIn(netnsPath)
+func (a *Applier) Examine(netnsPath string) (nsfacts.Facts, string, error) {
+	facts, err := nsfacts.ReadFactsIn(netnsPath)
 	return facts, a.unfit(facts), err
 }
 
 // unfit says why a namespace with these facts cannot take prepared
-// requests, "" when it can.
-func (a *Applier) unfit(f podnet.Facts) string {
-	switch {
-	case a.Force == VariantLegacy:
+// requests, "" when it can; whether it holds ipsets is looked at once
+// the requests are known to make some.
+func (a *Applier) unfit(f nsfacts.Facts) string {
+	if a.Force == VariantLegacy {
 		return "FORCE_IPTABLES_BINARY=legacy"
-	case f.ForeignUserNS:
-		// Owner matches are only taken from a writer in the pod's own
-		// user namespace, which only a process of its own can enter.
-		return "the pod has a user namespace of its own"
-	case f.TProxyRule:
-		return "the namespace has a TPROXY policy rule already"
-	case f.LegacyTables:
-		return "the namespace has legacy iptables tables"
-	case f.NoNFTables:
-		return "the kernel has no nf_tables"
 	}
-	for _, t := range f.Tables {
-		if (t.Family == unix.NFPROTO_IPV4 || t.Family == unix.NFPROTO_IPV6) && ourTables[t.Name] {
-			return "the namespace has iptables rules already"
-		}
-	}
-	return ""
+	return f.Unfit(nsfacts.KindIPTablesNFT, false)
 }
 
 // PrepareFresh returns the requests for a namespace Examine found fit: the
 // plan's, prepared once and then taken from the cache.
-func (a *Applier) PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	if a.Force == VariantLegacy {
+		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
+	}
 	txn, _, err := preparedTxns.Get("iptables "+a.Force+" "+plan.Fingerprint(), func() (*nlsteps.Txn, error) {
 		return a.compile(plan)
 	})
@@ -95,11 +80,8 @@ func (a *Applier) PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (*nlsteps
 	if err != nil {
 		return nil, "", err
 	}
-	if len(txn.Undo) > 0 && facts.IPSets {
-		// The kernel numbers ipsets in order of creation and the rules
-		// name them by number: only a namespace with no set numbers them
-		// as the scratch one did.
-		return nil, "the namespace holds ipsets", nil
+	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
+		return nil, why, nil
 	}
 	return txn, "", nil
 }
@@ -167,7 +149,7 @@ func (a *Applier) compile(plan *ruleset.Plan) (*nlsteps.Txn, error) {
 		return nil, err
 	}
 	txn.Steps = append(txn.Steps, podnet.RoutingSteps(plan)...)
-	txn.Summary = "iptables-nft"
+	txn.Summary = nsfacts.KindIPTablesNFT
 	return txn, nil
 }
 
@@ -209,7 +191,7 @@ func (c *ipsetClient) recreate(plan *ruleset.Plan) (create, undo *nlsteps.Step, 
 // names lists the namespace's ipsets in the kernel's order.
 func (c *ipsetClient) names() ([]string, error) {
 	msgs, err := c.c.Execute(netlink.Message{Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | nl.IPSET_CMD_LIST),
-		Flags: netlink.Request | netlink.Dump}, Data: podnet.IPSetNamesRequest()})
+		Flags: netlink.Request | netlink.Dump}, Data: nsfacts.IPSetNamesRequest()})
 	if err != nil {
 		return nil, fmt.Errorf("listing ipsets: %w", err)
 	}

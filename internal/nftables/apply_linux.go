@@ -12,12 +12,13 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // VariantName is how reports name this backend.
-const VariantName = "nftables"
+const VariantName = nsfacts.KindNFTables
 
 // Applier programs rule sets through netlink. It runs no binary.
 type Applier struct {

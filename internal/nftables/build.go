@@ -17,11 +17,12 @@ import (
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // TablePrefix names our tables: istio-proxy-nat, -mangle, -raw.
-const TablePrefix = "istio-proxy-"
+const TablePrefix = nsfacts.NFTablesPrefix
 
 // Rule is one nftables rule: its text (nft syntax, for goldens and logs)
 // and its netlink expressions.

@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -31,28 +32,18 @@ func (a *Applier) Prepare(netnsPath string, plan *ruleset.Plan) (*nlsteps.Txn, s
 
 // Examine reads the namespace's facts and says why it cannot take
 // prepared requests, "" when it can.
-func (a *Applier) Examine(netnsPath string) (podnet.Facts, string, error) {
-	facts, err := podnet.ReadFactsIn(netnsPath)
+func (a *Applier) Examine(netnsPath string) (nsfacts.Facts, string, error) {
+	facts, err := nsfacts.ReadFactsIn(netnsPath)
 	return facts, unfit(facts), err
 }
 
 // unfit says why a namespace with these facts cannot take prepared
 // requests, "" when it can.
-func unfit(f podnet.Facts) string {
-	if f.TProxyRule {
-		return "the namespace has a TPROXY policy rule already"
-	}
-	for _, t := range f.Tables {
-		if t.Family == unix.NFPROTO_INET && strings.HasPrefix(t.Name, TablePrefix) {
-			return "the namespace has tables of ours already"
-		}
-	}
-	return ""
-}
+func unfit(f nsfacts.Facts) string { return f.Unfit(nsfacts.KindNFTables, false) }
 
 // PrepareFresh returns the requests for a namespace Examine found fit: the
 // plan's, prepared once and then taken from the cache.
-func (a *Applier) PrepareFresh(_ podnet.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (a *Applier) PrepareFresh(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, _, err := preparedTxns.Get(plan.Fingerprint(), func() (*nlsteps.Txn, error) { return compile(plan) })
 	return txn, "", err
 }

@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
-	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -144,12 +144,12 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 // fit; ours or a TPROXY rule do not.
 func TestUnfitIgnoresOthersTables(t *testing.T) {
 	for _, c := range []struct {
-		facts podnet.Facts
+		facts nsfacts.Facts
 		want  string
 	}{
-		{podnet.Facts{Tables: []podnet.Table{{Family: unix.NFPROTO_IPV4, Name: TablePrefix + "nat"}, {Family: unix.NFPROTO_INET, Name: "filter"}}}, ""},
-		{podnet.Facts{Tables: []podnet.Table{{Family: unix.NFPROTO_INET, Name: TablePrefix + "mangle"}}}, "tables of ours"},
-		{podnet.Facts{TProxyRule: true}, "TPROXY"},
+		{nsfacts.Facts{Tables: []nsfacts.Table{{Family: unix.NFPROTO_IPV4, Name: TablePrefix + "nat"}, {Family: unix.NFPROTO_INET, Name: "filter"}}}, ""},
+		{nsfacts.Facts{Tables: []nsfacts.Table{{Family: unix.NFPROTO_INET, Name: TablePrefix + "mangle"}}}, "tables of ours"},
+		{nsfacts.Facts{TProxyRule: true}, "TPROXY"},
 	} {
 		if got := unfit(c.facts); (c.want == "") != (got == "") || !strings.Contains(got, c.want) {
 			t.Errorf("%+v: %q, want %q", c.facts, got, c.want)

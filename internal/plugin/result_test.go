@@ -12,6 +12,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
@@ -31,13 +32,13 @@ func (f *fakeRules) Check(string, *ruleset.Plan) error { return nil }
 var _ podrules.Preparer = (*fakeRules)(nil)
 
 // Examine finds every namespace fit for prepared rules.
-func (f *fakeRules) Examine(string) (podnet.Facts, string, error) {
-	return podnet.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.2")}}, "", nil
+func (f *fakeRules) Examine(string) (nsfacts.Facts, string, error) {
+	return nsfacts.Facts{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.2")}}, "", nil
 }
 
 // PrepareFresh serves a relay that sends the rules: a transaction of one
 // message, never sent anywhere.
-func (f *fakeRules) PrepareFresh(podnet.Facts, *ruleset.Plan) (*nlsteps.Txn, string, error) {
+func (f *fakeRules) PrepareFresh(nsfacts.Facts, *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Steps: []nlsteps.Step{s}}, "", nil

@@ -9,6 +9,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -102,11 +103,11 @@ func TestReadFactsAgreesWithTheLibrary(t *testing.T) {
 	testutil.RunIn(t, n, "ip", "addr", "add", "10.1.0.2/24", "dev", "eth0")
 	testutil.RunIn(t, n, "ip", "addr", "add", "10.9.0.1", "peer", "10.9.0.2", "dev", "eth0")
 	testutil.RunIn(t, n, "ip", "-6", "addr", "add", "fd00::2/64", "dev", "eth0", "nodad")
-	facts := func() Facts {
-		var f Facts
+	facts := func() nsfacts.Facts {
+		var f nsfacts.Facts
 		if err := n.Do(func(ns.NetNS) error {
 			var err error
-			f, err = ReadFacts()
+			f, err = nsfacts.ReadFacts()
 			return err
 		}); err != nil {
 			t.Fatal(err)

@@ -22,6 +22,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -62,7 +63,7 @@ func BuildPlan(rules Rules, netnsPath string, params redirect.Params) (*ruleset.
 // none, which differs exactly when any of ours is there) only where the
 // namespace has tables of that variant.
 func HoldsRules(netnsPath string) (bool, error) {
-	facts, err := podnet.ReadFactsIn(netnsPath)
+	facts, err := nsfacts.ReadFactsIn(netnsPath)
 	if err != nil {
 		return false, err
 	}
@@ -97,13 +98,7 @@ func HoldsRules(netnsPath string) (bool, error) {
 }
 
 func planFor(addrs []netip.Addr, params redirect.Params) (*ruleset.Plan, error) {
-	global := false
-	for _, a := range addrs {
-		if !a.IsLoopback() && !a.IsLinkLocalUnicast() {
-			global = true
-		}
-	}
-	if !global {
+	if !nsfacts.HasGlobalAddr(addrs) {
 		return nil, errors.New("the pod network namespace has no address yet: is istio-cni chained after the primary plugin?")
 	}
 	return ruleset.Build(params, ruleset.NeedsIPv6(addrs, params.DualStack)), nil
@@ -113,13 +108,13 @@ func planFor(addrs []netip.Addr, params redirect.Params) (*ruleset.Plan, error) 
 // holding none of our rules as netlink requests, for the relay to send
 // (iptables.Applier, nftables.Applier).
 type Preparer interface {
-	// Examine reads the namespace once: its facts (podnet.ReadFacts), and
+	// Examine reads the namespace once: its facts (nsfacts.ReadFacts), and
 	// why it cannot take prepared requests ("" when it can: rules are
 	// there already, say).
-	Examine(netnsPath string) (facts podnet.Facts, unfit string, err error)
+	Examine(netnsPath string) (facts nsfacts.Facts, unfit string, err error)
 	// PrepareFresh returns the requests for a namespace Examine found fit
 	// (with the facts it read there), or why it cannot after all.
-	PrepareFresh(facts podnet.Facts, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
+	PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
 }
 
 var (
@@ -146,9 +141,29 @@ func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset
 	if err != nil || why != "" {
 		return plan, nil, why, err
 	}
+	txn, why, err := prepareFresh(p, facts, plan)
+	return plan, txn, why, err
+}
+
+// prepareFresh is p.PrepareFresh with transactions too large to hand to
+// a relay turned down.
+func prepareFresh(p Preparer, facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	txn, why, err := p.PrepareFresh(facts, plan)
 	if txn != nil && (txn.Oversize > 0 || txn.Size() > nlsteps.MaxTxn) {
-		return plan, nil, fmt.Sprintf("its rules are %d KiB of requests, more than a relay is handed", max(txn.Oversize, txn.Size())>>10), nil
+		return nil, fmt.Sprintf("its rules are %d KiB of requests, more than a relay is handed", max(txn.Oversize, txn.Size())>>10), nil
 	}
-	return plan, txn, why, err
+	return txn, why, err
+}
+
+// PrepareAhead is a pod's rules as requests for a namespace that holds
+// none of ours, prepared before the namespace exists (internal/prepared):
+// with IPv6 rules as well when v6 is set. With none, why the backend
+// cannot prepare them; the relay then asks the agent, which reads the
+// namespace.
+func PrepareAhead(rules Rules, params redirect.Params, v6 bool) (*nlsteps.Txn, string, error) {
+	p, ok := rules.(Preparer)
+	if !ok {
+		return nil, "the rule backend applies only in place", nil
+	}
+	return prepareFresh(p, nsfacts.Facts{}, ruleset.Build(params, v6))
 }

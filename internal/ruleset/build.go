@@ -8,6 +8,7 @@ import (
 	"slices"
 
 	"github.com/istio-cni-go/istio-cni/internal/memo"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
 
@@ -496,23 +497,8 @@ func familyOf(p netip.Prefix) Family {
 	return IPv6
 }
 
-// NeedsIPv6 decides whether a pod gets IPv6 rules, from its addresses in
-// the order the network reports them: the first global address decides,
-// unless dual stack is asked for, in which case any IPv6 address does.
-func NeedsIPv6(addrs []netip.Addr, dualStack bool) bool {
-	for _, a := range addrs {
-		if a.IsLoopback() || a.IsLinkLocalUnicast() || a.IsUnspecified() {
-			continue
-		}
-		if a.Is6() && !a.Is4In6() {
-			return true
-		}
-		if !dualStack {
-			return false
-		}
-	}
-	return false
-}
+// NeedsIPv6 decides whether a pod gets IPv6 rules (nsfacts.NeedsIPv6).
+func NeedsIPv6(addrs []netip.Addr, dualStack bool) bool { return nsfacts.NeedsIPv6(addrs, dualStack) }
 
 // Fingerprint identifies the plan by everything it programs: each
 // family's rules and every entry of their sets, by the SHA-256 of the

@@ -4,6 +4,8 @@
 package ruleset
 
 import (
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
+
 	"fmt"
 	"slices"
 	"sort"
@@ -33,8 +35,8 @@ const (
 	DNSPort           = "15053"
 	TProxyMark        = "1337"
 	OutboundMark      = "1338"
-	TProxyRouteTable  = 133
-	TProxyMarkValue   = 1337
+	TProxyRouteTable  = nsfacts.TProxyTable
+	TProxyMarkValue   = nsfacts.TProxyMark
 )
 
 // Family is an IP family.

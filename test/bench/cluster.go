@@ -100,6 +100,10 @@ type burstFigures struct {
 	// plan as logged): its part before the relay takes over.
 	agentOwn []time.Duration
 	fallback int
+	// prepared counts the ADDs the relay served from the pod's prepared
+	// record: no time in the agent (their duration is the relay's own,
+	// left out of agentTime).
+	prepared int
 }
 
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
@@ -225,7 +229,7 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
-	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback = pluginLines(agent, round)
+	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback, f.prepared = pluginLines(agent, round)
 	if arm.mixed {
 		// Each half is what it says: the plugin served every pod of its
 		// half, and never saw one of the other.
@@ -256,9 +260,10 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 }
 
 // pluginLines reads, from the agent's log as the kubelet keeps it, the
-// plugin process CPU of each of the round's ADDs and how many of them the
-// fallback served.
-func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, fallback int) {
+// plugin process CPU of each of the round's ADDs, the agent's time in
+// those it served, and how many of them the fallback served and how many
+// the relay served from prepared records.
+func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, fallback, prepared int) {
 	text, _ := podLogs(p)
 	for _, line := range strings.Split(text, "\n") {
 		if !strings.Contains(line, "pod=bench/"+round+"-") {
@@ -271,7 +276,9 @@ func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, f
 			if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
 				cpu = append(cpu, d)
 			}
-			if d, err := testenv.LogDuration(line, "duration"); err == nil {
+			if strings.Contains(line, "prepared=true") {
+				prepared++
+			} else if d, err := testenv.LogDuration(line, "duration"); err == nil {
 				took = append(took, d)
 			}
 			l, lerr := testenv.LogDuration(line, "lookup")
@@ -283,7 +290,7 @@ func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, f
 	}
 	slices.Sort(took)
 	slices.Sort(own)
-	return cpu, took, own, fallback
+	return cpu, took, own, fallback, prepared
 }
 
 // podLogs is a pod's log as the kubelet keeps it (under /var/log/pods,

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os/exec"
 	"strings"
+	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -100,34 +101,49 @@ func seedLegacy(pod *testenv.Pod) error {
 }
 
 // relayFigures are what the agent logs of an ADD the relay committed: the
-// relay's send, its CPU, and the agent's lookup and planning.
+// relay's send, its CPU, and the agent's lookup and planning (none for an
+// ADD the relay served from the pod's prepared record).
 var relayFigures = []string{"apply", "plugin_cpu", "lookup", "plan"}
 
 // recordRelay records, for an ADD through the agent that the relay
 // committed, the figures the agent logged of it; nothing for an ADD the
-// agent applied itself (legacy tables) or without an agent.
+// agent applied itself (legacy tables) or without an agent. The relay
+// tells the agent of an ADD it served from a record without waiting for
+// it, so the line is waited for.
 func (b *bench) recordRelay(s *samples, series string, pod *testenv.Pod) error {
 	if b.agentHost == nil {
 		return nil
 	}
-	text := b.agentHost.LogText()
-	b.logSeen = min(b.logSeen, len(text))
 	want := `"pod":"` + pod.Namespace + "/" + pod.Name + `"`
-	for _, line := range strings.Split(text[b.logSeen:], "\n") {
-		if !strings.Contains(line, "redirect rules programmed") || !strings.Contains(line, want) {
-			continue
+	deadline := time.Now().Add(5 * time.Second)
+	var text, line string
+	for line == "" {
+		text = b.agentHost.LogText()
+		b.logSeen = min(b.logSeen, len(text))
+		for _, l := range strings.Split(text[b.logSeen:], "\n") {
+			if strings.Contains(l, "redirect rules programmed") && strings.Contains(l, want) {
+				line = l
+				break
+			}
 		}
-		if !strings.Contains(line, `"committed_by":"plugin"`) {
-			break
+		if line == "" {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%s: the agent logged no ADD of pod %s", series, pod.Name)
+			}
+			time.Sleep(time.Millisecond) // polling an outside process's log, untimed
 		}
+	}
+	if strings.Contains(line, `"committed_by":"plugin"`) {
 		for _, key := range relayFigures {
+			if !strings.Contains(line, `"`+key+`":`) && strings.Contains(line, `"prepared":true`) {
+				continue
+			}
 			d, err := testenv.LogDuration(line, key)
 			if err != nil {
 				return fmt.Errorf("%s: %w", series, err)
 			}
 			s.record(series+" "+key, d)
 		}
-		break
 	}
 	b.logSeen = len(text)
 	return nil

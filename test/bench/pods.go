@@ -13,6 +13,7 @@ import (
 	"github.com/containernetworking/cni/pkg/invoke"
 
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -28,7 +29,12 @@ type bench struct {
 	exec       *timedExec
 	// agent is set while the node agent runs: pods are then created only
 	// once it serves them.
-	agent   *podinfo.AgentClient
+	agent *podinfo.AgentClient
+	// records is set once the agent prepares every new pod's ADD (it
+	// has learnt the chains' configs): pods are then created only once
+	// their record is there, as a kubelet starts a sandbox only after
+	// the binding the agent's informer hears of.
+	records bool
 	confDir string
 	// agentCPU holds the agent and its children, when cgroup v2 is there.
 	agentCPU *cpuGroup
@@ -114,6 +120,11 @@ func (b *bench) preparePodSpec(ctx context.Context, spec testenv.PodSpec) (*test
 		if err := waitAgentKnows(ctx, b.agent, "bench", name); err != nil {
 			return nil, err
 		}
+		if b.records {
+			if err := waitRecord(ctx, filepath.Join(b.node.RunDir, prepared.DirName), string(p.UID)); err != nil {
+				return nil, err
+			}
+		}
 	}
 	return testenv.NewPod("bench", name, string(p.UID), fmt.Sprintf("b%063d", n))
 }
@@ -127,6 +138,21 @@ func waitAgentKnows(ctx context.Context, a *podinfo.AgentClient, ns, name string
 			return fmt.Errorf("agent never served pod %s/%s: %w", ns, name, err)
 		}
 		time.Sleep(2 * time.Millisecond) // polling an outside process, untimed
+	}
+}
+
+// waitRecord waits until the agent has prepared the pod's ADD.
+func waitRecord(ctx context.Context, dir, uid string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := prepared.Read(dir, uid)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("the agent prepared no ADD for pod %s: %w", uid, err)
+		}
+		time.Sleep(time.Millisecond) // polling an outside process, untimed
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/fsnotify/fsnotify"
@@ -21,9 +22,9 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
-	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -84,6 +85,13 @@ func (b *bench) concurrentRound(ctx context.Context, s *samples, se series, n in
 			p.Close()
 		}
 	}()
+	// The agent's CPU while the pods are created: its informer's, and
+	// the records it prepares for their ADDs (internal/prepared), which
+	// are the agent's part of each pod's start.
+	before, err := b.agentUsage()
+	if err != nil {
+		return err
+	}
 	for i := 0; i < n; i++ {
 		p, err := b.prepare(ctx)
 		if err != nil {
@@ -91,6 +99,13 @@ func (b *bench) concurrentRound(ctx context.Context, s *samples, se series, n in
 		}
 		pods = append(pods, p)
 	}
+	after, err := b.agentUsage()
+	if err != nil {
+		return err
+	}
+	k := se.name + " created"
+	used[k] = used[k].add(cpuSplit{agent: after - before})
+	counted[k] += len(pods)
 	for _, cmd := range []string{"ADD", "DEL"} {
 		c, err := b.burst(ctx, s, se, cmd, pods)
 		if err != nil {
@@ -142,7 +157,24 @@ func (b *bench) burst(ctx context.Context, s *samples, se series, cmd string, po
 // the node's run dir, where the plugin looks for the agent. From then on,
 // pods are created only once the agent serves them.
 func (b *bench) startAgent(ctx context.Context) (func(), error) {
-	return b.startAgentIn(ctx, "agent")
+	stop, err := b.startAgentIn(ctx, "agent")
+	if err != nil {
+		return nil, err
+	}
+	// The agent prepares pods' ADDs under the configs it has seen the
+	// runtime use: two ADDs of each chain, untimed, as on a node whose
+	// agent has been up a while.
+	learn := newSamples()
+	for _, list := range []*libcni.NetworkConfigList{b.node.Chained, b.chainedNFT} {
+		for i := 0; i < 2; i++ {
+			if err := b.pod(ctx, learn, "learn", list); err != nil {
+				stop()
+				return nil, err
+			}
+		}
+	}
+	b.records = true
+	return func() { b.records = false; stop() }, nil
 }
 
 // startAgentIn is startAgent with the agent's files under dir (one per
@@ -313,7 +345,7 @@ func ruleFloors(n int) (*samples, error) {
 			if err != nil {
 				return nil, err
 			}
-			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh(podnet.Facts{}, plan)
+			txn, why, err := be.rules.(podrules.Preparer).PrepareFresh(nsfacts.Facts{}, plan)
 			if err != nil || txn == nil {
 				return nil, fmt.Errorf("preparing the default rules (%s): %w", why, err)
 			}

@@ -72,6 +72,10 @@ func backendEnv(t *testing.T, path, variant string) *env {
 		e.serveCNI(variant)
 	case "agent-commits":
 		e.serveCNIWith(variant, cniserver.CommitterAgent)
+	case "prepared":
+		e.prepare = true
+		e.serveCNI(variant)
+		e.learnConfig()
 	}
 	return e
 }

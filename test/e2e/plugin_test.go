@@ -19,6 +19,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
@@ -29,6 +31,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -43,6 +46,13 @@ type env struct {
 	// agentSends counts the transactions an agent that commits the rules
 	// itself sent from its own process.
 	agentSends atomic.Int64
+	// prepare makes serveCNI's agent prepare pods' ADDs ahead; add then
+	// waits for each pod's record, as a kubelet's sandbox comes after
+	// the binding, and asserts the relay served the ADD from it.
+	prepare bool
+	// lookups and preparedAdds are the agent's metrics of the pods it
+	// looked up and the ADDs relays served from records.
+	lookups, preparedAdds *prometheus.CounterVec
 }
 
 func newEnv(t *testing.T, pluginConf map[string]any) *env {
@@ -84,6 +94,12 @@ func (e *env) newPodIn(mk func(namespace, name, uid, containerID string) (*teste
 			e.t.Fatal(err)
 		}
 		uid = string(p.UID)
+		// Gone with the test: the API server is the suite's, and every
+		// agent a later test starts would otherwise hold (and prepare)
+		// every pod of the tests before it.
+		e.t.Cleanup(func() {
+			_ = cluster.Client.CoreV1().Pods(testNS).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+		})
 	}
 	pod, err := mk(testNS, name, uid, fmt.Sprintf("c%060d", n))
 	if err != nil {
@@ -95,16 +111,43 @@ func (e *env) newPodIn(mk func(namespace, name, uid, containerID string) (*teste
 
 func (e *env) add(spec *testenv.PodSpec) *sandbox {
 	e.t.Helper()
-	return e.addIn(testenv.NewPod, spec)
+	return e.addWith(testenv.NewPod, spec, e.prepare && spec != nil)
 }
 
-// addIn is add with the sandbox made by mk.
+// addIn is add with the sandbox made by mk, served however the relay
+// finds best.
 func (e *env) addIn(mk func(namespace, name, uid, containerID string) (*testenv.Pod, error), spec *testenv.PodSpec) *sandbox {
 	e.t.Helper()
+	return e.addWith(mk, spec, false)
+}
+
+// addWith is addIn; with fromRecord, it waits for the pod's prepared
+// record first and fails unless the relay served the ADD from it: the
+// agent looked nothing up for it, and heard how it went.
+func (e *env) addWith(mk func(namespace, name, uid, containerID string) (*testenv.Pod, error), spec *testenv.PodSpec, fromRecord bool) *sandbox {
+	e.t.Helper()
 	pod := e.newPodIn(mk, spec)
+	var lookups, served float64
+	if fromRecord {
+		e.waitRecord(pod)
+		lookups, served = counted(e.lookups), counted(e.preparedAdds)
+	}
 	res, err := e.node.Add(context.Background(), e.node.Chained, pod)
 	if err != nil {
 		e.t.Fatalf("chained ADD: %v", err)
+	}
+	if fromRecord {
+		if n := counted(e.lookups); n != lookups {
+			e.t.Fatalf("the agent looked %v pods up during an ADD its record should have served", n-lookups)
+		}
+		// The relay tells the agent without waiting for it.
+		deadline := time.Now().Add(10 * time.Second)
+		for counted(e.preparedAdds) == served {
+			if time.Now().After(deadline) {
+				e.t.Fatal("the agent never heard of the ADD served from the pod's record")
+			}
+			time.Sleep(time.Millisecond) // polling another goroutine's counter, bounded
+		}
 	}
 	e.t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Chained, pod) })
 	r, err := current.NewResultFromResult(res)
@@ -269,11 +312,14 @@ func udpQuery(t *testing.T, pod, listenIn *testenv.Pod, listen, dst string) (got
 // the native nftables backend, with the same assertions. "agent-commits"
 // is the agent told to send the rules it prepared itself
 // (CNI_RULES_COMMITTER=agent); legacy iptables, which it cannot prepare
-// for, it applies in place as on the "agent" path.
+// for, it applies in place as on the "agent" path. "prepared" is the
+// agent keeping each pod's ADD prepared ahead: every ADD is served by the
+// relay from the pod's record (asserted in add), but the user-namespaced
+// pod's, whose namespace the prepared rules cannot go into.
 func TestTraffic(t *testing.T) {
-	for _, path := range []string{"agent", "agent-commits", "fallback"} {
+	for _, path := range []string{"agent", "agent-commits", "prepared", "fallback"} {
 		for _, variant := range []string{"nft", "legacy", "nftables"} {
-			if path == "agent-commits" && variant == "legacy" {
+			if (path == "agent-commits" || path == "prepared") && variant == "legacy" {
 				continue
 			}
 			t.Run(path+"/"+variant, func(t *testing.T) { trafficCases(t, path, variant) })
@@ -473,6 +519,44 @@ func trafficCases(t *testing.T, path, variant string) {
 // process, as the agent does: the relay then hands it every command.
 func (e *env) serveCNI(variant string) { e.serveCNIWith(variant, cniserver.CommitterPlugin) }
 
+// waitRecord waits until the agent has a prepared record for the pod.
+func (e *env) waitRecord(pod *testenv.Pod) {
+	e.t.Helper()
+	dir := filepath.Join(e.node.RunDir, prepared.DirName)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := prepared.Read(dir, pod.UID); err == nil {
+			return
+		} else if time.Now().After(deadline) {
+			e.t.Fatalf("the agent kept no record for pod %s/%s: %v", pod.Namespace, pod.Name, err)
+		}
+		time.Sleep(time.Millisecond) // polling the agent's directory, bounded
+	}
+}
+
+// learnConfig has the agent learn the chain's plugin config, from the
+// ADDs of two pods it serves itself; the pods after them get records.
+func (e *env) learnConfig() {
+	e.t.Helper()
+	for i := 0; i < 2; i++ {
+		e.addIn(testenv.NewPod, &testenv.PodSpec{Sidecar: true})
+	}
+}
+
+// counted is the sum of a counter vector's series.
+func counted(v *prometheus.CounterVec) float64 {
+	ch := make(chan prometheus.Metric, 16)
+	go func() { v.Collect(ch); close(ch) }()
+	var sum float64
+	for m := range ch {
+		var d dto.Metric
+		if err := m.Write(&d); err == nil {
+			sum += d.GetCounter().GetValue()
+		}
+	}
+	return sum
+}
+
 // serveCNIWith is serveCNI with the agent's CNI_RULES_COMMITTER.
 func (e *env) serveCNIWith(variant, committer string) {
 	e.t.Helper()
@@ -495,7 +579,11 @@ func (e *env) serveCNIWith(variant, committer string) {
 			e.agentSends.Add(1)
 			return nlsteps.RunIn(netns, txn)
 		},
+		PreparedDir: filepath.Join(e.node.RunDir, prepared.DirName), Prepare: e.prepare,
 	}
+	_, _, e.lookups = cniserver.NewMetrics()
+	e.preparedAdds = cniserver.NewPreparedMetric()
+	s.Lookups, s.PreparedAdds = e.lookups, e.preparedAdds
 	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)
 	if err != nil {
 		cancel()

@@ -1,4 +1,4 @@
-package podnet
+package nsfacts
 
 import (
 	"encoding/binary"
@@ -9,11 +9,9 @@ import (
 	"os"
 	"strings"
 
-	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
-	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // Facts are what preparing a pod's rules needs to know of its namespace:
@@ -133,7 +131,7 @@ func (f *Facts) readRouting() error {
 				mark = binary.NativeEndian.Uint32(a.Data)
 			}
 		}
-		if mark == ruleset.TProxyMarkValue && table == ruleset.TProxyRouteTable {
+		if mark == TProxyMark && table == TProxyTable {
 			f.TProxyRule = true
 		}
 	})
@@ -228,9 +226,18 @@ func holdsIPSets() bool {
 	}
 	defer unix.Close(fd)
 	found := false
-	err = dumpBody(fd, unix.NFNL_SUBSYS_IPSET<<8|nl.IPSET_CMD_LIST, IPSetNamesRequest(), 4, func([]byte) { found = true })
+	err = dumpBody(fd, unix.NFNL_SUBSYS_IPSET<<8|ipsetCmdList, IPSetNamesRequest(), 4, func([]byte) { found = true })
 	return found || err != nil
 }
+
+// The kernel's ipset protocol numbers this file uses (linux/netfilter/
+// ipset/ip_set.h).
+const (
+	ipsetCmdList      = 7
+	ipsetAttrProtocol = 1
+	ipsetAttrFlags    = 6
+	ipsetProtocol     = 6
+)
 
 // ipsetFlagListSetname asks a list for the sets' names alone (the
 // kernel's IPSET_FLAG_LIST_SETNAME).
@@ -240,8 +247,8 @@ const ipsetFlagListSetname = 1 << 1
 // names only: the protocol version and the names-only flag.
 func IPSetNamesRequest() []byte {
 	b := nlsteps.NfGen(unix.NFPROTO_IPV4, 0)
-	b = nlsteps.Attr(b, nl.IPSET_ATTR_PROTOCOL, []byte{nl.IPSET_PROTOCOL})
-	return nlsteps.Attr(b, nl.IPSET_ATTR_FLAGS, binary.BigEndian.AppendUint32(nil, ipsetFlagListSetname))
+	b = nlsteps.Attr(b, ipsetAttrProtocol, []byte{ipsetProtocol})
+	return nlsteps.Attr(b, ipsetAttrFlags, binary.BigEndian.AppendUint32(nil, ipsetFlagListSetname))
 }
 
 // dump sends a dump request (hdrLen zero bytes of family header: every
@@ -294,3 +301,44 @@ func dumpBody(fd int, typ uint16, body []byte, seq uint32, fn func(body []byte))
 		}
 	}
 }
+
+// Unfit says why a namespace with these facts cannot take prepared
+// requests of the kind ("" when it can). ipsets says the requests make
+// ipsets: the kernel numbers ipsets in order of creation and the rules
+// name them by number, so only a namespace with none numbers them as
+// the scratch one did.
+func (f *Facts) Unfit(kind string, ipsets bool) string {
+	if f.TProxyRule {
+		return "the namespace has a TPROXY policy rule already"
+	}
+	if kind == KindNFTables {
+		for _, t := range f.Tables {
+			if t.Family == unix.NFPROTO_INET && strings.HasPrefix(t.Name, NFTablesPrefix) {
+				return "the namespace has tables of ours already"
+			}
+		}
+		return ""
+	}
+	switch {
+	case f.ForeignUserNS:
+		// Owner matches are only taken from a writer in the pod's own
+		// user namespace, which only a process of its own can enter.
+		return "the pod has a user namespace of its own"
+	case f.LegacyTables:
+		return "the namespace has legacy iptables tables"
+	case f.NoNFTables:
+		return "the kernel has no nf_tables"
+	case ipsets && f.IPSets:
+		return "the namespace holds ipsets"
+	}
+	for _, t := range f.Tables {
+		if (t.Family == unix.NFPROTO_IPV4 || t.Family == unix.NFPROTO_IPV6) && iptablesTables[t.Name] {
+			return "the namespace has iptables rules already"
+		}
+	}
+	return ""
+}
+
+// Tables iptables can make in a family that our rules use: a namespace
+// holding one of them is not fresh.
+var iptablesTables = map[string]bool{"nat": true, "mangle": true, "raw": true}

@@ -1,0 +1,143 @@
+package cnirelay
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+)
+
+// servePrepared serves an ADD from the record the agent prepared for the
+// pod, when there is one for this pod and config and the pod's namespace
+// can take its rules; false means the agent must be asked. A send that
+// fails fails the ADD, as a send of rules the agent handed over does.
+func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (bool, error) {
+	ns, name, uid := podArgs(a.Args)
+	// The result passed on is the previous one as it came, which is the
+	// config's version only when libcni made it so.
+	if uid == "" || conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion {
+		return false, nil
+	}
+	rec, err := prepared.Read(filepath.Join(runDir, prepared.DirName), uid)
+	if err != nil || rec.Namespace != ns || rec.Name != name {
+		return false, nil
+	}
+	e := rec.Find(conf.Canonical)
+	if e == nil {
+		return false, nil
+	}
+	done := &Done{Skip: e.Skip, Mode: e.Mode, Summary: e.Kind}
+	if e.Skip == "" {
+		if e.Kind == nsfacts.KindIPTablesNFT {
+			// The runtime's choice of iptables is the agent's to weigh
+			// against its own.
+			if v := r.getenv("FORCE_IPTABLES_BINARY"); v != "" && v != "nft" {
+				return false, nil
+			}
+		}
+		sent := false
+		err := nlsteps.InNetNS(netns, func() error {
+			facts, err := nsfacts.ReadFacts()
+			if err != nil || facts.Unfit(e.Kind, e.IPSets) != "" || !nsfacts.HasGlobalAddr(facts.Addrs) {
+				// The agent reads the namespace again and says why.
+				return nil
+			}
+			done.IPv6 = nsfacts.NeedsIPv6(facts.Addrs, e.DualStack)
+			raw := e.Txn4
+			if done.IPv6 {
+				raw = e.Txn46
+			}
+			var txn nlsteps.Txn
+			if err := txn.UnmarshalBinary(raw); err != nil {
+				return nil
+			}
+			sent = true
+			sendStart := time.Now()
+			err = r.sendHere(&txn)
+			done.Took = time.Since(sendStart)
+			return err
+		})
+		if !sent {
+			return false, nil
+		}
+		if err != nil {
+			done.Error = err.Error()
+			r.notify(runDir, a, done, start)
+			return true, NewError(ErrInternal, fmt.Sprintf("pod %s/%s: %v", ns, name, err), "")
+		}
+	}
+	_, err = r.Stdout.Write(conf.PrevResult)
+	r.notify(runDir, a, done, start)
+	return true, err
+}
+
+// sendHere sends a transaction from the calling thread, which is in the
+// pod's namespace.
+func (r *Relay) sendHere(txn *nlsteps.Txn) error {
+	if r.SendHere != nil {
+		return r.SendHere(txn)
+	}
+	return nlsteps.Run(txn)
+}
+
+func (r *Relay) getenv(k string) string {
+	if r.Getenv != nil {
+		return r.Getenv(k)
+	}
+	return os.Getenv(k)
+}
+
+// notify tells the agent how the ADD went, for its log and metrics,
+// without waiting for it: a socket that takes no more connections, or no
+// agent, loses the line and nothing else.
+func (r *Relay) notify(runDir string, a *Args, d *Done, start time.Time) {
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) == nil {
+		d.CPU = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	d.Total = time.Since(start)
+	req := Request{Command: a.Command, ContainerID: a.ContainerID, IfName: a.IfName, Args: a.Args, Done: d}
+	body := req.appendJSON(make([]byte, 4, 256+len(a.Args)))
+	binary.BigEndian.PutUint32(body, uint32(len(body)-4))
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return
+	}
+	defer unix.Close(fd)
+	for {
+		err = unix.Connect(fd, &unix.SockaddrUnix{Name: filepath.Join(runDir, SocketName)})
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		return
+	}
+	// A few hundred bytes fit the socket's buffer whole.
+	_, _ = unix.SendmsgN(fd, body, nil, nil, unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT)
+}
+
+// podArgs reads the pod's namespace, name and UID from CNI_ARGS.
+func podArgs(args string) (ns, name, uid string) {
+	for _, kv := range strings.Split(args, ";") {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "K8S_POD_NAMESPACE":
+			ns = v
+		case "K8S_POD_NAME":
+			name = v
+		case "K8S_POD_UID":
+			uid = v
+		}
+	}
+	return ns, name, uid
+}

@@ -1,0 +1,169 @@
+package cnirelay
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
+)
+
+// TestServePrepared: a relay serves an ADD from the pod's record only
+// when the record is this pod's, under this very config, and the pod's
+// real namespace can take the rules; then it sends the transaction for
+// the namespace's addresses, passes the previous result on as it came,
+// and tells the agent without waiting. In every other case it asks the
+// agent, exactly as without records.
+func TestServePrepared(t *testing.T) {
+	const uid = "0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
+	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.2/24","interface":0}]}`
+	txn := func(summary string) []byte {
+		b, err := (&nlsteps.Txn{Summary: summary}).MarshalBinary()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	for _, c := range []struct {
+		name string
+		// args and stdin of the ADD, given the run dir; kind, skip and
+		// fail of the record's entry.
+		args           string
+		stdin          func(runDir string) string
+		kind, skip     string
+		noRecord       bool
+		addrs          []string
+		env            string
+		setup          func(t *testing.T, n ns.NetNS)
+		sendFails      bool
+		wantSent       string // the transaction sent ("" none)
+		wantFromRecord bool
+		wantErr        string
+	}{
+		{name: "served with IPv4 rules", wantSent: "v4", wantFromRecord: true},
+		{name: "served with IPv6 rules too", addrs: []string{"fd00::2/64"}, wantSent: "v46", wantFromRecord: true},
+		{name: "a pod that gets no rules", skip: "no istio-proxy container", wantFromRecord: true},
+		{name: "iptables-nft rules", kind: nsfacts.KindIPTablesNFT, env: "nft", wantSent: "v4", wantFromRecord: true},
+		{name: "the runtime forces legacy iptables", kind: nsfacts.KindIPTablesNFT, env: "legacy"},
+		{name: "no record", noRecord: true},
+		{name: "another pod of the name", args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=other;K8S_POD_UID=" + uid},
+		{name: "no UID", args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p"},
+		{name: "another config", stdin: func(d string) string {
+			return `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","exclude_namespaces":["x"],"cni_agent_run_dir":"` + d + `","prevResult":` + prev + `}`
+		}},
+		{name: "no prevResult", stdin: func(d string) string {
+			return `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + d + `"}`
+		}},
+		{name: "a prevResult of another version", stdin: func(d string) string {
+			return `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + d + `","prevResult":` + strings.Replace(prev, "1.0.0", "0.4.0", 1) + `}`
+		}},
+		{name: "a namespace that holds tables of ours", setup: func(t *testing.T, n ns.NetNS) {
+			testutil.RequireTools(t, "nft")
+			testutil.RunIn(t, n, "nft", "add", "table", "inet", nsfacts.NFTablesPrefix+"nat")
+		}},
+		{name: "a namespace with no address yet", addrs: []string{}},
+		{name: "a send that fails fails the ADD", sendFails: true, wantSent: "v4", wantFromRecord: true, wantErr: "pod ns/p: refused"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := testutil.NewNS(t)
+			testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
+			addrs := c.addrs
+			if addrs == nil {
+				addrs = []string{"10.1.0.2/24", "fd00::2/64"}
+			}
+			for _, a := range addrs {
+				testutil.RunIn(t, n, "ip", "addr", "add", a, "dev", "eth0", "nodad")
+			}
+			if c.setup != nil {
+				c.setup(t, n)
+			}
+			fromRecord := c.wantFromRecord
+			reply := []byte(nil) // the notice gets no answer
+			if !fromRecord {
+				reply = answer(t, Response{Stdout: []byte("from the agent")})
+			}
+			a := startAgent(t, reply)
+			stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `","prevResult":` + prev + `}`
+			if c.stdin != nil {
+				stdin = c.stdin(a.runDir)
+			}
+			learnt, err := prepared.ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `","prevResult":{}}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			kind := c.kind
+			if kind == "" {
+				kind = nsfacts.KindNFTables
+			}
+			dir := filepath.Join(a.runDir, prepared.DirName)
+			if err := prepared.Dir(dir).Reset(); err != nil {
+				t.Fatal(err)
+			}
+			if !c.noRecord {
+				e := prepared.Entry{Config: learnt.Canonical, Skip: c.skip, Mode: "REDIRECT", Kind: kind, Txn4: txn("v4"), Txn46: txn("v46")}
+				if err := prepared.Dir(dir).Put(&prepared.Record{Namespace: "ns", Name: "p", UID: uid, Entries: []prepared.Entry{e}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var out bytes.Buffer
+			sent := ""
+			r := &Relay{Fallback: "/nonexistent", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second,
+				Getenv: func(k string) string {
+					if k == "FORCE_IPTABLES_BINARY" {
+						return c.env
+					}
+					return ""
+				},
+				SendHere: func(txn *nlsteps.Txn) error {
+					sent = txn.Summary
+					if c.sendFails {
+						return errors.New("refused")
+					}
+					return nil
+				}}
+			args := c.args
+			if args == "" {
+				args = "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid
+			}
+			err = r.Run(&Args{Command: "ADD", ContainerID: "c1", Netns: n.Path(), IfName: "eth0", Args: args, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
+			got := <-a.got
+			if got.err != nil {
+				t.Fatalf("the agent could not read what the relay sent: %v", got.err)
+			}
+			if sent != c.wantSent {
+				t.Fatalf("sent %q, want %q", sent, c.wantSent)
+			}
+			if !fromRecord {
+				if err != nil || out.String() != "from the agent" || got.req.Done != nil || !got.req.Steps {
+					t.Fatalf("not served from the record, the relay must ask the agent: error %v, output %q, request %+v", err, out.String(), got.req)
+				}
+				return
+			}
+			d := got.req.Done
+			if d == nil || got.req.Args != args || got.req.ContainerID != "c1" || got.gotFD || d.Total <= 0 || d.CPU <= 0 {
+				t.Fatalf("the agent heard %+v (descriptor %t), want an account of the ADD", got.req, got.gotFD)
+			}
+			if c.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), c.wantErr) || d.Error != "refused" || out.Len() != 0 {
+					t.Fatalf("error %v, account %+v, output %q; want the ADD failed with %q", err, d, out.String(), c.wantErr)
+				}
+				return
+			}
+			if err != nil || out.String() != prev {
+				t.Fatalf("error %v, output %q; want the previous result as it came", err, out.String())
+			}
+			if d.Skip != c.skip || (c.skip == "" && (d.Summary != kind || d.Mode != "REDIRECT" || d.IPv6 != (c.wantSent == "v46"))) {
+				t.Fatalf("the agent heard %+v", d)
+			}
+		})
+	}
+}

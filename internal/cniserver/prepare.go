@@ -1,0 +1,423 @@
+package cniserver
+
+import (
+	"bytes"
+	"context"
+	"hash/fnv"
+	"log/slog"
+	"sync"
+
+	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
+	"github.com/istio-cni-go/istio-cni/internal/podcache"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podrules"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+)
+
+// Preparing pods' ADDs ahead (internal/prepared): for every pod of the
+// node whose sandbox has no network yet, the agent keeps a record of what
+// its ADD would do under each plugin config it has learnt, so that the
+// relay serves the ADD without asking the agent.
+
+// How many plugin configs records are kept for, and how many a config
+// must be seen in before it is one of them: a node runs pods with one
+// config, two while it is rewritten; a runtime that put something of
+// each pod's into the config would otherwise have every ADD re-prepare
+// every pending pod.
+const (
+	maxLearnt    = 4
+	learnAfter   = 2
+	maxCandidate = 16
+)
+
+// preparer keeps the records.
+type preparer struct {
+	s    *Server
+	dir  prepared.Dir
+	inf  cache.SharedIndexInformer
+	log  *slog.Logger
+	work *prepQueue
+	// done is closed when the worker has stopped: no record is written
+	// after it.
+	done chan struct{}
+
+	mu         sync.Mutex
+	learnt     []learntConfig
+	candidates map[string]int
+	// written are the pods (by UID) with a record, and a hash of it
+	// (never zero).
+	written map[string]uint64
+}
+
+type learntConfig struct {
+	canonical []byte
+	conf      *plugin.Config
+}
+
+// startPreparing keeps records in dir for the pods of pc until ctx ends.
+func (s *Server) startPreparing(ctx context.Context, dir string) error {
+	p := &preparer{s: s, dir: prepared.Dir(dir), inf: s.Pods.Informer(), log: s.SocketLog,
+		work: newPrepQueue(), candidates: map[string]int{}, written: map[string]uint64{}}
+	if p.log == nil {
+		p.log = s.Log
+	}
+	if err := p.dir.Reset(); err != nil {
+		return err
+	}
+	// The configs an earlier agent learnt: pods waiting for this one
+	// (restarted by an upgrade, say) are prepared from the start.
+	for _, c := range p.dir.LoadConfigs() {
+		if conf, err := plugin.ParseConfig(c); err == nil && !conf.AmbientEnabled && len(p.learnt) < maxLearnt {
+			p.learnt = append(p.learnt, learntConfig{canonical: c, conf: conf})
+		}
+	}
+	if len(p.learnt) > 0 {
+		p.log.Info("preparing the ADDs of pods not yet started under the plugin configs an earlier agent learnt", "configs", len(p.learnt))
+	}
+	_, err := p.inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		// A pod new to the node goes first: its sandbox is being made.
+		AddFunc:    func(obj any) { p.enqueue(obj, true) },
+		UpdateFunc: func(_, obj any) { p.enqueue(obj, false) },
+		DeleteFunc: func(obj any) {
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = t.Obj
+			}
+			if pod, ok := obj.(*corev1.Pod); ok {
+				p.forget(pod)
+			}
+		},
+	})
+	if err != nil {
+		return err
+	}
+	s.prep = p
+	go func() {
+		<-ctx.Done()
+		p.work.shutDown()
+	}()
+	// Two workers: one for pods new to the node alone, so that none waits
+	// behind a backlog item whose plan takes long to prepare (thousands of
+	// ranges, when a config is learnt with many pods waiting).
+	p.done = make(chan struct{})
+	var wg sync.WaitGroup
+	for _, newOnly := range []bool{true, false} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for p.next(newOnly) {
+			}
+		}()
+	}
+	go func() {
+		wg.Wait()
+		close(p.done)
+	}()
+	return nil
+}
+
+func (p *preparer) enqueue(obj any, first bool) {
+	if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+		p.work.add(key, first)
+	}
+}
+
+// pending: the pod's sandbox has had no ADD yet, as far as the API
+// server knows (the kubelet reports the pod's IP after it).
+func pending(pod *corev1.Pod) bool {
+	return pod.Status.PodIP == "" && !pod.Spec.HostNetwork && pod.DeletionTimestamp == nil
+}
+
+// next prepares the next pod in the queue (of the pods new to the node
+// only, with newOnly); false once the queue is shut.
+func (p *preparer) next(newOnly bool) bool {
+	key, ok := p.work.get(newOnly)
+	if !ok {
+		return false
+	}
+	obj, exists, err := p.inf.GetIndexer().GetByKey(key)
+	pod, _ := obj.(*corev1.Pod)
+	if err != nil || !exists || pod == nil {
+		// Gone: its deletion removed its record.
+		return true
+	}
+	if !pending(pod) {
+		p.forget(pod)
+		return true
+	}
+	p.mu.Lock()
+	learnt := p.learnt
+	p.mu.Unlock()
+	rec := p.record(pod, learnt)
+	if len(rec.Entries) == 0 {
+		p.forget(pod)
+		return true
+	}
+	data, err := rec.MarshalBinary()
+	if err != nil {
+		p.log.Warn("cannot keep a pod's prepared ADD; its relay will ask the agent", "pod", key, "error", err.Error())
+		p.forget(pod)
+		return true
+	}
+	// A pending pod is updated a few times before its sandbox starts
+	// (scheduled, conditions), mostly in what its ADD does not read.
+	h := fnv.New64a()
+	_, _ = h.Write(data)
+	sum := h.Sum64() | 1
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.work.isShut() {
+		// The agent is stopping: it writes nothing more.
+		return false
+	}
+	if p.written[string(pod.UID)] == sum {
+		return true
+	}
+	if err := p.dir.PutData(rec.UID, data); err != nil {
+		p.log.Warn("cannot keep a pod's prepared ADD; its relay will ask the agent", "pod", key, "error", err.Error())
+		return true
+	}
+	// The informer takes a pod out of its store before it tells the
+	// deletion: a pod deleted since it was read is caught here, one
+	// deleted later by forget.
+	now, ok, _ := p.inf.GetIndexer().GetByKey(key)
+	if np, _ := now.(*corev1.Pod); !ok || np == nil || np.UID != pod.UID {
+		_ = p.dir.Remove(string(pod.UID))
+		return true
+	}
+	p.written[string(pod.UID)] = sum
+	p.log.Debug("pod's ADD prepared", "pod", key, "configs", len(rec.Entries))
+	return true
+}
+
+// forget removes the pod's record, if it has one.
+func (p *preparer) forget(pod *corev1.Pod) {
+	uid := string(pod.UID)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.written[uid] != 0 {
+		delete(p.written, uid)
+		_ = p.dir.Remove(uid)
+	}
+}
+
+// record is what the pod's ADD would do under each learnt config: what
+// plugin.Add decides, and the rules PreparePod would hand the relay for
+// a namespace with IPv4 rules only and with IPv6 ones too. A config under
+// which the pod cannot be decided (an annotation that does not parse) or
+// prepared for gets no entry: its ADD asks the agent, which says why.
+func (p *preparer) record(pod *corev1.Pod, learnt []learntConfig) *prepared.Record {
+	rec := &prepared.Record{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID)}
+	info := podcache.PodFromCore(pod)
+	args := &plugin.K8sArgs{K8S_POD_NAMESPACE: types.UnmarshallableString(pod.Namespace),
+		K8S_POD_NAME: types.UnmarshallableString(pod.Name), K8S_POD_UID: types.UnmarshallableString(pod.UID)}
+	source := func(*plugin.Config, string) (podinfo.Source, error) { return knownPod{info}, nil }
+	for _, lc := range learnt {
+		d, err := plugin.Decide(context.Background(), lc.conf, args, source)
+		if err != nil {
+			continue
+		}
+		e := prepared.Entry{Config: lc.canonical, Skip: d.Skip}
+		if d.Skip == "" {
+			rules := p.s.Rules
+			if lc.conf.NativeNftables && p.s.NFTables != nil {
+				rules = p.s.NFTables
+			}
+			txn4, _, err4 := podrules.PrepareAhead(rules, d.Params, false)
+			txn46, _, err46 := podrules.PrepareAhead(rules, d.Params, true)
+			if txn4 == nil || txn46 == nil || err4 != nil || err46 != nil {
+				continue
+			}
+			if e.Txn4, err = txn4.MarshalBinary(); err != nil {
+				continue
+			}
+			if e.Txn46, err = txn46.MarshalBinary(); err != nil {
+				continue
+			}
+			e.Mode, e.Kind, e.IPSets, e.DualStack = string(d.Params.Mode), txn4.Summary, len(txn46.Undo) > 0, d.Params.DualStack
+		}
+		rec.Entries = append(rec.Entries, e)
+	}
+	return rec
+}
+
+// knownPod is a pod source that holds the one pod being prepared.
+type knownPod struct{ pod *podinfo.Pod }
+
+func (k knownPod) GetPod(_ context.Context, namespace, name string) (*podinfo.Pod, error) {
+	if k.pod.Namespace != namespace || k.pod.Name != name {
+		return nil, podinfo.ErrNotFound
+	}
+	return k.pod, nil
+}
+
+// learn takes note of the config of an ADD the agent serves: once seen
+// in learnAfter ADDs, pending pods get records for it. Configs the relay
+// could not serve an ADD under alone (ambient mode) are not learnt.
+func (p *preparer) learn(stdin []byte) {
+	c, err := prepared.ParseConfig(stdin)
+	if err != nil {
+		return
+	}
+	p.mu.Lock()
+	for _, lc := range p.learnt {
+		if bytes.Equal(lc.canonical, c.Canonical) {
+			p.mu.Unlock()
+			return
+		}
+	}
+	key := string(c.Canonical)
+	p.candidates[key]++
+	if p.candidates[key] < learnAfter {
+		if len(p.candidates) > maxCandidate {
+			clear(p.candidates)
+		}
+		p.mu.Unlock()
+		return
+	}
+	delete(p.candidates, key)
+	p.mu.Unlock()
+	conf, err := plugin.ParseConfig(stdin)
+	if err != nil || conf.AmbientEnabled {
+		return
+	}
+	p.mu.Lock()
+	learnt := append([]learntConfig{{canonical: c.Canonical, conf: conf}}, p.learnt...)
+	if len(learnt) > maxLearnt {
+		learnt = learnt[:maxLearnt]
+	}
+	p.learnt = learnt
+	keep := make([][]byte, len(learnt))
+	for i, lc := range learnt {
+		keep[i] = lc.canonical
+	}
+	if err := p.dir.SaveConfigs(keep); err != nil {
+		p.log.Warn("cannot keep the learnt plugin configs for the next agent", "error", err.Error())
+	}
+	p.mu.Unlock()
+	p.log.Info("preparing the ADDs of pods not yet started under a plugin config the runtime uses", "configs", len(learnt))
+	for _, obj := range p.inf.GetIndexer().List() {
+		if pod, ok := obj.(*corev1.Pod); ok && pending(pod) {
+			p.enqueue(pod, false)
+		}
+	}
+}
+
+// level is the plugin's log level under the newest learnt config.
+func (p *preparer) level() slog.Level {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.learnt) == 0 {
+		return slog.LevelInfo
+	}
+	lv, _ := logging.PluginLevel(p.learnt[0].conf.PluginLogLevel)
+	return lv
+}
+
+// noteDone logs and counts an ADD a relay served from a record, as the
+// agent logs and counts the ADDs it serves.
+func (s *Server) noteDone(req *cnirelay.Request) {
+	d := req.Done
+	result := "ok"
+	if d.Error != "" {
+		result = "999"
+	}
+	if s.Commands != nil {
+		s.Commands.WithLabelValues("ADD", result).Inc()
+	}
+	if s.PreparedAdds != nil {
+		s.PreparedAdds.WithLabelValues(result).Inc()
+	}
+	lv := slog.LevelInfo
+	if s.prep != nil {
+		lv = s.prep.level()
+	}
+	log := logging.Over(s.Log.Handler())
+	log.SetLevel(lv)
+	l := log.With("cmd", "ADD", "pod", podOf(req.Args), "containerID", req.ContainerID)
+	switch {
+	case d.Error != "":
+		l.Error("programming redirect rules failed", "error", d.Error, "committed_by", "plugin", "prepared", true)
+	case d.Skip != "":
+		l.Info("no redirection", "reason", d.Skip, "duration", d.Total.String(), "prepared", true)
+	default:
+		l.Info("redirect rules programmed", "mode", d.Mode, "ipv6", d.IPv6, "result", d.Summary+" applied",
+			"duration", d.Total.String(), "apply", d.Took.String(), "committed_by", "plugin", "prepared", true,
+			"plugin_cpu", d.CPU.String())
+	}
+}
+
+// prepQueue is the preparer's queue of pod keys, each waiting once: the
+// pods new to the node first, then the rest (updates, and every pending
+// pod again when a config is learnt), so that a pod whose sandbox is
+// being made does not wait behind a backlog. Two workers take from it,
+// one of them the new pods only; a pod may be prepared by both at once,
+// and the later record stands.
+type prepQueue struct {
+	mu          sync.Mutex
+	cond        *sync.Cond
+	first, rest []string
+	waiting     map[string]bool
+	shut        bool
+}
+
+func newPrepQueue() *prepQueue {
+	q := &prepQueue{waiting: map[string]bool{}}
+	q.cond = sync.NewCond(&q.mu)
+	return q
+}
+
+func (q *prepQueue) add(key string, first bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.shut || q.waiting[key] {
+		return
+	}
+	q.waiting[key] = true
+	if first {
+		q.first = append(q.first, key)
+	} else {
+		q.rest = append(q.rest, key)
+	}
+	// Either worker may be the one that can take it.
+	q.cond.Broadcast()
+}
+
+// get waits for a key, of the pods new to the node only with newOnly;
+// false once the queue is shut.
+func (q *prepQueue) get(newOnly bool) (string, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for !q.shut && len(q.first) == 0 && (newOnly || len(q.rest) == 0) {
+		q.cond.Wait()
+	}
+	if q.shut {
+		return "", false
+	}
+	var key string
+	if len(q.first) > 0 {
+		key, q.first = q.first[0], q.first[1:]
+	} else {
+		key, q.rest = q.rest[0], q.rest[1:]
+	}
+	delete(q.waiting, key)
+	return key, true
+}
+
+func (q *prepQueue) isShut() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.shut
+}
+
+func (q *prepQueue) shutDown() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.shut = true
+	q.cond.Broadcast()
+}

@@ -1,0 +1,127 @@
+package prepared
+
+import (
+	"encoding/binary"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// Dir is the records' directory as the agent keeps it. Only root reads
+// or writes there: a record decides what rules a pod gets.
+type Dir string
+
+// Reset empties the directory of records (an earlier agent's may be of
+// pods it decided under other settings), making it when missing; the
+// configs an agent learnt (SaveConfigs) stay.
+func (d Dir) Reset() error {
+	entries, err := os.ReadDir(string(d))
+	if errors.Is(err, fs.ErrNotExist) {
+		return os.Mkdir(string(d), 0o700)
+	}
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if e.Name() != configsName {
+			if err := os.RemoveAll(filepath.Join(string(d), e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	return os.Chmod(string(d), 0o700) //nolint:gosec // G302: a directory, which root alone enters
+}
+
+// configsName is the file of the learnt configs; no UID names it.
+const configsName = ".configs"
+
+// configsMagic starts the configs file; the number is its form's version.
+const configsMagic = "istio-cni prepared configs 1\n"
+
+// SaveConfigs keeps the canonical configs an agent learnt, for the next
+// agent on the node to prepare pods under from its start, instead of
+// after the first ADDs it serves (an agent restarted by an upgrade, with
+// pods waiting).
+func (d Dir) SaveConfigs(configs [][]byte) error {
+	b := []byte(configsMagic)
+	for _, c := range configs {
+		b = append(binary.BigEndian.AppendUint32(b, uint32(len(c))), c...)
+	}
+	return d.write(configsName, b)
+}
+
+// LoadConfigs returns the configs SaveConfigs kept, none when there are
+// none or they do not read.
+func (d Dir) LoadConfigs() [][]byte {
+	b, err := os.ReadFile(filepath.Join(string(d), configsName))
+	if err != nil || len(b) > MaxRecord || !strings.HasPrefix(string(b), configsMagic) {
+		return nil
+	}
+	b = b[len(configsMagic):]
+	var out [][]byte
+	for len(b) > 0 {
+		if len(b) < 4 || uint64(binary.BigEndian.Uint32(b)) > uint64(len(b)-4) {
+			return nil
+		}
+		n := binary.BigEndian.Uint32(b)
+		out = append(out, b[4:4+n:4+n])
+		b = b[4+n:]
+	}
+	return out
+}
+
+// Put writes a record whole or not at all: a relay reads either the
+// previous record or the new one, never part of one.
+func (d Dir) Put(r *Record) error {
+	if !ValidUID(r.UID) {
+		return errors.New("pod UID " + r.UID + " cannot name a record")
+	}
+	data, err := r.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	return d.write(r.UID, data)
+}
+
+// PutData is Put of a record already marshalled, for pod uid.
+func (d Dir) PutData(uid string, data []byte) error {
+	if !ValidUID(uid) {
+		return errors.New("pod UID " + uid + " cannot name a record")
+	}
+	return d.write(uid, data)
+}
+
+// write replaces the file name in the directory with data, whole.
+func (d Dir) write(name string, data []byte) error {
+	f, err := os.CreateTemp(string(d), ".new-")
+	if err != nil {
+		return err
+	}
+	// The run directory is a tmpfs: a record lost to a crash only sends
+	// its pod the slow way, so it is not synced.
+	_, werr := f.Write(data)
+	cerr := f.Close()
+	if err := errors.Join(werr, cerr); err != nil {
+		_ = os.Remove(f.Name())
+		return err
+	}
+	if err := os.Rename(f.Name(), filepath.Join(string(d), name)); err != nil {
+		_ = os.Remove(f.Name())
+		return err
+	}
+	return nil
+}
+
+// Remove removes uid's record; a missing one is no error.
+func (d Dir) Remove(uid string) error {
+	if !ValidUID(uid) {
+		return nil
+	}
+	err := os.Remove(Path(string(d), uid))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	return err
+}

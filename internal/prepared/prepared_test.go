@@ -1,0 +1,226 @@
+package prepared
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+)
+
+func sample() *Record {
+	return &Record{Namespace: "ns", Name: "p", UID: "3d1c-ab", Entries: []Entry{
+		{Config: []byte(`{"a":1}`), Skip: "no istio-proxy container"},
+		{Config: []byte(`{"b":2}`), Mode: "TPROXY", Kind: "nftables", IPSets: true, DualStack: true, Txn4: []byte("four"), Txn46: []byte("four and six")},
+	}}
+}
+
+// TestRecordRoundTrip: a record reads back as written; one cut short,
+// with bytes after it, or of another version is refused whole.
+func TestRecordRoundTrip(t *testing.T) {
+	r := sample()
+	b, err := r.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got Record
+	if err := got.UnmarshalBinary(b); err != nil || !reflect.DeepEqual(&got, r) {
+		t.Fatalf("read back %+v, %v; want %+v", got, err, r)
+	}
+	if e := got.Find([]byte(`{"b":2}`)); e == nil || e.Mode != "TPROXY" {
+		t.Fatalf("Find: %+v", e)
+	}
+	if got.Find([]byte(`{"c":3}`)) != nil {
+		t.Fatal("Find matched a config the record has no entry for")
+	}
+	for i := 0; i < len(b); i++ {
+		if err := new(Record).UnmarshalBinary(b[:i]); err == nil {
+			t.Fatalf("a record cut to %d of %d bytes was read", i, len(b))
+		}
+	}
+	if err := new(Record).UnmarshalBinary(append(bytes.Clone(b), 0)); err == nil {
+		t.Fatal("a record with a byte after it was read")
+	}
+	if err := new(Record).UnmarshalBinary(bytes.Replace(b, []byte("prepared 1"), []byte("prepared 9"), 1)); err == nil {
+		t.Fatal("a record of another version was read")
+	}
+}
+
+// FuzzRecord: whatever bytes are in a record's place, reading them never
+// panics, and what reads writes back to the same bytes.
+func FuzzRecord(f *testing.F) {
+	b, _ := sample().MarshalBinary()
+	f.Add(b)
+	f.Add([]byte(magic + "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\xff\xff\xff\xff"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var r Record
+		if r.UnmarshalBinary(data) != nil {
+			return
+		}
+		again, err := r.MarshalBinary()
+		if err != nil || !bytes.Equal(again, data) {
+			t.Fatalf("%q read as %+v, written back as %q (%v)", data, r, again, err)
+		}
+	})
+}
+
+// TestDir: records are written whole and read by UID; a UID that could
+// name a path elsewhere names no record; Reset empties the directory.
+func TestDir(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), DirName)
+	d := Dir(dir)
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	r := sample()
+	if err := d.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(Path(dir, r.UID))
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("record %v, %v; want mode 0600", fi, err)
+	}
+	if got, err := Read(dir, r.UID); err != nil || !reflect.DeepEqual(got, r) {
+		t.Fatalf("Read: %+v, %v", got, err)
+	}
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 1 {
+		t.Fatalf("the directory holds %d files after one Put, want the record alone", len(entries))
+	}
+	for _, uid := range []string{"", "../x", "a/b", "a.b"} {
+		if _, err := Read(dir, uid); err == nil || errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("Read(%q): %v, want the UID refused", uid, err)
+		}
+		if err := d.Put(&Record{UID: uid}); err == nil {
+			t.Fatalf("Put with UID %q succeeded", uid)
+		}
+	}
+	// A record under another pod's UID is not that pod's.
+	if err := os.Rename(Path(dir, r.UID), Path(dir, "other")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Read(dir, "other"); err == nil {
+		t.Fatal("a record was read under another UID")
+	}
+	if err := d.Remove("other"); err != nil || d.Remove("missing") != nil {
+		t.Fatal("Remove failed")
+	}
+	if err := d.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Read(dir, r.UID); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("after Reset: %v", err)
+	}
+}
+
+// TestParseConfig: the canonical form is the config without its
+// prevResult, the same whatever the previous result, and different for
+// any other difference; the fields the relay needs are read; what is not
+// a JSON object is refused.
+func TestParseConfig(t *testing.T) {
+	a := `{"cniVersion":"1.0.0","name":"k8s-pod-network","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.2/24"}]},"type":"istio-cni","cni_agent_run_dir":"/run/x"}`
+	b := `{"cniVersion":"1.0.0","name":"k8s-pod-network","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.3/24","gateway":"10.0.0.1"}],"dns":{}},"type":"istio-cni","cni_agent_run_dir":"/run/x"}`
+	ca, err := ParseConfig([]byte(a))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cb, err := ParseConfig([]byte(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(ca.Canonical, cb.Canonical) {
+		t.Fatalf("canonical forms differ with the previous result only:\n%s\n%s", ca.Canonical, cb.Canonical)
+	}
+	if ca.CNIVersion != "1.0.0" || ca.PrevCNIVersion != "1.0.0" || ca.RunDir != "/run/x" ||
+		string(ca.PrevResult) != `{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.2/24"}]}` {
+		t.Fatalf("read %+v", ca)
+	}
+	other, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"/run/y"}`))
+	if err != nil || bytes.Equal(other.Canonical, ca.Canonical) || other.PrevResult != nil {
+		t.Fatalf("another config: %+v, %v", other, err)
+	}
+	for _, bad := range []string{"", "[]", "{", `{"a":1`, `{"a":1,}`, `{"a" 1}`, `{"a":1}x`, `{"a":"x}`, `{"prevResult":{"x":}}`,
+		`{"a":{"b":[1,2}}`, `{"cniVersion":1}`} {
+		if c, err := ParseConfig([]byte(bad)); err == nil {
+			t.Errorf("%q read as %+v", bad, c)
+		}
+	}
+	// Escapes in what the relay reads are left to the plugin.
+	if _, err := ParseConfig([]byte(`{"cni_agent_run_dir":"/run/\u0078"}`)); err == nil {
+		t.Error("an escaped run dir was read")
+	}
+}
+
+// FuzzParseConfig: a config read is, without its prevResult, the JSON
+// value encoding/json reads; and the canonical form does not depend on
+// the previous result.
+func FuzzParseConfig(f *testing.F) {
+	f.Add([]byte(`{"cniVersion":"1.0.0","name":"n","prevResult":{"cniVersion":"1.0.0"},"type":"istio-cni","exclude_namespaces":["a","b"]}`))
+	f.Add([]byte(` { "a" : [ {"b":"}"} ] , "prevResult" : null } `))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := ParseConfig(data)
+		if err != nil || !json.Valid(data) {
+			return
+		}
+		var whole, canon map[string]any
+		if json.Unmarshal(data, &whole) != nil {
+			return
+		}
+		delete(whole, "prevResult")
+		if err := json.Unmarshal(c.Canonical, &canon); err != nil {
+			t.Fatalf("%q: canonical form %q is not JSON: %v", data, c.Canonical, err)
+		}
+		if !reflect.DeepEqual(whole, canon) && (len(whole) != 0 || len(canon) != 0) {
+			t.Fatalf("%q: canonical form %q reads as %v, want %v", data, c.Canonical, canon, whole)
+		}
+		swapped := bytes.Replace(data, c.PrevResult, []byte(`{"cniVersion":"0.4.0"}`), 1)
+		if c.PrevResult != nil && bytes.Count(data, c.PrevResult) == 1 {
+			c2, err := ParseConfig(swapped)
+			if err != nil || !bytes.Equal(c2.Canonical, c.Canonical) {
+				t.Fatalf("%q: another prevResult changed the canonical form: %q vs %q (%v)", data, c2.Canonical, c.Canonical, err)
+			}
+		}
+	})
+}
+
+// TestConfigsOutliveReset: the learnt configs read back as saved and stay
+// through Reset, which removes every record; a configs file that does not
+// read gives none.
+func TestConfigsOutliveReset(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), DirName)
+	d := Dir(dir)
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if got := d.LoadConfigs(); got != nil {
+		t.Fatalf("configs before any were saved: %q", got)
+	}
+	want := [][]byte{[]byte(`{"a":1}`), []byte(`{"b":2}`)}
+	if err := d.SaveConfigs(want); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Put(sample()); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if got := d.LoadConfigs(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("configs after Reset: %q, want %q", got, want)
+	}
+	if _, err := Read(dir, sample().UID); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a record outlived Reset: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, configsName), []byte(configsMagic+"\x00\x00\x00\x09{}"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got := d.LoadConfigs(); got != nil {
+		t.Fatalf("a configs file cut short read as %q", got)
+	}
+}
