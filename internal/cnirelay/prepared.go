@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+	"unicode"
 
 	"golang.org/x/sys/unix"
 
@@ -23,8 +24,9 @@ import (
 func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (bool, error) {
 	ns, name, uid := podArgs(a.Args)
 	// The result passed on is the previous one as it came, which is the
-	// config's version only when libcni made it so.
-	if uid == "" || conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion {
+	// config's version only when libcni made it so. Arguments the
+	// plugin's checks would refuse go to the agent, which says why.
+	if uid == "" || conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion || !plainArgs(a) {
 		return false, nil
 	}
 	rec, err := prepared.Read(filepath.Join(runDir, prepared.DirName), uid)
@@ -55,6 +57,10 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 			raw := e.Txn4
 			if done.IPv6 {
 				raw = e.Txn46
+			}
+			if len(raw) == 0 {
+				// The agent could not prepare IPv6 rules ahead.
+				return nil
 			}
 			var txn nlsteps.Txn
 			if err := txn.UnmarshalBinary(raw); err != nil {
@@ -124,6 +130,58 @@ func (r *Relay) notify(runDir string, a *Args, d *Done, start time.Time) {
 	}
 	// A few hundred bytes fit the socket's buffer whole.
 	_, _ = unix.SendmsgN(fd, body, nil, nil, unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT)
+}
+
+// plainArgs reports whether the command's arguments pass what the
+// plugin checks of them (the CNI library's): a container ID and interface
+// name of the allowed form, and CNI_ARGS of the keys the plugin reads,
+// or IgnoreUnknown.
+func plainArgs(a *Args) bool {
+	if !validContainerID(a.ContainerID) || !validIfName(a.IfName) {
+		return false
+	}
+	ignore := false
+	known := true
+	for _, kv := range strings.Split(a.Args, ";") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return false
+		}
+		switch k {
+		case "IgnoreUnknown":
+			ignore = v == "1" || strings.EqualFold(v, "true")
+		case "K8S_POD_NAMESPACE", "K8S_POD_NAME", "K8S_POD_INFRA_CONTAINER_ID", "K8S_POD_UID":
+		default:
+			known = false
+		}
+	}
+	return known || ignore
+}
+
+// validContainerID is the CNI library's container ID form: a letter or
+// digit, then letters, digits, '_', '.' and '-'.
+func validContainerID(id string) bool {
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		if !alnum && (i == 0 || c != '_' && c != '.' && c != '-') {
+			return false
+		}
+	}
+	return id != ""
+}
+
+// validIfName is the CNI library's interface name form.
+func validIfName(n string) bool {
+	if n == "" || len(n) > 15 || n == "." || n == ".." {
+		return false
+	}
+	for _, r := range n {
+		if r == '/' || r == ':' || unicode.IsSpace(r) {
+			return false
+		}
+	}
+	return true
 }
 
 // podArgs reads the pod's namespace, name and UID from CNI_ARGS.

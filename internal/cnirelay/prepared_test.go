@@ -45,6 +45,8 @@ func TestServePrepared(t *testing.T) {
 		env            string
 		setup          func(t *testing.T, n ns.NetNS)
 		sendFails      bool
+		containerID    string
+		noTxn46        bool
 		wantSent       string // the transaction sent ("" none)
 		wantFromRecord bool
 		wantErr        string
@@ -71,6 +73,11 @@ func TestServePrepared(t *testing.T) {
 			testutil.RunIn(t, n, "nft", "add", "table", "inet", nsfacts.NFTablesPrefix+"nat")
 		}},
 		{name: "a namespace with no address yet", addrs: []string{}},
+		{name: "unknown CNI_ARGS keys", args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid + ";FOO=1"},
+		{name: "unknown CNI_ARGS keys ignored", args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid + ";FOO=1",
+			wantSent: "v4", wantFromRecord: true},
+		{name: "a container ID the plugin refuses", containerID: "-bad"},
+		{name: "IPv6 rules the agent could not prepare", addrs: []string{"fd00::2/64"}, noTxn46: true},
 		{name: "a send that fails fails the ADD", sendFails: true, wantSent: "v4", wantFromRecord: true, wantErr: "pod ns/p: refused"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -110,6 +117,9 @@ func TestServePrepared(t *testing.T) {
 			}
 			if !c.noRecord {
 				e := prepared.Entry{Config: learnt.Canonical, Skip: c.skip, Mode: "REDIRECT", Kind: kind, Txn4: txn("v4"), Txn46: txn("v46")}
+				if c.noTxn46 {
+					e.Txn46 = nil
+				}
 				if err := prepared.Dir(dir).Put(&prepared.Record{Namespace: "ns", Name: "p", UID: uid, Entries: []prepared.Entry{e}}); err != nil {
 					t.Fatal(err)
 				}
@@ -134,7 +144,11 @@ func TestServePrepared(t *testing.T) {
 			if args == "" {
 				args = "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid
 			}
-			err = r.Run(&Args{Command: "ADD", ContainerID: "c1", Netns: n.Path(), IfName: "eth0", Args: args, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
+			containerID := c.containerID
+			if containerID == "" {
+				containerID = "c1"
+			}
+			err = r.Run(&Args{Command: "ADD", ContainerID: containerID, Netns: n.Path(), IfName: "eth0", Args: args, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
 			got := <-a.got
 			if got.err != nil {
 				t.Fatalf("the agent could not read what the relay sent: %v", got.err)

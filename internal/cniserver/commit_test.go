@@ -417,7 +417,8 @@ func runRelay(rl *cnirelay.Relay, command string, a *skel.CmdArgs) error {
 // node's pods that have not started under the configs it has seen in two
 // ADDs it served, not before, and never under a config that differs from
 // one ADD to the next (a runtime putting something of each pod's into
-// it); a pod without a sidecar is prepared as one that gets no rules.
+// it) or that the plugin's checks refuse; a pod without a sidecar is
+// prepared as one that gets no rules.
 func TestPreparesUnderLearntConfigs(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "prepared")
 	r := newCommitRigWith(t, CommitterPlugin, func(s *Server) { s.PreparedDir, s.Prepare = dir, true })
@@ -441,6 +442,14 @@ func TestPreparesUnderLearntConfigs(t *testing.T) {
 		a.StdinData = []byte(strings.Replace(r.conf, `"name":"n"`, fmt.Sprintf(`"name":"n","runtimeConfig":{"i":%d}`, i), 1))
 		if err := runRelay(rl, "ADD", a); err != nil {
 			t.Fatal(err)
+		}
+	}
+	// A config the plugin's checks refuse is never learnt.
+	for i := 0; i < 2; i++ {
+		a := r.add("web")
+		a.StdinData = []byte(strings.Replace(r.conf, `"name":"n"`, `"name":"bad name"`, 1))
+		if err := runRelay(rl, "ADD", a); err == nil {
+			t.Fatal("ADD with an invalid network name succeeded")
 		}
 	}
 	if err := runRelay(rl, "ADD", r.add("web")); err != nil {

@@ -180,14 +180,26 @@ func (p *preparer) next(newOnly bool) bool {
 	}
 	if err := p.dir.PutData(rec.UID, data); err != nil {
 		p.log.Warn("cannot keep a pod's prepared ADD; its relay will ask the agent", "pod", key, "error", err.Error())
+		// The record there, if any, is of an older version of the pod.
+		delete(p.written, string(pod.UID))
+		_ = p.dir.Remove(string(pod.UID))
 		return true
 	}
 	// The informer takes a pod out of its store before it tells the
 	// deletion: a pod deleted since it was read is caught here, one
-	// deleted later by forget.
+	// deleted later by forget. A pod changed since it was read (the
+	// other worker may have seen it started, with no record to remove
+	// yet) is read again.
 	now, ok, _ := p.inf.GetIndexer().GetByKey(key)
-	if np, _ := now.(*corev1.Pod); !ok || np == nil || np.UID != pod.UID {
+	np, _ := now.(*corev1.Pod)
+	if !ok || np == nil || np.UID != pod.UID {
 		_ = p.dir.Remove(string(pod.UID))
+		return true
+	}
+	if np.ResourceVersion != pod.ResourceVersion {
+		delete(p.written, string(pod.UID))
+		_ = p.dir.Remove(string(pod.UID))
+		p.work.add(key, false)
 		return true
 	}
 	p.written[string(pod.UID)] = sum
@@ -228,18 +240,22 @@ func (p *preparer) record(pod *corev1.Pod, learnt []learntConfig) *prepared.Reco
 			if lc.conf.NativeNftables && p.s.NFTables != nil {
 				rules = p.s.NFTables
 			}
-			txn4, _, err4 := podrules.PrepareAhead(rules, d.Params, false)
-			txn46, _, err46 := podrules.PrepareAhead(rules, d.Params, true)
-			if txn4 == nil || txn46 == nil || err4 != nil || err46 != nil {
+			txn4, _, err := podrules.PrepareAhead(rules, d.Params, false)
+			if txn4 == nil || err != nil {
 				continue
 			}
 			if e.Txn4, err = txn4.MarshalBinary(); err != nil {
 				continue
 			}
-			if e.Txn46, err = txn46.MarshalBinary(); err != nil {
-				continue
+			e.Mode, e.Kind, e.IPSets, e.DualStack = string(d.Params.Mode), txn4.Summary, len(txn4.Undo) > 0, d.Params.DualStack
+			// A node that cannot make the IPv6 rules (IPv6 off) still
+			// serves its IPv4 pods from records; a pod with IPv6 then
+			// asks the agent, which says why.
+			if txn46, _, err := podrules.PrepareAhead(rules, d.Params, true); txn46 != nil && err == nil {
+				if b, err := txn46.MarshalBinary(); err == nil {
+					e.Txn46, e.IPSets = b, e.IPSets || len(txn46.Undo) > 0
+				}
 			}
-			e.Mode, e.Kind, e.IPSets, e.DualStack = string(d.Params.Mode), txn4.Summary, len(txn46.Undo) > 0, d.Params.DualStack
 		}
 		rec.Entries = append(rec.Entries, e)
 	}
@@ -256,8 +272,9 @@ func (k knownPod) GetPod(_ context.Context, namespace, name string) (*podinfo.Po
 	return k.pod, nil
 }
 
-// learn takes note of the config of an ADD the agent serves: once seen
-// in learnAfter ADDs, pending pods get records for it. Configs the relay
+// learn takes note of the config of an ADD the agent served (its config
+// and arguments passed the checks a plugin's are put to): once seen in
+// learnAfter ADDs, pending pods get records for it. Configs the relay
 // could not serve an ADD under alone (ambient mode) are not learnt.
 func (p *preparer) learn(stdin []byte) {
 	c, err := prepared.ParseConfig(stdin)
@@ -287,6 +304,13 @@ func (p *preparer) learn(stdin []byte) {
 		return
 	}
 	p.mu.Lock()
+	for _, lc := range p.learnt {
+		// Learnt meanwhile, from another ADD.
+		if bytes.Equal(lc.canonical, c.Canonical) {
+			p.mu.Unlock()
+			return
+		}
+	}
 	learnt := append([]learntConfig{{canonical: c.Canonical, conf: conf}}, p.learnt...)
 	if len(learnt) > maxLearnt {
 		learnt = learnt[:maxLearnt]
@@ -357,7 +381,8 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 // pod again when a config is learnt), so that a pod whose sandbox is
 // being made does not wait behind a backlog. Two workers take from it,
 // one of them the new pods only; a pod may be prepared by both at once,
-// and the later record stands.
+// and a record of a version of the pod that is no longer the cache's is
+// removed and the pod prepared again (next).
 type prepQueue struct {
 	mu          sync.Mutex
 	cond        *sync.Cond

@@ -321,9 +321,6 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		s.noteDone(req)
 		return
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
-		if s.prep != nil {
-			s.prep.learn(req.Stdin)
-		}
 		rc := &relayCommit{conn: conn, framed: req.Framed}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
@@ -597,6 +594,11 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	} else {
 		switch req.Command {
 		case "ADD":
+			if s.prep != nil && req.Steps && netns != nil {
+				// A config that passed the checks a plugin's config is
+				// put to, from a relay that reads records.
+				s.prep.learn(req.Stdin)
+			}
 			err = p.Add(args)
 		case "DEL":
 			err = p.Del(args)

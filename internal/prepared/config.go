@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Config is what a record is matched with in the CNI config on a
@@ -37,15 +38,30 @@ var errUnread = errors.New("a config this reader leaves to the plugin")
 func ParseConfig(stdin []byte) (*Config, error) {
 	c := &Config{Canonical: make([]byte, 0, len(stdin))}
 	c.Canonical = append(c.Canonical, '{')
+	seen := map[string]bool{}
 	err := members(stdin, func(key string, value []byte) error {
+		// encoding/json, which the plugin reads the config with, takes a
+		// key's last value and matches keys without regard to case:
+		// such configs are left to it.
+		lower := strings.ToLower(key)
+		if seen[lower] {
+			return errUnread
+		}
+		seen[lower] = true
+		for _, known := range []string{"prevResult", "cniVersion", "cni_agent_run_dir"} {
+			if key != known && strings.EqualFold(key, known) {
+				return errUnread
+			}
+		}
 		switch key {
 		case "prevResult":
 			if !json.Valid(value) {
 				return errors.New("prevResult is not valid JSON")
 			}
-			if !bytes.Equal(value, []byte("null")) {
-				c.PrevResult = value
+			if bytes.Equal(value, []byte("null")) {
+				return nil
 			}
+			c.PrevResult = value
 			return members(value, func(k string, v []byte) error {
 				if k == "cniVersion" {
 					s, err := plainString(v)

@@ -3,6 +3,7 @@ package prepared
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -76,7 +77,7 @@ func (d Dir) LoadConfigs() [][]byte {
 // previous record or the new one, never part of one.
 func (d Dir) Put(r *Record) error {
 	if !ValidUID(r.UID) {
-		return errors.New("pod UID " + r.UID + " cannot name a record")
+		return fmt.Errorf("pod UID %q cannot name a record", r.UID)
 	}
 	data, err := r.MarshalBinary()
 	if err != nil {
@@ -88,7 +89,7 @@ func (d Dir) Put(r *Record) error {
 // PutData is Put of a record already marshalled, for pod uid.
 func (d Dir) PutData(uid string, data []byte) error {
 	if !ValidUID(uid) {
-		return errors.New("pod UID " + uid + " cannot name a record")
+		return fmt.Errorf("pod UID %q cannot name a record", uid)
 	}
 	return d.write(uid, data)
 }

@@ -26,6 +26,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 )
 
 // DirName is the records' directory in the plugin's run directory.
@@ -191,7 +192,9 @@ func Read(dir, uid string) (*Record, error) {
 	if !ValidUID(uid) {
 		return nil, fmt.Errorf("pod UID %q cannot name a record", uid)
 	}
-	f, err := os.Open(Path(dir, uid))
+	// Not through a link, and not stuck on a FIFO: root alone writes
+	// there, but a record is only ever a regular file.
+	f, err := os.OpenFile(Path(dir, uid), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -151,6 +151,17 @@ func TestParseConfig(t *testing.T) {
 			t.Errorf("%q read as %+v", bad, c)
 		}
 	}
+	// What encoding/json would read otherwise (a key's last value, keys
+	// in any case) is left to the plugin.
+	for _, odd := range []string{`{"prevResult":{"cniVersion":"1.0.0"},"prevResult":{"ips":[]}}`,
+		`{"cniVersion":"1.0.0","CNIVersion":"0.4.0"}`, `{"PrevResult":{}}`, `{"a":1,"A":2}`} {
+		if c, err := ParseConfig([]byte(odd)); err == nil {
+			t.Errorf("%q read as %+v", odd, c)
+		}
+	}
+	if c, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","prevResult":null}`)); err != nil || c.PrevResult != nil {
+		t.Errorf("a null prevResult: %+v, %v", c, err)
+	}
 	// Escapes in what the relay reads are left to the plugin.
 	if _, err := ParseConfig([]byte(`{"cni_agent_run_dir":"/run/\u0078"}`)); err == nil {
 		t.Error("an escaped run dir was read")
