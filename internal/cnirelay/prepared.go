@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -21,21 +22,33 @@ import (
 // pod, when there is one for this pod and config and the pod's namespace
 // can take its rules; false means the agent must be asked. A send that
 // fails fails the ADD, as a send of rules the agent handed over does.
-func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (bool, error) {
+//
+// why says why a record there was not used ("" when there was none), for
+// the agent's log line of the ADD.
+func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (served bool, why string, err error) {
 	ns, name, uid := podArgs(a.Args)
 	// The result passed on is the previous one as it came, which is the
 	// config's version only when libcni made it so. Arguments the
 	// plugin's checks would refuse go to the agent, which says why.
-	if uid == "" || conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion || !plainArgs(a) {
-		return false, nil
+	if uid == "" {
+		return false, "", nil
 	}
 	rec, err := prepared.Read(filepath.Join(runDir, prepared.DirName), uid)
-	if err != nil || rec.Namespace != ns || rec.Name != name {
-		return false, nil
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return false, "", nil
+	case err != nil:
+		return false, "unreadable record: " + err.Error(), nil
+	case rec.Namespace != ns || rec.Name != name:
+		return false, "the record is of pod " + rec.Namespace + "/" + rec.Name, nil
+	case !plainArgs(a):
+		return false, "arguments the plugin checks", nil
+	case conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion:
+		return false, "no prevResult of the config's version", nil
 	}
 	e := rec.Find(conf.Canonical)
 	if e == nil {
-		return false, nil
+		return false, "no entry for this config", nil
 	}
 	done := &Done{Skip: e.Skip, Mode: e.Mode, Summary: e.Kind}
 	if e.Skip == "" {
@@ -43,14 +56,22 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 			// The runtime's choice of iptables is the agent's to weigh
 			// against its own.
 			if v := r.getenv("FORCE_IPTABLES_BINARY"); v != "" && v != "nft" {
-				return false, nil
+				return false, "the runtime's FORCE_IPTABLES_BINARY=" + v, nil
 			}
 		}
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {
 			facts, err := nsfacts.ReadFacts()
-			if err != nil || facts.Unfit(e.Kind, e.IPSets) != "" || !nsfacts.HasGlobalAddr(facts.Addrs) {
-				// The agent reads the namespace again and says why.
+			switch {
+			case err != nil:
+				why = "reading the namespace: " + err.Error()
+			case facts.Unfit(e.Kind, e.IPSets) != "":
+				why = facts.Unfit(e.Kind, e.IPSets)
+			case !nsfacts.HasGlobalAddr(facts.Addrs):
+				why = "the namespace has no address"
+			}
+			if why != "" {
+				// The agent reads the namespace again.
 				return nil
 			}
 			done.IPv6 = nsfacts.NeedsIPv6(facts.Addrs, e.DualStack)
@@ -59,11 +80,12 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 				raw = e.Txn46
 			}
 			if len(raw) == 0 {
-				// The agent could not prepare IPv6 rules ahead.
+				why = "no IPv6 rules prepared"
 				return nil
 			}
 			var txn nlsteps.Txn
 			if err := txn.UnmarshalBinary(raw); err != nil {
+				why = "unreadable rules in the record: " + err.Error()
 				return nil
 			}
 			sent = true
@@ -73,17 +95,20 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 			return err
 		})
 		if !sent {
-			return false, nil
+			if err != nil {
+				why = "entering the namespace: " + err.Error()
+			}
+			return false, why, nil
 		}
 		if err != nil {
 			done.Error = err.Error()
 			r.notify(runDir, a, done, start)
-			return true, NewError(ErrInternal, fmt.Sprintf("pod %s/%s: %v", ns, name, err), "")
+			return true, "", NewError(ErrInternal, fmt.Sprintf("pod %s/%s: %v", ns, name, err), "")
 		}
 	}
 	_, err = r.Stdout.Write(conf.PrevResult)
 	r.notify(runDir, a, done, start)
-	return true, err
+	return true, "", err
 }
 
 // sendHere sends a transaction from the calling thread, which is in the

@@ -160,6 +160,11 @@ func TestServePrepared(t *testing.T) {
 				if err != nil || out.String() != "from the agent" || got.req.Done != nil || !got.req.Steps {
 					t.Fatalf("not served from the record, the relay must ask the agent: error %v, output %q, request %+v", err, out.String(), got.req)
 				}
+				// It tells the agent why a record there went unused.
+				noRecord := c.noRecord || !strings.Contains(args, "K8S_POD_UID")
+				if noRecord != (got.req.Unprepared == "") {
+					t.Fatalf("the agent was told %q of why the record went unused", got.req.Unprepared)
+				}
 				return
 			}
 			d := got.req.Done

@@ -56,6 +56,9 @@ type Request struct {
 	// The agent logs and counts it and answers nothing; the relay does
 	// not wait for it to.
 	Done *Done `json:"done,omitempty"`
+	// Unprepared says why the relay did not serve this ADD from the
+	// pod's prepared record though there was one, for the agent's log.
+	Unprepared string `json:"unprepared,omitempty"`
 }
 
 // Done is how a relay served an ADD from a prepared record.

@@ -94,12 +94,15 @@ func (r *Relay) Run(a *Args) error {
 			return NewError(ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", a.Netns, err), "")
 		}
 	}
+	unprepared := ""
 	if cerr == nil && a.Command == "ADD" && netns != nil && !r.NoSteps {
-		if served, err := r.servePrepared(start, a, conf, runDir, netns); served {
+		served, why, err := r.servePrepared(start, a, conf, runDir, netns)
+		if served {
 			return err
 		}
+		unprepared = why
 	}
-	resp, conn, err := r.ask(sock, a, netns)
+	resp, conn, err := r.ask(sock, a, netns, unprepared)
 	if conn != nil {
 		defer conn.close()
 	}
@@ -169,9 +172,9 @@ func podOf(args string) string {
 	return ns + "/" + name
 }
 
-func (r *Relay) ask(sock string, a *Args, netns *os.File) (*Response, *agentConn, error) {
+func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string) (*Response, *agentConn, error) {
 	req := Request{Command: a.Command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
-		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil}
+		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil, Unprepared: unprepared}
 	req.Framed = true
 	if req.Steps {
 		getenv := r.Getenv

@@ -144,6 +144,7 @@ func (req *Request) appendJSON(b []byte) []byte {
 		key("done", false)
 		b = d.appendJSON(b)
 	}
+	str("unprepared", req.Unprepared, true)
 	return append(b, '}')
 }
 

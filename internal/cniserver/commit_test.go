@@ -560,3 +560,24 @@ func TestPrepQueueOrder(t *testing.T) {
 		t.Fatal("a shut queue took a key")
 	}
 }
+
+// TestUnpreparedInTheLog: why a relay did not serve an ADD from the pod's
+// record goes into the agent's lines of that ADD.
+func TestUnpreparedInTheLog(t *testing.T) {
+	r := newCommitRig(t, CommitterPlugin)
+	a := r.add("web")
+	req := &cnirelay.Request{Command: "ADD", ContainerID: a.ContainerID, IfName: a.IfName, Args: a.Args, Stdin: a.StdinData,
+		Unprepared: "the namespace has tables of ours already"}
+	f, err := os.Open(r.netns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if resp := r.s.Handle(req, f); resp.Error != nil {
+		t.Fatalf("ADD: %v", resp.Error)
+	}
+	r.stop()
+	if logs := r.logs.String(); !strings.Contains(logs, `"unprepared":"the namespace has tables of ours already"`) {
+		t.Fatalf("the agent's lines do not say why the record went unused:\n%s", logs)
+	}
+}

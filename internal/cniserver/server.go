@@ -559,6 +559,8 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 		NFTables:  s.NFTables,
 		NewSource: s.source,
 		Commit:    commit,
+		// Why the relay did not use the pod's record, in the ADD's lines.
+		Unprepared: req.Unprepared,
 		// The agent answers, so it can serve an ADD: STATUS succeeds
 		// unless told otherwise.
 		Ready: func() error {

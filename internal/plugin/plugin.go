@@ -42,6 +42,9 @@ type Plugin struct {
 	// Ready, when set, answers STATUS (the node agent serving the command
 	// in-process); nil means asking the agent over its socket.
 	Ready func() error
+	// Unprepared says why the relay did not serve the ADD from the pod's
+	// prepared record though there was one; it goes into the log.
+	Unprepared string
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
@@ -232,6 +235,9 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 	}
 	log := p.Log.With("cmd", cmd, "pod", string(k8s.K8S_POD_NAMESPACE)+"/"+string(k8s.K8S_POD_NAME),
 		"containerID", args.ContainerID)
+	if p.Unprepared != "" {
+		log = log.With("unprepared", p.Unprepared)
+	}
 	if p.FallbackReason != "" {
 		lv := slog.LevelInfo
 		if cmd != "ADD" && cmd != "CHECK" {
