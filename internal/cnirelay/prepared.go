@@ -62,12 +62,9 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {
 			facts, err := nsfacts.ReadFacts()
-			switch {
-			case err != nil:
+			if err != nil {
 				why = "reading the namespace: " + err.Error()
-			case facts.Unfit(e.Kind, e.IPSets) != "":
-				why = facts.Unfit(e.Kind, e.IPSets)
-			case !nsfacts.HasGlobalAddr(facts.Addrs):
+			} else if why = facts.Unfit(e.Kind, e.IPSets); why == "" && !nsfacts.HasGlobalAddr(facts.Addrs) {
 				why = "the namespace has no address"
 			}
 			if why != "" {

@@ -120,7 +120,7 @@ func (r *Relay) Run(a *Args) error {
 	case resp.Error != nil:
 		return resp.Error
 	case resp.Txn != nil:
-		if err := r.send(conn, resp.Txn, netns, podOf(a.Args)); err != nil {
+		if err := r.send(conn, resp.Txn, netns, PodOf(a.Args)); err != nil {
 			return err
 		}
 	}
@@ -166,8 +166,9 @@ func (r *Relay) send(conn *agentConn, prepared []byte, netns *os.File, pod strin
 	return nil
 }
 
-// podOf names the pod of a CNI_ARGS string, for messages.
-func podOf(args string) string {
+// PodOf names the pod of a CNI_ARGS string ("namespace/name"), for
+// messages and log lines: the relay's and the agent's.
+func PodOf(args string) string {
 	ns, name, _ := podArgs(args)
 	return ns + "/" + name
 }

@@ -282,11 +282,9 @@ func (p *preparer) learn(stdin []byte) {
 		return
 	}
 	p.mu.Lock()
-	for _, lc := range p.learnt {
-		if bytes.Equal(lc.canonical, c.Canonical) {
-			p.mu.Unlock()
-			return
-		}
+	if p.learntLocked(c.Canonical) {
+		p.mu.Unlock()
+		return
 	}
 	key := string(c.Canonical)
 	p.candidates[key]++
@@ -304,12 +302,10 @@ func (p *preparer) learn(stdin []byte) {
 		return
 	}
 	p.mu.Lock()
-	for _, lc := range p.learnt {
+	if p.learntLocked(c.Canonical) {
 		// Learnt meanwhile, from another ADD.
-		if bytes.Equal(lc.canonical, c.Canonical) {
-			p.mu.Unlock()
-			return
-		}
+		p.mu.Unlock()
+		return
 	}
 	learnt := append([]learntConfig{{canonical: c.Canonical, conf: conf}}, p.learnt...)
 	if len(learnt) > maxLearnt {
@@ -330,6 +326,17 @@ func (p *preparer) learn(stdin []byte) {
 			p.enqueue(pod, false)
 		}
 	}
+}
+
+// learntLocked reports whether the canonical config is learnt; p.mu is
+// held.
+func (p *preparer) learntLocked(canonical []byte) bool {
+	for _, lc := range p.learnt {
+		if bytes.Equal(lc.canonical, canonical) {
+			return true
+		}
+	}
+	return false
 }
 
 // level is the plugin's log level under the newest learnt config.
@@ -363,7 +370,7 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 	}
 	log := logging.Over(s.Log.Handler())
 	log.SetLevel(lv)
-	l := log.With("cmd", "ADD", "pod", podOf(req.Args), "containerID", req.ContainerID)
+	l := log.With("cmd", "ADD", "pod", cnirelay.PodOf(req.Args), "containerID", req.ContainerID)
 	switch {
 	case d.Error != "":
 		l.Error("programming redirect rules failed", "error", d.Error, "committed_by", "plugin", "prepared", true)

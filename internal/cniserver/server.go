@@ -479,21 +479,6 @@ func parseRights(oob []byte) ([]int, error) {
 	return fds, nil
 }
 
-// podOf names the pod of a CNI_ARGS string, for log lines.
-func podOf(args string) string {
-	var ns, name string
-	for _, kv := range strings.Split(args, ";") {
-		k, v, _ := strings.Cut(kv, "=")
-		switch k {
-		case "K8S_POD_NAMESPACE":
-			ns = v
-		case "K8S_POD_NAME":
-			name = v
-		}
-	}
-	return ns + "/" + name
-}
-
 func (s *Server) locker() *nslock.Locker {
 	s.lockOnce.Do(func() {
 		if s.Locker == nil {
@@ -524,7 +509,7 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	result := "ok"
 	defer func() {
 		if r := recover(); r != nil {
-			s.Log.Error("panic while handling a CNI command; the command fails", "cmd", req.Command, "pod", podOf(req.Args),
+			s.Log.Error("panic while handling a CNI command; the command fails", "cmd", req.Command, "pod", cnirelay.PodOf(req.Args),
 				"containerID", req.ContainerID, "panic", fmt.Sprint(r), "stack", string(debug.Stack()))
 			if s.Panics != nil {
 				s.Panics.WithLabelValues("cni").Inc()

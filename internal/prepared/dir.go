@@ -76,14 +76,11 @@ func (d Dir) LoadConfigs() [][]byte {
 // Put writes a record whole or not at all: a relay reads either the
 // previous record or the new one, never part of one.
 func (d Dir) Put(r *Record) error {
-	if !ValidUID(r.UID) {
-		return fmt.Errorf("pod UID %q cannot name a record", r.UID)
-	}
 	data, err := r.MarshalBinary()
 	if err != nil {
 		return err
 	}
-	return d.write(r.UID, data)
+	return d.PutData(r.UID, data)
 }
 
 // PutData is Put of a record already marshalled, for pod uid.

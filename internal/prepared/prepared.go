@@ -23,6 +23,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -207,7 +208,7 @@ func Read(dir, uid string) (*Record, error) {
 		return nil, fmt.Errorf("%s is not a prepared record", f.Name())
 	}
 	data := make([]byte, fi.Size())
-	if _, err := readFull(f, data); err != nil {
+	if _, err := io.ReadFull(f, data); err != nil {
 		return nil, err
 	}
 	r := &Record{}
@@ -218,16 +219,4 @@ func Read(dir, uid string) (*Record, error) {
 		return nil, fmt.Errorf("%s holds the record of pod UID %q", f.Name(), r.UID)
 	}
 	return r, nil
-}
-
-func readFull(f *os.File, b []byte) (int, error) {
-	n := 0
-	for n < len(b) {
-		m, err := f.Read(b[n:])
-		n += m
-		if err != nil {
-			return n, err
-		}
-	}
-	return n, nil
 }
