@@ -311,6 +311,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		PreparedAdds: a.metrics.PreparedAdds,
 		Panics:       a.metrics.Panics, Sockets: a.metrics.Sockets,
 		PreparedDir: filepath.Join(runDir, prepared.DirName), Prepare: cfg.PrepareAhead,
+		AgentWait: cfg.AgentWait,
 	}
 	if amb != nil {
 		cni.Ambient = amb.c

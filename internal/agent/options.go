@@ -63,6 +63,10 @@ type Config struct {
 	// PrepareAhead keeps the ADDs of the node's pods that have not
 	// started prepared for the relay (internal/prepared).
 	PrepareAhead bool
+	// AgentWait is how long, with PrepareAhead, a plugin process with no
+	// record for its pod waits for the agent before it serves the pod with
+	// the fallback (0: as long as the agent takes).
+	AgentWait time.Duration
 	// DisableSafeUpgrade removes the plugin on every termination, even
 	// while the DaemonSet still exists (a rollout or a node reboot).
 	DisableSafeUpgrade bool
@@ -212,6 +216,16 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			return err
 		}
 	}
+	nonNegative := func(p *time.Duration) func(string) error {
+		return func(v string) error {
+			d, err := time.ParseDuration(v)
+			if err == nil && (d < 0 || d > time.Minute) {
+				err = fmt.Errorf("must be from 0 to 1m")
+			}
+			*p = d
+			return err
+		}
+	}
 	positive := func(p *time.Duration) func(string) error {
 		return func(v string) error {
 			d, err := time.ParseDuration(v)
@@ -286,6 +300,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 			return fmt.Errorf("want %s or %s", cniserver.CommitterPlugin, cniserver.CommitterAgent)
 		}},
 		{name: "cni-prepare-ahead", help: "decide and prepare each pod's ADD when the pod is bound to the node, so the plugin process serves the ADD without asking the agent (false: it always asks)", def: "true", set: boolean(&o.PrepareAhead)},
+		{name: "cni-agent-wait", help: "with cni-prepare-ahead, how long the plugin process waits for the agent to answer an ADD it found no prepared record for, before it serves the pod with istio-cni-fallback (which reads the pod from the API server) and the agent drops the ADD; 0 waits as long as the agent takes", def: "25ms", set: nonNegative(&o.AgentWait)},
 		{name: "host-root", help: "the host's root file system, for native-nftables=auto", def: "/host/proc/1/root", set: str(&o.HostRoot)},
 		{name: "ambient-enabled", help: "ambient mode: enrol the pods the enablement selectors select and serve them to ztunnel", def: "false", set: boolean(&in.Entry.AmbientEnabled), istio: true},
 		{name: "ambient-enablement-selector", help: "pods enrolled in ambient mode: Istio's YAML list of {podSelector, namespaceSelector} (empty: Istio's default)", set: str(&am.SelectorsYAML), istio: true},

@@ -58,9 +58,18 @@ func (c *agentConn) close() { _ = unix.Close(c.fd) }
 // errTooLarge is an answer longer than any the agent sends.
 var errTooLarge = fmt.Errorf("an answer over %d bytes", MaxMessage)
 
+// errWaitedFirst: no byte of the answer came within the first wait.
+var errWaitedFirst = errors.New("no answer within the first wait")
+
 // readAll reads to the end of the agent's answer, at most limit bytes.
-func (c *agentConn) readAll(limit int) ([]byte, error) {
+// With first set, the first byte must come within it (errWaitedFirst);
+// the rest then has timeout, as the connection was dialled with.
+func (c *agentConn) readAll(limit int, first, timeout time.Duration) ([]byte, error) {
 	buf := make([]byte, 0, 16<<10)
+	if first > 0 {
+		tv := unix.NsecToTimeval(first.Nanoseconds())
+		_ = unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	}
 	for {
 		if len(buf) == cap(buf) {
 			buf = append(buf, 0)[:len(buf)]
@@ -68,6 +77,14 @@ func (c *agentConn) readAll(limit int) ([]byte, error) {
 		n, err := unix.Read(c.fd, buf[len(buf):cap(buf)])
 		if errors.Is(err, unix.EINTR) {
 			continue
+		}
+		if first > 0 && errors.Is(err, unix.EAGAIN) && len(buf) == 0 {
+			return nil, errWaitedFirst
+		}
+		if first > 0 && err == nil {
+			first = 0
+			tv := unix.NsecToTimeval(timeout.Nanoseconds())
+			_ = unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 		}
 		if err != nil {
 			return buf, fmt.Errorf("read: %w", err)

@@ -24,6 +24,11 @@ const FallbackBinary = "istio-cni-fallback"
 // FallbackReasonEnv tells the fallback why it runs, for its log line.
 const FallbackReasonEnv = "ISTIO_CNI_FALLBACK_REASON"
 
+// FallbackSkipAgentEnv, set to 1, tells the fallback that the agent is
+// behind (the relay left it): the fallback reads the pod from the API
+// server without asking the agent's pod cache first.
+const FallbackSkipAgentEnv = "ISTIO_CNI_FALLBACK_SKIP_AGENT"
+
 // Request is one CNI command as the runtime gave it to the relay. The
 // pod's network namespace travels as an SCM_RIGHTS descriptor with the
 // first bytes, so the agent needs no view of the host's netns mounts.
@@ -59,6 +64,15 @@ type Request struct {
 	// Unprepared says why the relay did not serve this ADD from the
 	// pod's prepared record though there was one, for the agent's log.
 	Unprepared string `json:"unprepared,omitempty"`
+	// MayLeave says the relay stops waiting for an answer after the
+	// agent's wait (prepared.AgentWait) and runs the fallback instead:
+	// the agent prepares ADDs ahead, yet had no record for this pod, so
+	// it is behind (on a busy node its container's small CPU weight waits
+	// for the CPU). The agent must then never write to the pod's
+	// namespace itself: it hands the rules to the relay or answers
+	// Unavailable, and a relay that leaves closes the connection before
+	// the fallback starts.
+	MayLeave bool `json:"mayLeave,omitempty"`
 }
 
 // Done is how a relay served an ADD from a prepared record.

@@ -59,6 +59,18 @@ type Relay struct {
 // without any risk of doing the work twice at once.
 var errNoAgent = errors.New("no node agent")
 
+// errAgentBehind means a relay that may leave (Request.MayLeave) got no
+// answer within the agent's wait and closed the connection: the agent
+// writes nothing to the namespace for such a request, so the fallback may
+// run.
+var errAgentBehind = errors.New("node agent behind")
+
+// hasUID says the arguments name the pod's UID, which records go by.
+func hasUID(args string) bool {
+	_, _, uid := podArgs(args)
+	return uid != ""
+}
+
 // Run serves one command: through the agent when one answers, else by
 // running the complete plugin. Its error is an *Error, for the runtime.
 func (r *Relay) Run(a *Args) error {
@@ -94,19 +106,26 @@ func (r *Relay) Run(a *Args) error {
 			return NewError(ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", a.Netns, err), "")
 		}
 	}
-	unprepared := ""
+	unprepared, leaveAfter := "", time.Duration(0)
 	if cerr == nil && a.Command == "ADD" && netns != nil && !r.NoSteps {
 		served, why, err := r.servePrepared(start, a, conf, runDir, netns)
 		if served {
 			return err
 		}
 		unprepared = why
+		// No record for a pod of an agent that prepares them: the agent
+		// has not got to the pod yet, and may not soon.
+		if why == "" && hasUID(a.Args) {
+			leaveAfter = prepared.AgentWait(filepath.Join(runDir, prepared.DirName))
+		}
 	}
-	resp, conn, err := r.ask(sock, a, netns, unprepared)
+	resp, conn, err := r.ask(sock, a, netns, unprepared, leaveAfter)
 	if conn != nil {
 		defer conn.close()
 	}
 	switch {
+	case errors.Is(err, errAgentBehind):
+		return r.fallback(fmt.Sprintf("%v: no answer within %s", err, leaveAfter), a, FallbackSkipAgentEnv+"=1")
 	case errors.Is(err, errNoAgent) && a.Command == "STATUS":
 		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
@@ -173,9 +192,13 @@ func PodOf(args string) string {
 	return ns + "/" + name
 }
 
-func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string) (*Response, *agentConn, error) {
+// ask sends the command to the agent and reads its answer. With
+// leaveAfter set (an ADD the agent had no record for), it gives up when
+// no answer has begun by then (errAgentBehind).
+func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string, leaveAfter time.Duration) (*Response, *agentConn, error) {
 	req := Request{Command: a.Command, ContainerID: a.ContainerID, Netns: a.Netns, IfName: a.IfName,
 		Args: a.Args, Path: a.Path, Stdin: a.Stdin, Steps: !r.NoSteps && a.Command == "ADD" && netns != nil, Unprepared: unprepared}
+	req.MayLeave = leaveAfter > 0 && req.Steps
 	req.Framed = true
 	if req.Steps {
 		getenv := r.Getenv
@@ -216,7 +239,15 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string) (*R
 	}
 	// The agent ends its answer by closing its side (for a transaction,
 	// only its side: it then reads the outcome).
-	out, err := conn.readAll(MaxMessage)
+	var first time.Duration
+	if req.MayLeave {
+		first = leaveAfter
+	}
+	out, err := conn.readAll(MaxMessage, first, r.Timeout)
+	if errors.Is(err, errWaitedFirst) {
+		// Closed (deferred) before the fallback starts.
+		return nil, nil, errAgentBehind
+	}
 	if errors.Is(err, errTooLarge) {
 		return nil, nil, NewError(ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
 	}
@@ -258,8 +289,8 @@ func (r *Relay) status(reason string) error {
 }
 
 // fallback runs the complete plugin with the runtime's environment and
-// config, and passes its answer on.
-func (r *Relay) fallback(reason string, a *Args) error {
+// config, and passes its answer on; env adds to the environment.
+func (r *Relay) fallback(reason string, a *Args, env ...string) error {
 	runner := r.Runner
 	if runner == nil {
 		runner = execrun.OS{}
@@ -267,7 +298,7 @@ func (r *Relay) fallback(reason string, a *Args) error {
 	// The fallback's stderr is the runtime's, as it comes; its stdout is
 	// the CNI answer, read whole.
 	res, err := runner.Run(context.Background(), &execrun.Cmd{Path: r.Fallback,
-		Env:   append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason),
+		Env:   append(append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason), env...),
 		Stdin: a.Stdin, Stderr: r.Stderr})
 	var exit *execrun.ExitError
 	switch {

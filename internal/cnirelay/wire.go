@@ -145,6 +145,7 @@ func (req *Request) appendJSON(b []byte) []byte {
 		b = d.appendJSON(b)
 	}
 	str("unprepared", req.Unprepared, true)
+	flag("mayLeave", req.MayLeave)
 	return append(b, '}')
 }
 

@@ -70,6 +70,9 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 	if err := p.dir.Reset(); err != nil {
 		return err
 	}
+	if err := p.dir.SetAgentWait(s.AgentWait); err != nil {
+		return err
+	}
 	// The configs an earlier agent learnt: pods waiting for this one
 	// (restarted by an upgrade, say) are prepared from the start.
 	for _, c := range p.dir.LoadConfigs() {

@@ -29,6 +29,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -83,6 +84,11 @@ type Server struct {
 	// pod from an earlier agent's records.
 	PreparedDir string
 	Prepare     bool
+	// AgentWait, with Prepare, is how long a relay that finds no record
+	// for its pod waits for this agent's answer before it runs the
+	// fallback instead (cnirelay.Request.MayLeave); 0: as long as the
+	// agent takes.
+	AgentWait time.Duration
 
 	Commands *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
@@ -320,8 +326,21 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case req.Done != nil:
 		s.noteDone(req)
 		return
+	case req.MayLeave && (s.prep == nil || s.Ambient != nil || s.Committer == CommitterAgent):
+		// A relay that read an earlier agent's records: this agent would
+		// write to the namespace itself, which a relay that may leave
+		// does not allow.
+		resp = &cnirelay.Response{Unavailable: "the node agent does not prepare ADDs, and the relay may leave it"}
+	case req.MayLeave && req.Steps && req.Command == "ADD" && hungUp(conn):
+		// The relay waited out the agent's wait and runs the fallback.
+		s.Log.Debug("the relay stopped waiting before the agent read its ADD; the fallback serves the pod",
+			"pod", cnirelay.PodOf(req.Args), "containerID", req.ContainerID)
+		if s.Commands != nil {
+			s.Commands.WithLabelValues(req.Command, resultLeft).Inc()
+		}
+		return
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
-		rc := &relayCommit{conn: conn, framed: req.Framed}
+		rc := &relayCommit{conn: conn, framed: req.Framed, mayLeave: req.MayLeave}
 		resp = s.handle(req, netns, rc.commit)
 		if rc.sent {
 			return
@@ -364,6 +383,9 @@ func encodeAnswer(resp *cnirelay.Response, framed bool) ([]byte, error) {
 // reads its account of sending them.
 type relayCommit struct {
 	conn *net.UnixConn
+	// mayLeave: the relay may stop waiting (cnirelay.Request.MayLeave);
+	// an answer it did not take is then plugin.ErrCommitterLeft.
+	mayLeave bool
 	// sent: the answer went out with the prepared requests.
 	sent bool
 	// framed: the relay reads the framed form (cnirelay.AppendFramed).
@@ -383,17 +405,19 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 	rc.sent = true
 	_ = rc.conn.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	if _, err := rc.conn.Write(out); err != nil {
-		return a, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+		return a, rc.left(fmt.Errorf("sending the prepared rules to the relay: %w", err))
 	}
 	// The relay reads the answer to its end; the connection stays open
 	// for its account, and the namespace's lock stays held until then.
 	if err := rc.conn.CloseWrite(); err != nil {
-		return a, fmt.Errorf("sending the prepared rules to the relay: %w", err)
+		return a, rc.left(fmt.Errorf("sending the prepared rules to the relay: %w", err))
 	}
 	_ = rc.conn.SetReadDeadline(time.Now().Add(cnirelay.Timeout))
 	var hdr [4]byte
 	if _, err := io.ReadFull(rc.conn, hdr[:]); err != nil {
-		return a, fmt.Errorf("reading the relay's account of the rules it sent: %w", err)
+		// A relay that took the answer gives its account; one that
+		// closed without it left before the answer came.
+		return a, rc.left(fmt.Errorf("reading the relay's account of the rules it sent: %w", err))
 	}
 	size := binary.BigEndian.Uint32(hdr[:])
 	if size > cnirelay.MaxMessage {
@@ -407,6 +431,37 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 		return a, fmt.Errorf("decoding the relay's account of the rules it sent: %w", err)
 	}
 	return a, nil
+}
+
+// left is err as plugin.ErrCommitterLeft when the relay may have left
+// and the connection says it did (closed, reset, nothing more to read).
+func (rc *relayCommit) left(err error) error {
+	if rc.mayLeave && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)) {
+		return fmt.Errorf("%w: %w", plugin.ErrCommitterLeft, err)
+	}
+	return err
+}
+
+// resultLeft is istio_cni_plugin_commands_total's result for an ADD whose
+// relay stopped waiting and ran the fallback, which served it.
+const resultLeft = "left"
+
+// hungUp says the peer of conn has closed it (or shut its writing side,
+// which a relay that sends rules does not do before it leaves).
+func hungUp(conn *net.UnixConn) bool {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return false
+	}
+	gone := false
+	_ = rc.Control(func(fd uintptr) {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
+		if n, err := unix.Poll(fds, 0); err == nil && n == 1 {
+			gone = fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+		}
+	})
+	return gone
 }
 
 // errNoDescriptor: a descriptor sent with the request was dropped by the
@@ -560,6 +615,8 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	if s.Committer == CommitterAgent && commit != nil {
 		// This agent sends the prepared rules itself (sendHere).
 		p.CommittedBy = CommitterAgent
+	} else if commit != nil && req.MayLeave {
+		p.HandOverOnly = true
 	}
 	if s.Ambient != nil && netns != nil && req.Command == "ADD" {
 		p.Ambient = func(ctx context.Context, a *plugin.K8sArgs) (bool, error) {
@@ -599,6 +656,15 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	}
 	resp = &cnirelay.Response{}
 	if err != nil {
+		switch {
+		case errors.Is(err, plugin.ErrCommitterLeft):
+			result = resultLeft
+			return resp
+		case errors.Is(err, plugin.ErrInPlace):
+			// The relay, if still there, runs the fallback.
+			result = "unavailable"
+			return &cnirelay.Response{Unavailable: err.Error()}
+		}
 		if outOfDescriptors(err) {
 			result = "unavailable"
 			return &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}

@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -62,8 +61,12 @@ func New(out io.Writer) *Logger {
 func (l *Logger) SetLevel(lv slog.Level) { l.level.Set(lv) }
 
 // Forward sends the lines logged so far to the agent socket, if there is
-// one, as one POST of a JSON array of lines. It never fails the plugin:
-// the lines are already on stderr.
+// one, as one POST of a JSON array of lines, and does not wait for the
+// agent to read it: the fallback that forwards them often runs because
+// the agent is slow to answer, and the pod's ADD waits for the fallback
+// to exit. The kernel keeps the request for the agent (a few kilobytes,
+// well within a socket's buffer). It never fails the plugin: the lines
+// are already on stderr.
 func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 	l.mu.Lock()
 	lines := l.lines
@@ -79,22 +82,19 @@ func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
-	client := &http.Client{
-		Timeout: timeout,
-		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socketPath)
-		}},
-	}
-	resp, err := client.Post("http://unix/log", "application/json", bytes.NewReader(body))
+	req, err := http.NewRequest(http.MethodPost, "http://unix/log", bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
-	_ = resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("log socket answered HTTP %d", resp.StatusCode)
+	req.Header.Set("Content-Type", "application/json")
+	req.Close = true
+	conn, err := net.DialTimeout("unix", socketPath, timeout)
+	if err != nil {
+		return err
 	}
-	return nil
+	defer conn.Close()
+	_ = conn.SetWriteDeadline(time.Now().Add(timeout))
+	return req.Write(conn)
 }
 
 // Over returns a logger that writes through h (the node agent's own

@@ -29,6 +29,7 @@ func Main() int {
 		NFTables: &nftables.Applier{},
 		// Set by the relay (istio-cni) when no node agent answered.
 		FallbackReason: os.Getenv(cnirelay.FallbackReasonEnv),
+		SkipAgentCache: os.Getenv(cnirelay.FallbackSkipAgentEnv) == "1",
 	}
 	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
 		Add:    p.Add,

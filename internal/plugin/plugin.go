@@ -48,6 +48,10 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
+	// SkipAgentCache makes the default pod source read the API server
+	// without asking the agent's pod cache first: the relay left the
+	// agent because it did not answer.
+	SkipAgentCache bool
 	// Commit, when set, hands a redirected pod's rules, prepared as
 	// netlink requests, to whoever sends them (the relay, for the agent),
 	// with the result to print once they are in. A namespace the backend
@@ -56,6 +60,11 @@ type Plugin struct {
 	// CommittedBy names, in the log, whom Commit has the rules sent by:
 	// "plugin" (the relay) when empty.
 	CommittedBy string
+	// HandOverOnly makes an ADD that Commit cannot be handed fail with
+	// ErrInPlace instead of applying the rules here: the relay may have
+	// left for the fallback (cnirelay.Request.MayLeave), which must be
+	// the only one to write to the namespace.
+	HandOverOnly bool
 	// Ambient, when set (the node agent in ambient mode), is asked first
 	// on ADD: true means it enrolled the pod in the ambient mesh, which
 	// then gets no sidecar rules; an error fails the ADD.
@@ -178,9 +187,9 @@ func Exclusion(pod *podinfo.Pod) string {
 const agentTimeout = 500 * time.Millisecond
 
 // defaultSource asks the node agent's cache first (no API request per
-// pod), then the API server with the agent's kubeconfig, bounded by the
-// config's timeout and budget.
-func defaultSource(log *slog.Logger) func(*Config, string) (podinfo.Source, error) {
+// pod; not with skipAgent), then the API server with the agent's
+// kubeconfig, bounded by the config's timeout and budget.
+func defaultSource(log *slog.Logger, skipAgent bool) func(*Config, string) (podinfo.Source, error) {
 	return func(conf *Config, uid string) (podinfo.Source, error) {
 		f := &podinfo.Fallback{API: func() (podinfo.Source, error) {
 			c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
@@ -189,7 +198,7 @@ func defaultSource(log *slog.Logger) func(*Config, string) (podinfo.Source, erro
 			}
 			return conf.Bounded(c), nil
 		}}
-		if sock := conf.AgentSocketPath(); fileExists(sock) {
+		if sock := conf.AgentSocketPath(); !skipAgent && fileExists(sock) {
 			ac := podinfo.NewAgentClient(sock, agentTimeout)
 			ac.UID = uid
 			f.Agent = ac
@@ -244,6 +253,8 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 			lv = slog.LevelDebug
 		}
 		log.Log(context.Background(), lv, "served without the node agent", "reason", p.FallbackReason)
+		// Its lines reach the agent's log beside the agent's own.
+		log = log.With("fallback", true)
 	}
 	if !levelOK && logging.FirstTime("plugin_log_level", conf.PluginLogLevel) {
 		log.Warn("plugin_log_level not understood; using "+logging.LevelName(lv), "plugin_log_level", conf.PluginLogLevel)
@@ -277,6 +288,14 @@ func result(conf *Config) (types.Result, error) {
 	}
 	return out, nil
 }
+
+// ErrInPlace: the rules would have to be applied here, which a relay that
+// may have left does not allow (Plugin.HandOverOnly).
+var ErrInPlace = errors.New("the rules must be applied in place")
+
+// ErrCommitterLeft: whom Commit hands the rules to stopped waiting for
+// them (a relay that left for the fallback) and took none.
+var ErrCommitterLeft = errors.New("the relay stopped waiting for the rules")
 
 // Add decides and programs; on every success path the previous result is
 // passed through unchanged.
@@ -332,6 +351,10 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	if txn != nil {
 		return p.commitElsewhere(req, d, plan, txn, start, decided, planned)
 	}
+	if p.Commit != nil && p.HandOverOnly {
+		req.log.Info("rules not handed to the relay, which may have left: it runs the fallback", "why", inPlace)
+		return fmt.Errorf("%w (%s)", ErrInPlace, inPlace)
+	}
 	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
 		req.log.Error("programming redirect rules failed", "error", err.Error())
@@ -361,6 +384,11 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 	}
 	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
 	a, err := p.Commit(txn, out.Bytes())
+	if errors.Is(err, ErrCommitterLeft) {
+		req.log.Info("the relay stopped waiting; the fallback serves the pod", "duration", time.Since(start).String(),
+			"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String())
+		return err
+	}
 	if err != nil {
 		req.log.Error("the plugin process did not report sending the redirect rules", "error", err.Error(),
 			"duration", time.Since(start).String())
@@ -449,7 +477,7 @@ func (p *Plugin) source(log *slog.Logger) func(*Config, string) (podinfo.Source,
 	if p.NewSource != nil {
 		return p.NewSource
 	}
-	return defaultSource(log)
+	return defaultSource(log, p.SkipAgentCache)
 }
 
 // Status (CNI 1.1) fails only when an ADD could not be served; the

@@ -4,10 +4,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
+	"time"
 )
 
 // Dir is the records' directory as the agent keeps it. Only root reads
@@ -37,6 +40,49 @@ func (d Dir) Reset() error {
 
 // configsName is the file of the learnt configs; no UID names it.
 const configsName = ".configs"
+
+// waitName is the file of the agent's wait (SetAgentWait); no UID names it.
+const waitName = ".agent-wait"
+
+// maxWait bounds the wait a relay reads: beyond it the relay waits as long
+// as the agent takes.
+const maxWait = time.Minute
+
+// SetAgentWait tells relays how long to wait for the agent's answer to an
+// ADD they have no record for before they run the fallback instead
+// (cnirelay.Request.MayLeave); 0 removes it, and relays then wait as long
+// as the agent takes.
+func (d Dir) SetAgentWait(w time.Duration) error {
+	if w <= 0 || w > maxWait {
+		err := os.Remove(filepath.Join(string(d), waitName))
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		return err
+	}
+	return d.write(waitName, []byte(w.String()))
+}
+
+// AgentWait is the wait SetAgentWait left in dir, 0 when there is none or
+// it does not read.
+func AgentWait(dir string) time.Duration {
+	f, err := os.OpenFile(filepath.Join(dir, waitName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	var b [32]byte
+	n, err := io.ReadFull(f, b[:])
+	if err != io.ErrUnexpectedEOF && err != io.EOF {
+		// Empty, longer than any duration it writes, or unreadable.
+		return 0
+	}
+	w, err := time.ParseDuration(string(b[:n]))
+	if err != nil || w <= 0 || w > maxWait {
+		return 0
+	}
+	return w
+}
 
 // configsMagic starts the configs file; the number is its form's version.
 const configsMagic = "istio-cni prepared configs 1\n"

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"testing"
+	"time"
 )
 
 func sample() *Record {
@@ -233,5 +234,63 @@ func TestConfigsOutliveReset(t *testing.T) {
 	}
 	if got := d.LoadConfigs(); got != nil {
 		t.Fatalf("a configs file cut short read as %q", got)
+	}
+}
+
+// TestAgentWait: the wait reads back as set, and not at all once set to
+// 0, past a minute, emptied by Reset, or replaced by anything that is not
+// a short duration in a regular file.
+func TestAgentWait(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "prepared")
+	d := Dir(dir)
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if w := AgentWait(dir); w != 0 {
+		t.Fatalf("no wait set: %s", w)
+	}
+	if err := d.SetAgentWait(25 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if w := AgentWait(dir); w != 25*time.Millisecond {
+		t.Fatalf("wait %s, want 25ms", w)
+	}
+	for _, w := range []time.Duration{0, 2 * time.Minute} {
+		if err := d.SetAgentWait(25 * time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.SetAgentWait(w); err != nil {
+			t.Fatal(err)
+		}
+		if got := AgentWait(dir); got != 0 {
+			t.Fatalf("set to %s, read %s", w, got)
+		}
+	}
+	if err := d.SetAgentWait(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if w := AgentWait(dir); w != 0 {
+		t.Fatalf("a reset left the wait %s", w)
+	}
+	path := filepath.Join(dir, waitName)
+	for name, write := range map[string]func() error{
+		"not a duration": func() error { return os.WriteFile(path, []byte("soon"), 0o600) },
+		"negative":       func() error { return os.WriteFile(path, []byte("-1s"), 0o600) },
+		"too long":       func() error { return os.WriteFile(path, bytes.Repeat([]byte("1"), 40), 0o600) },
+		"a link":         func() error { _ = os.WriteFile(path+".t", []byte("1s"), 0o600); return os.Symlink(path+".t", path) },
+		"a directory":    func() error { return os.Mkdir(path, 0o700) },
+	} {
+		if err := os.RemoveAll(path); err != nil {
+			t.Fatal(err)
+		}
+		if err := write(); err != nil {
+			t.Fatal(err)
+		}
+		if w := AgentWait(dir); w != 0 {
+			t.Fatalf("%s: read %s", name, w)
+		}
 	}
 }

@@ -50,7 +50,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed, mixed-waiting, mixed-none")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
@@ -78,6 +78,10 @@ var clusterArms = map[string]clusterArm{
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
 	"mixed": {name: "mixed", about: "istio-cni, chart defaults, for every other pod of the burst; the rest run through a runtime handler without it (which half is which alternates by round)",
 		values: func(map[string]any) {}, mixed: true},
+	"mixed-none": {name: "mixed-none", about: "no istio-cni, the burst split as mixed splits it (every other pod through the plain handler): the comparison's own spread, both halves without the plugin",
+		mixed: true},
+	"mixed-waiting": {name: "mixed-waiting", about: "mixed, but relays with no record wait for the agent however long it takes (CNI_AGENT_WAIT=0), as before relays left a slow agent",
+		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_AGENT_WAIT"] = "0" }, mixed: true},
 }
 
 // burstFigures are one burst's: each pod's creation to Ready, sorted, and
@@ -100,6 +104,13 @@ type burstFigures struct {
 	// plan as logged): its part before the relay takes over.
 	agentOwn []time.Duration
 	fallback int
+	// left counts the fallbacks of relays that left the agent after
+	// cnirelay.LeaveAfter with no answer (no record for the pod yet);
+	// fallbackTime is each fallback ADD's time as it logged it, and
+	// fallbackLookup its pod lookup (from the API server) in it.
+	left           int
+	fallbackTime   []time.Duration
+	fallbackLookup []time.Duration
 	// prepared counts the ADDs the relay served from the pod's prepared
 	// record: no time in the agent (their duration is the relay's own,
 	// left out of agentTime).
@@ -138,7 +149,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	for _, name := range parseArms(cfg.arms) {
 		arm, ok := clusterArms[name]
 		if !ok {
-			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed)", name)
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none)", name)
 		}
 		res.arms = append(res.arms, arm)
 	}
@@ -229,7 +240,9 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	if err != nil {
 		return burstFigures{}, err
 	}
-	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback, f.prepared = pluginLines(agent, round)
+	pl := pluginLines(agent, round)
+	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback, f.prepared = pl.cpu, pl.took, pl.own, pl.fallback, pl.prepared
+	f.left, f.fallbackTime, f.fallbackLookup = pl.left, pl.fbTook, pl.fbLookup
 	if arm.mixed {
 		// Each half is what it says: the plugin served every pod of its
 		// half, and never saw one of the other.
@@ -259,38 +272,68 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	return f, nil
 }
 
+// pluginLog is what the agent's log says of a round's ADDs.
+type pluginLog struct {
+	// cpu is the plugin process CPU of each ADD the agent served; took
+	// its time in the agent, own the lookup and planning in that.
+	cpu, took, own []time.Duration
+	// fallback counts the ADDs the fallback served, left those of them
+	// whose relay left a slow agent; fbTook and fbLookup are the
+	// fallback's time and its pod lookup in it.
+	fallback, left   int
+	fbTook, fbLookup []time.Duration
+	// prepared counts the ADDs the relay served from prepared records.
+	prepared int
+}
+
 // pluginLines reads, from the agent's log as the kubelet keeps it, the
-// plugin process CPU of each of the round's ADDs, the agent's time in
-// those it served, and how many of them the fallback served and how many
-// the relay served from prepared records.
-func pluginLines(p *corev1.Pod, round string) (cpu, took, own []time.Duration, fallback, prepared int) {
+// round's ADDs: those the agent served, those the relay served from
+// prepared records, and those the fallback served (its lines reach the
+// agent's log marked fallback).
+func pluginLines(p *corev1.Pod, round string) pluginLog {
+	var l pluginLog
 	text, _ := podLogs(p)
 	for _, line := range strings.Split(text, "\n") {
 		if !strings.Contains(line, "pod=bench/"+round+"-") {
 			continue
 		}
+		fb := strings.Contains(line, "fallback=true")
 		if strings.Contains(line, "served without the node agent") {
-			fallback++
+			l.fallback++
+			if strings.Contains(line, "node agent behind") {
+				l.left++
+			}
 		}
-		if strings.Contains(line, "redirect rules programmed") {
-			if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
-				cpu = append(cpu, d)
+		if !strings.Contains(line, "redirect rules programmed") {
+			continue
+		}
+		if fb {
+			if d, err := testenv.LogDuration(line, "duration"); err == nil {
+				l.fbTook = append(l.fbTook, d)
 			}
-			if strings.Contains(line, "prepared=true") {
-				prepared++
-			} else if d, err := testenv.LogDuration(line, "duration"); err == nil {
-				took = append(took, d)
+			if d, err := testenv.LogDuration(line, "lookup"); err == nil {
+				l.fbLookup = append(l.fbLookup, d)
 			}
-			l, lerr := testenv.LogDuration(line, "lookup")
-			pl, perr := testenv.LogDuration(line, "plan")
-			if lerr == nil && perr == nil {
-				own = append(own, l+pl)
-			}
+			continue
+		}
+		if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
+			l.cpu = append(l.cpu, d)
+		}
+		if strings.Contains(line, "prepared=true") {
+			l.prepared++
+		} else if d, err := testenv.LogDuration(line, "duration"); err == nil {
+			l.took = append(l.took, d)
+		}
+		lk, lerr := testenv.LogDuration(line, "lookup")
+		pl, perr := testenv.LogDuration(line, "plan")
+		if lerr == nil && perr == nil {
+			l.own = append(l.own, lk+pl)
 		}
 	}
-	slices.Sort(took)
-	slices.Sort(own)
-	return cpu, took, own, fallback, prepared
+	for _, d := range [][]time.Duration{l.took, l.own, l.fbTook, l.fbLookup} {
+		slices.Sort(d)
+	}
+	return l
 }
 
 // podLogs is a pod's log as the kubelet keeps it (under /var/log/pods,

@@ -91,6 +91,8 @@ func armLegend(a clusterArm) string {
 		return "istio-cni, the agent commits"
 	case "mixed":
 		return "istio-cni, half of a mixed burst"
+	case "mixed-none":
+		return "half of a mixed burst, neither with istio-cni"
 	}
 	return a.name
 }

@@ -253,6 +253,10 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 					byRound(func(b *burstFigures) []time.Duration { return b.agentTime }))
 				fmt.Printf("  %-8s of it lookup and planning, before the relay takes over: %s\n", "",
 					byRound(func(b *burstFigures) []time.Duration { return b.agentOwn }))
+				fmt.Printf("  %-8s the fallback's time per ADD by round, p50/slowest, ms: %s\n", "",
+					byRound(func(b *burstFigures) []time.Duration { return b.fallbackTime }))
+				fmt.Printf("  %-8s of it the pod's lookup (the API server): %s\n", "",
+					byRound(func(b *burstFigures) []time.Duration { return b.fallbackLookup }))
 			}
 			if a.mixed {
 				all, lasts, rounds := burstStats(plainHalves(bs))
@@ -262,16 +266,17 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
 				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
 			var pluginCPU []time.Duration
-			fallback, prepared := 0, 0
+			fallback, left, prepared := 0, 0, 0
 			for i := range bs {
 				b := &bs[i]
 				pluginCPU = append(pluginCPU, b.pluginCPU...)
 				fallback += b.fallback
+				left += b.left
 				prepared += b.prepared
 			}
 			if a.values != nil {
-				fmt.Printf("  %-8s istio-cni process CPU per ADD (as it reports it to the agent): p50 %s, p99 %s, %d ADDs reported; %d ADDs served by the fallback\n", "",
-					ms(pct(pluginCPU, .5)), ms(pct(pluginCPU, .99)), len(pluginCPU), fallback)
+				fmt.Printf("  %-8s istio-cni process CPU per ADD (as it reports it to the agent): p50 %s, p99 %s, %d ADDs reported; %d ADDs served by the fallback, %d of them for relays that left an agent behind\n", "",
+					ms(pct(pluginCPU, .5)), ms(pct(pluginCPU, .99)), len(pluginCPU), fallback, left)
 				fmt.Printf("  %-8s ADDs the relay served from the pod's prepared record, without the agent: %d of %d\n", "", prepared, len(pluginCPU))
 			}
 		}
@@ -281,7 +286,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				// Its own bursts' plain half, started side by side.
 				against, base = "its plain half", plainHalves(r.bursts[size][a.name])
 			}
-			if a.values == nil || len(base) == 0 {
+			if (a.values == nil && !a.mixed) || len(base) == 0 {
 				continue
 			}
 			baseAll, baseLasts, _ := burstStats(base)

@@ -194,8 +194,11 @@ func (b *bench) startAgentIn(ctx context.Context, dir string, extra ...string) (
 	if err := os.WriteFile(filepath.Join(b.confDir, "10-calico.conflist"), calicoConf, 0o644); err != nil {
 		return nil, err
 	}
+	// Relays wait for the agent however long it takes: these series
+	// time the agent's path and the records' (the cluster series has
+	// relays leave a busy node's agent, the chart's default).
 	if err := h.Start(agentBin, append([]string{"--conflict-limit", "100000", "--disable-safe-upgrade",
-		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods"}, extra...)...); err != nil {
+		"--kubernetes-node-name", testenv.NodeName, "--repair-host-proc", "/proc", "--repair-repair-pods", "--cni-agent-wait=0"}, extra...)...); err != nil {
 		return nil, err
 	}
 	stop := func() { _, _ = h.Stop(10 * time.Second) }

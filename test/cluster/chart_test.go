@@ -117,6 +117,11 @@ func chartOnNode(t *testing.T, backend string) {
 	}
 	ns := "istio-system"
 	values := testenv.NodeChartValues(cluster, node, backend == "nftables")
+	// This test is about the agent's path: a relay with no record waits
+	// for the agent however loaded the machine running the tests is. A
+	// relay leaving a slow agent (the default wait) is
+	// TestAgentBehindRelayLeaves's, in test/e2e.
+	values["env"].(map[string]any)["CNI_AGENT_WAIT"] = "0"
 	rel, err := testenv.InstallChart(cluster, values)
 	if err != nil {
 		t.Fatal(err)

@@ -24,7 +24,9 @@ import (
 func TestAgentInstalledNodeRedirects(t *testing.T) {
 	ensureDaemonSet(t, false)
 	h := ptpHost(t, "10.245.0.0/24")
-	h.start("--kubernetes-node-name", testenv.NodeName)
+	// The agent's path is asserted: the relay waits for it, however
+	// loaded the machine.
+	h.start("--kubernetes-node-name", testenv.NodeName, "--cni-agent-wait=0")
 	h.waitReadyz(200, 20*time.Second)
 
 	primary, _, err := install.FindPrimary(h.NetDir, "")

@@ -41,7 +41,10 @@ type agentNode struct {
 func startAgentNode(t *testing.T, subnet string, flags ...string) *agentNode {
 	t.Helper()
 	h := ptpHost(t, subnet)
-	h.start(append([]string{"--kubernetes-node-name", testenv.NodeName, "--conflict-limit", "100000"}, flags...)...)
+	// The tests count the ADDs the agent served: a relay with no record
+	// waits for it however loaded the machine is (TestAgentBehindRelayLeaves
+	// has the relay leave a slow agent).
+	h.start(append([]string{"--kubernetes-node-name", testenv.NodeName, "--conflict-limit", "100000", "--cni-agent-wait=0"}, flags...)...)
 	h.waitReadyz(200, 20*time.Second)
 	return &agentNode{host: h, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil)}
 }

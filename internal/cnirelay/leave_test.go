@@ -1,0 +1,193 @@
+package cnirelay
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+)
+
+// slowAgent accepts one connection, reads the request and answers reply
+// after delay; with no reply it never answers, and reports when the relay
+// closed the connection (closed).
+type slowAgent struct {
+	runDir string
+	got    chan received
+	closed chan struct{}
+}
+
+func startSlowAgent(t *testing.T, reply []byte, delay time.Duration) *slowAgent {
+	t.Helper()
+	a := &slowAgent{runDir: t.TempDir(), got: make(chan received, 1), closed: make(chan struct{})}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(a.runDir, SocketName), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		_ = l.Close()
+		<-done
+	})
+	go func() {
+		defer close(done)
+		c, err := l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		a.got <- readRequest(c)
+		if reply != nil {
+			time.Sleep(delay) // the agent's slowness, which the test is about
+			_, _ = c.Write(reply)
+			_ = c.CloseWrite()
+		}
+		// Until the relay closes its end.
+		_, _ = io.Copy(io.Discard, c)
+		close(a.closed)
+	}()
+	return a
+}
+
+// fallbackRunner records the fallback's reason, and whether the relay
+// had closed its connection to the agent before it started.
+type fallbackRunner struct {
+	agent        *slowAgent
+	reasons      []string
+	skipAgent    bool
+	closedBefore bool
+}
+
+func (f *fallbackRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) {
+	for _, e := range c.Env {
+		if r, ok := strings.CutPrefix(e, FallbackReasonEnv+"="); ok {
+			f.reasons = append(f.reasons, r)
+		}
+		f.skipAgent = f.skipAgent || e == FallbackSkipAgentEnv+"=1"
+	}
+	select {
+	case <-f.agent.closed:
+		f.closedBefore = true
+	case <-time.After(5 * time.Second):
+	}
+	return execrun.Result{Stdout: []byte("from the fallback")}, nil
+}
+
+// TestRelayLeavesAnAgentBehind: a relay with no record for its pod, on a
+// node whose agent prepares records and set a wait, gives the agent that
+// long to begin its answer, then closes the connection and runs the
+// fallback, telling it not to ask the agent's pod cache either; the
+// agent was told it might (MayLeave). Without the wait, a
+// record of another pod, no UID, or another command, the relay waits as
+// long as the agent takes.
+func TestRelayLeavesAnAgentBehind(t *testing.T) {
+	const uid = "0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
+	fromAgent := func(t *testing.T) []byte { return answer(t, Response{Stdout: []byte("from the agent")}) }
+	for _, c := range []struct {
+		name    string
+		command string
+		args    string
+		// wait is the agent's (none: no file); noDir: the agent does not
+		// prepare; record: a record of another pod under the UID.
+		wait   time.Duration
+		noDir  bool
+		record bool
+		// silent: the agent never answers; else it answers after delay.
+		silent bool
+		delay  time.Duration
+
+		wantMayLeave bool
+		wantOut      string
+	}{
+		{name: "a silent agent is left after its wait", wait: 50 * time.Millisecond, silent: true,
+			wantMayLeave: true, wantOut: "from the fallback"},
+		{name: "an agent that answers within its wait serves", wait: time.Minute,
+			wantMayLeave: true, wantOut: "from the agent"},
+		{name: "an agent that sets no wait is waited for", delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "an agent that does not prepare is waited for", noDir: true, delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "a record of another pod: the agent reads it", wait: 50 * time.Millisecond, record: true,
+			delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "no UID", wait: 50 * time.Millisecond, args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
+			delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "DEL", command: "DEL", wait: 50 * time.Millisecond, delay: 150 * time.Millisecond, wantOut: "from the agent"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var reply []byte
+			if !c.silent {
+				reply = fromAgent(t)
+			}
+			a := startSlowAgent(t, reply, c.delay)
+			dir := prepared.Dir(filepath.Join(a.runDir, prepared.DirName))
+			if !c.noDir {
+				if err := dir.Reset(); err != nil {
+					t.Fatal(err)
+				}
+				if err := dir.SetAgentWait(c.wait); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if c.record {
+				if err := dir.Put(&prepared.Record{Namespace: "ns", Name: "other", UID: uid}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			netns := filepath.Join(t.TempDir(), "netns")
+			if err := os.WriteFile(netns, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			args := c.args
+			if args == "" {
+				args = "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid
+			}
+			command := c.command
+			if command == "" {
+				command = "ADD"
+			}
+			fb := &fallbackRunner{agent: a}
+			var out bytes.Buffer
+			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: time.Minute, Runner: fb}
+			stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir +
+				`","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`
+			start := time.Now()
+			if err := r.Run(&Args{Command: command, ContainerID: "c1", Netns: netns, IfName: "eth0", Args: args, Stdin: []byte(stdin)}); err != nil {
+				t.Fatalf("%s: %v", command, err)
+			}
+			took := time.Since(start)
+			got := <-a.got
+			if got.err != nil {
+				t.Fatalf("the agent's read: %v", got.err)
+			}
+			if got.req.MayLeave != c.wantMayLeave {
+				t.Fatalf("the agent was told MayLeave=%v", got.req.MayLeave)
+			}
+			if out.String() != c.wantOut {
+				t.Fatalf("the relay printed %q, want %q", out.String(), c.wantOut)
+			}
+			if c.wantOut != "from the fallback" {
+				if len(fb.reasons) != 0 {
+					t.Fatalf("the fallback ran: %q", fb.reasons)
+				}
+				return
+			}
+			if len(fb.reasons) != 1 || !strings.Contains(fb.reasons[0], "node agent behind: no answer within 50ms") {
+				t.Fatalf("the fallback's reasons: %q", fb.reasons)
+			}
+			if !fb.skipAgent {
+				t.Fatal("the fallback was not told to skip the agent's pod cache")
+			}
+			if !fb.closedBefore {
+				t.Fatal("the fallback started while the relay's connection to the agent was open")
+			}
+			if took < c.wait {
+				t.Fatalf("the relay left after %s, before the agent's wait of %s", took, c.wait)
+			}
+		})
+	}
+}

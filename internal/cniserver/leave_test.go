@@ -1,0 +1,213 @@
+package cniserver
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+)
+
+// reasonRunner stands in for the fallback: it records why it ran, and
+// whether it was told to skip the agent's pod cache.
+type reasonRunner struct {
+	reasons   []string
+	skipAgent bool
+}
+
+func (f *reasonRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) {
+	for _, e := range c.Env {
+		if r, ok := strings.CutPrefix(e, cnirelay.FallbackReasonEnv+"="); ok {
+			f.reasons = append(f.reasons, r)
+		}
+		f.skipAgent = f.skipAgent || strings.HasPrefix(e, cnirelay.FallbackSkipAgentEnv+"=")
+	}
+	return execrun.Result{Stdout: []byte("from the fallback")}, nil
+}
+
+// mayLeaveRequest is web's ADD from a relay that may leave, as the relay
+// frames it, with r's namespace as the descriptor.
+func mayLeaveRequest(t *testing.T, r *commitRig) (hdr, rights, body []byte) {
+	t.Helper()
+	f, err := os.Open(r.netns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	body, err = json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
+		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, MayLeave: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return binary.BigEndian.AppendUint32(nil, uint32(len(body))), unixRights(f), body
+}
+
+// newPreparingRig is a commit rig whose agent prepares ADDs ahead.
+func newPreparingRig(t *testing.T) *commitRig {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "prepared")
+	return newCommitRigWith(t, CommitterPlugin, func(s *Server) { s.PreparedDir, s.Prepare = dir, true })
+}
+
+// TestAgentLeftByTheRelay: for an ADD whose relay may leave it
+// (cnirelay.Request.MayLeave), the agent never writes to the namespace
+// itself. A relay already gone when the agent reads the request costs no
+// lookup; one gone after the answer is logged and counted as left, not as
+// a failure; rules the backend can only apply in place go to the
+// fallback; an agent in time hands the rules over as always.
+func TestAgentLeftByTheRelay(t *testing.T) {
+	t.Run("gone before the agent read the ADD", func(t *testing.T) {
+		r := newPreparingRig(t)
+		client, server := socketPair(t)
+		hdr, rights, body := mayLeaveRequest(t, r)
+		if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.Write(body); err != nil {
+			t.Fatal(err)
+		}
+		client.Close()
+		r.s.serveConn(server, nopConnState{server})
+		if n := promtest.CollectAndCount(r.s.Lookups); n != 0 {
+			t.Fatalf("the agent looked the pod up for a relay that had left (%d lookup series)", n)
+		}
+		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)); got != 1 {
+			t.Fatalf("ADDs counted left: %v", got)
+		}
+		if n := len(r.agent.applied()); n != 0 {
+			t.Fatalf("the agent applied %d plans", n)
+		}
+	})
+
+	t.Run("gone after the agent answered", func(t *testing.T) {
+		r := newPreparingRig(t)
+		client, server := socketPair(t)
+		hdr, rights, body := mayLeaveRequest(t, r)
+		if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.Write(body); err != nil {
+			t.Fatal(err)
+		}
+		served := make(chan struct{})
+		go func() {
+			defer close(served)
+			r.s.serveConn(server, nopConnState{server})
+		}()
+		// The agent's answer, which this relay does not use: its wait
+		// had passed (the agent cannot tell that from a relay that died).
+		answer, err := io.ReadAll(client)
+		if err != nil || len(answer) == 0 {
+			t.Fatalf("the agent's answer: %d bytes, %v", len(answer), err)
+		}
+		client.Close()
+		<-served
+		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)); got != 1 {
+			t.Fatalf("ADDs counted left: %v", got)
+		}
+		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "999")); got != 0 {
+			t.Fatalf("ADDs counted failed: %v", got)
+		}
+		r.stop()
+		logs := r.logs.String()
+		if !strings.Contains(logs, "the relay stopped waiting; the fallback serves the pod") || strings.Contains(logs, "did not report sending") {
+			t.Fatalf("the agent's log of a relay that left:\n%s", logs)
+		}
+		if n := len(r.agent.applied()); n != 0 {
+			t.Fatalf("the agent applied %d plans", n)
+		}
+	})
+
+	for _, committer := range []string{CommitterPlugin, CommitterAgent} {
+		t.Run("an agent that does not prepare, committer "+committer, func(t *testing.T) {
+			// As an agent started on an earlier agent's records may be
+			// asked: it would write to the namespace itself.
+			r := newCommitRig(t, committer)
+			client, server := socketPair(t)
+			hdr, rights, body := mayLeaveRequest(t, r)
+			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := client.Write(body); err != nil {
+				t.Fatal(err)
+			}
+			r.s.serveConn(server, nopConnState{server})
+			var resp cnirelay.Response
+			if err := json.NewDecoder(client).Decode(&resp); err != nil || resp.Unavailable == "" {
+				t.Fatalf("the agent's answer: %+v, %v; want unavailable", resp, err)
+			}
+			if n := len(r.agent.applied()) + len(r.agent.sentHere()); n != 0 {
+				t.Fatalf("the agent wrote %d rule sets", n)
+			}
+		})
+	}
+
+	for _, tc := range []struct {
+		name    string
+		inPlace string
+		// wantReason: the fallback ran for it; else the relay sent.
+		wantReason string
+	}{
+		{name: "rules only the agent could apply go to the fallback", inPlace: "the namespace holds ipsets",
+			wantReason: "node agent unavailable: the rules must be applied in place (the namespace holds ipsets)"},
+		{name: "an agent in time hands the rules over"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newPreparingRig(t)
+			r.agent.mu.Lock()
+			r.agent.inPlace = tc.inPlace
+			r.agent.mu.Unlock()
+			// The agent's records and wait, as an agent that prepares
+			// leaves them; none for this pod.
+			d := prepared.Dir(filepath.Join(r.runDir(), prepared.DirName))
+			if err := d.Reset(); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.SetAgentWait(time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			c := &relaySender{}
+			fb := &reasonRunner{}
+			var out strings.Builder
+			rl := r.relay(c, &out)
+			rl.Runner = fb
+			a := r.add("web")
+			a.Args += ";K8S_POD_UID=u1"
+			if err := runRelay(rl, "ADD", a); err != nil {
+				t.Fatalf("ADD: %v", err)
+			}
+			r.stop()
+			if n := len(r.agent.applied()); n != 0 {
+				t.Fatalf("the agent applied %d plans", n)
+			}
+			if tc.wantReason == "" {
+				if len(fb.reasons) != 0 || len(c.sent) != 1 {
+					t.Fatalf("fallback reasons %q, %d transactions sent; want the relay to send one", fb.reasons, len(c.sent))
+				}
+				if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "ok")); got != 1 {
+					t.Fatalf("ADDs counted ok: %v", got)
+				}
+				return
+			}
+			if len(fb.reasons) != 1 || fb.reasons[0] != tc.wantReason || out.String() != "from the fallback" || len(c.sent) != 0 {
+				t.Fatalf("fallback reasons %q (want %q), output %q, %d sent", fb.reasons, tc.wantReason, out.String(), len(c.sent))
+			}
+			if fb.skipAgent {
+				t.Fatal("the fallback of an agent that answered was told to skip its pod cache")
+			}
+			if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "unavailable")); got != 1 {
+				t.Fatalf("ADDs counted unavailable: %v", got)
+			}
+		})
+	}
+}

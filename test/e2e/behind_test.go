@@ -1,0 +1,82 @@
+package e2e
+
+import (
+	"net"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
+	"github.com/istio-cni-go/istio-cni/internal/testenv"
+)
+
+// TestAgentBehindRelayLeaves: an agent with its default settings that
+// does not answer an ADD it had no record for (stopped here, as an agent
+// starved of CPU on a busy node is for a while) is left by the relay
+// after the agent's wait, and the fallback serves the pod: it reads the
+// pod from the API server and programs its rules, and traffic is
+// redirected. The agent, resumed, finds the relay gone: it writes nothing
+// to the pod's namespace and counts the ADD as left. The fallback's lines
+// reach the agent's log, with why it ran.
+func TestAgentBehindRelayLeaves(t *testing.T) {
+	h := ptpHost(t, "10.241.13.0/24")
+	h.start("--kubernetes-node-name", testenv.NodeName)
+	h.waitReadyz(200, 20*time.Second)
+	n := &agentNode{host: h, cni: libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil)}
+	dir := filepath.Join(h.RunDir, prepared.DirName)
+	if w := prepared.AgentWait(dir); w != 25*time.Millisecond {
+		t.Fatalf("the agent's wait for relays is %s, want the default 25ms", w)
+	}
+	// Two pods through the agent: it learns the node's config, as it
+	// does before it prepares anything.
+	for range 2 {
+		if err := n.add(n.sandbox(testenv.PodSpec{Sidecar: true}), 30*time.Second); err != nil {
+			t.Fatalf("ADD through the agent: %v", err)
+		}
+	}
+
+	h.Signal(syscall.SIGSTOP)
+	stopped := true
+	t.Cleanup(func() {
+		if stopped {
+			h.Signal(syscall.SIGCONT)
+		}
+	})
+	pod := n.sandbox(testenv.PodSpec{Sidecar: true})
+	start := time.Now()
+	if err := n.add(pod, time.Minute); err != nil {
+		t.Fatalf("ADD with the agent stopped: %v", err)
+	}
+	t.Logf("ADD with the agent stopped took %s", time.Since(start))
+	expectRedirect(t, pod, "tcp4", "0.0.0.0:15001", ap(testenv.RemoteV4+":80"), func() (net.Conn, error) {
+		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
+	})
+	rules := sansComments(rulesIn(t, pod))
+
+	h.Signal(syscall.SIGCONT)
+	stopped = false
+	h.waitMetric(`istio_cni_plugin_commands_total{command="ADD",result="left"}`, "1", 20*time.Second)
+	if got := sansComments(rulesIn(t, pod)); got != rules {
+		t.Fatalf("the pod's rules changed once the agent resumed:\nbefore:\n%s\nafter:\n%s", rules, got)
+	}
+	logs := h.WaitLog(10*time.Second, testenv.LogLine("served without the node agent", testNS+"/"+pod.Name))
+	if !strings.Contains(logs, "node agent behind: no answer within 25ms") {
+		t.Fatalf("the fallback's line does not say why it ran:\n%s", logs)
+	}
+}
+
+// sansComments is an iptables-save dump without its comment lines, which
+// carry the time of the dump.
+func sansComments(dump string) string {
+	var out []string
+	for _, l := range strings.Split(dump, "\n") {
+		if !strings.HasPrefix(l, "#") {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
