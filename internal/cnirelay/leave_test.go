@@ -96,9 +96,10 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 		args    string
 		// wait is the agent's (none: no file); noDir: the agent does not
 		// prepare; record: a record of another pod under the UID.
-		wait   time.Duration
-		noDir  bool
-		record bool
+		wait        time.Duration
+		noDir       bool
+		record      bool
+		emptyRecord bool
 		// silent: the agent never answers; else it answers after delay.
 		silent bool
 		delay  time.Duration
@@ -113,6 +114,8 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 		{name: "an agent that sets no wait is waited for", delay: 150 * time.Millisecond, wantOut: "from the agent"},
 		{name: "an agent that does not prepare is waited for", noDir: true, delay: 150 * time.Millisecond, wantOut: "from the agent"},
 		{name: "a record of another pod: the agent reads it", wait: 50 * time.Millisecond, record: true,
+			delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "a record with no entry: the agent could not prepare", wait: 50 * time.Millisecond, emptyRecord: true,
 			delay: 150 * time.Millisecond, wantOut: "from the agent"},
 		{name: "no UID", wait: 50 * time.Millisecond, args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
 			delay: 150 * time.Millisecond, wantOut: "from the agent"},
@@ -133,8 +136,12 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if c.record {
-				if err := dir.Put(&prepared.Record{Namespace: "ns", Name: "other", UID: uid}); err != nil {
+			if c.record || c.emptyRecord {
+				name := "p"
+				if c.record {
+					name = "other"
+				}
+				if err := dir.Put(&prepared.Record{Namespace: "ns", Name: name, UID: uid}); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -166,6 +173,9 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 			}
 			if got.req.MayLeave != c.wantMayLeave {
 				t.Fatalf("the agent was told MayLeave=%v", got.req.MayLeave)
+			}
+			if c.emptyRecord && got.req.Unprepared != "the agent could not prepare the pod's ADD" {
+				t.Fatalf("the agent was told %q of the record", got.req.Unprepared)
 			}
 			if out.String() != c.wantOut {
 				t.Fatalf("the relay printed %q, want %q", out.String(), c.wantOut)

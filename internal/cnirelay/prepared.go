@@ -47,7 +47,10 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		return false, "no prevResult of the config's version", nil
 	}
 	e := rec.Find(conf.Canonical)
-	if e == nil {
+	switch {
+	case e == nil && len(rec.Entries) == 0:
+		return false, "the agent could not prepare the pod's ADD", nil
+	case e == nil:
 		return false, "no entry for this config", nil
 	}
 	done := &Done{Skip: e.Skip, Mode: e.Mode, Summary: e.Kind}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
@@ -68,63 +69,111 @@ func newPreparingRig(t *testing.T) *commitRig {
 func TestAgentLeftByTheRelay(t *testing.T) {
 	t.Run("gone before the agent read the ADD", func(t *testing.T) {
 		r := newPreparingRig(t)
-		client, server := socketPair(t)
-		hdr, rights, body := mayLeaveRequest(t, r)
-		if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
-			t.Fatal(err)
+		// Twice: the agent learns the config all the same, and prepares
+		// the pods from then on.
+		for range learnAfter {
+			client, server := socketPair(t)
+			hdr, rights, body := mayLeaveRequest(t, r)
+			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := client.Write(body); err != nil {
+				t.Fatal(err)
+			}
+			client.Close()
+			r.s.serveConn(server, nopConnState{server})
 		}
-		if _, err := client.Write(body); err != nil {
-			t.Fatal(err)
-		}
-		client.Close()
-		r.s.serveConn(server, nopConnState{server})
 		if n := promtest.CollectAndCount(r.s.Lookups); n != 0 {
 			t.Fatalf("the agent looked the pod up for a relay that had left (%d lookup series)", n)
 		}
-		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)); got != 1 {
+		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)); got != learnAfter {
 			t.Fatalf("ADDs counted left: %v", got)
 		}
 		if n := len(r.agent.applied()); n != 0 {
 			t.Fatalf("the agent applied %d plans", n)
+		}
+		r.s.prep.mu.Lock()
+		learnt := len(r.s.prep.learnt)
+		r.s.prep.mu.Unlock()
+		if learnt != 1 {
+			t.Fatalf("%d configs learnt from ADDs whose relays had left, want 1", learnt)
 		}
 	})
 
-	t.Run("gone after the agent answered", func(t *testing.T) {
-		r := newPreparingRig(t)
-		client, server := socketPair(t)
-		hdr, rights, body := mayLeaveRequest(t, r)
-		if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
-			t.Fatal(err)
+	// The agent's answer is written; the relay's end is then closed
+	// with it unread (a relay whose wait passed as it came), or after
+	// reading it (a relay that took the rules and died: it may have sent
+	// them, which the agent must not count as left).
+	for _, tc := range []struct {
+		name     string
+		read     bool
+		wantLeft bool
+	}{
+		{name: "gone with the answer unread", wantLeft: true},
+		{name: "read the answer and died", read: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newPreparingRig(t)
+			client, server := socketPair(t)
+			hdr, rights, body := mayLeaveRequest(t, r)
+			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := client.Write(body); err != nil {
+				t.Fatal(err)
+			}
+			served := make(chan struct{})
+			go func() {
+				defer close(served)
+				r.s.serveConn(server, nopConnState{server})
+			}()
+			if tc.read {
+				if answer, err := io.ReadAll(client); err != nil || len(answer) == 0 {
+					t.Fatalf("the agent's answer: %d bytes, %v", len(answer), err)
+				}
+			} else {
+				// Until the answer is there to read.
+				rc, err := client.SyscallConn()
+				if err != nil {
+					t.Fatal(err)
+				}
+				var perr error
+				if err := rc.Control(func(fd uintptr) {
+					fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+					_, perr = unix.Poll(fds, 10_000)
+				}); err != nil || perr != nil {
+					t.Fatal(err, perr)
+				}
+			}
+			client.Close()
+			<-served
+			left, failed := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)), promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "999"))
+			if tc.wantLeft != (left == 1) || tc.wantLeft != (failed == 0) {
+				t.Fatalf("ADDs counted left %v, failed %v", left, failed)
+			}
+			r.stop()
+			logs := r.logs.String()
+			if tc.wantLeft != strings.Contains(logs, "the relay stopped waiting; the fallback serves the pod") ||
+				tc.wantLeft == strings.Contains(logs, "did not report sending") {
+				t.Fatalf("the agent's log:\n%s", logs)
+			}
+			if n := len(r.agent.applied()); n != 0 {
+				t.Fatalf("the agent applied %d plans", n)
+			}
+		})
+	}
+
+	t.Run("the wait goes with the agent", func(t *testing.T) {
+		dir := filepath.Join(t.TempDir(), "prepared")
+		r := newCommitRigWith(t, CommitterPlugin, func(s *Server) { s.PreparedDir, s.Prepare, s.AgentWait = dir, true, 25*time.Millisecond })
+		if w := prepared.AgentWait(dir); w != 25*time.Millisecond {
+			t.Fatalf("the agent's wait for relays: %s", w)
 		}
-		if _, err := client.Write(body); err != nil {
-			t.Fatal(err)
-		}
-		served := make(chan struct{})
-		go func() {
-			defer close(served)
-			r.s.serveConn(server, nopConnState{server})
-		}()
-		// The agent's answer, which this relay does not use: its wait
-		// had passed (the agent cannot tell that from a relay that died).
-		answer, err := io.ReadAll(client)
-		if err != nil || len(answer) == 0 {
-			t.Fatalf("the agent's answer: %d bytes, %v", len(answer), err)
-		}
-		client.Close()
-		<-served
-		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", resultLeft)); got != 1 {
-			t.Fatalf("ADDs counted left: %v", got)
-		}
-		if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "999")); got != 0 {
-			t.Fatalf("ADDs counted failed: %v", got)
-		}
+		// Relays must not leave the next agent (an older one, say)
+		// before it says they may.
 		r.stop()
-		logs := r.logs.String()
-		if !strings.Contains(logs, "the relay stopped waiting; the fallback serves the pod") || strings.Contains(logs, "did not report sending") {
-			t.Fatalf("the agent's log of a relay that left:\n%s", logs)
-		}
-		if n := len(r.agent.applied()); n != 0 {
-			t.Fatalf("the agent applied %d plans", n)
+		if w := prepared.AgentWait(dir); w != 0 {
+			t.Fatalf("the wait of an agent that stopped: %s", w)
 		}
 	})
 

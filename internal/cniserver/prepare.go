@@ -156,11 +156,15 @@ func (p *preparer) next(newOnly bool) bool {
 	p.mu.Lock()
 	learnt := p.learnt
 	p.mu.Unlock()
-	rec := p.record(pod, learnt)
-	if len(rec.Entries) == 0 {
+	if len(learnt) == 0 {
 		p.forget(pod)
 		return true
 	}
+	// A record with no entry (the pod cannot be decided, or its rules
+	// not prepared, under any config learnt) still tells the pod's relay
+	// to ask the agent and wait for it (the agent applies such rules in
+	// place), rather than leave it for the fallback.
+	rec := p.record(pod, learnt)
 	data, err := rec.MarshalBinary()
 	if err != nil {
 		p.log.Warn("cannot keep a pod's prepared ADD; its relay will ask the agent", "pod", key, "error", err.Error())

@@ -160,7 +160,7 @@ func (s *Server) sendHere(netns *os.File, txn *nlsteps.Txn) nlsteps.Outcome {
 // lookup counter.
 func NewMetrics() (*prometheus.CounterVec, *prometheus.HistogramVec, *prometheus.CounterVec) {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_commands_total",
-			Help: "CNI commands the agent ran for the istio-cni plugin, by command and result (ok or the CNI error code)."},
+			Help: "CNI commands the agent ran for the istio-cni plugin, by command and result (ok, the CNI error code, unavailable: handed to the fallback, left: the plugin process stopped waiting and ran the fallback)."},
 			[]string{"command", "result"}),
 		prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "istio_cni_plugin_command_seconds",
 			Help:    "Time the agent spent on one CNI command for the plugin.",
@@ -252,6 +252,12 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 		s.mu.Lock()
 		s.draining = true
 		s.mu.Unlock()
+		if s.prep != nil {
+			// Relays must not leave whatever agent serves next (an
+			// older one, say, that would apply in place) before it says
+			// they may.
+			_ = s.prep.dir.SetAgentWait(0)
+		}
 		_ = srv.Close()
 		<-accepting
 		waited := make(chan struct{})
@@ -335,6 +341,11 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		// The relay waited out the agent's wait and runs the fallback.
 		s.Log.Debug("the relay stopped waiting before the agent read its ADD; the fallback serves the pod",
 			"pod", cnirelay.PodOf(req.Args), "containerID", req.ContainerID)
+		// An agent always behind still learns the config, and prepares
+		// pods from then on.
+		if s.prep != nil && checkAsSkel(req) == nil {
+			s.prep.learn(req.Stdin)
+		}
 		if s.Commands != nil {
 			s.Commands.WithLabelValues(req.Command, resultLeft).Inc()
 		}
@@ -434,10 +445,12 @@ func (rc *relayCommit) commit(txn *nlsteps.Txn, result []byte) (nlsteps.Outcome,
 }
 
 // left is err as plugin.ErrCommitterLeft when the relay may have left
-// and the connection says it did (closed, reset, nothing more to read).
+// and the connection says it did without reading the answer: closed
+// before it was written (EPIPE) or with it unread (ECONNRESET). A plain
+// end (EOF) is a relay that read the rules and died, which may have sent
+// them: that stays an error.
 func (rc *relayCommit) left(err error) error {
-	if rc.mayLeave && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)) {
+	if rc.mayLeave && (errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)) {
 		return fmt.Errorf("%w: %w", plugin.ErrCommitterLeft, err)
 	}
 	return err

@@ -93,7 +93,9 @@ func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 		return err
 	}
 	defer conn.Close()
-	_ = conn.SetWriteDeadline(time.Now().Add(timeout))
+	if timeout > 0 {
+		_ = conn.SetWriteDeadline(time.Now().Add(timeout))
+	}
 	return req.Write(conn)
 }
 

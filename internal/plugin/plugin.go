@@ -252,9 +252,9 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 		if cmd != "ADD" && cmd != "CHECK" {
 			lv = slog.LevelDebug
 		}
-		log.Log(context.Background(), lv, "served without the node agent", "reason", p.FallbackReason)
 		// Its lines reach the agent's log beside the agent's own.
 		log = log.With("fallback", true)
+		log.Log(context.Background(), lv, "served without the node agent", "reason", p.FallbackReason)
 	}
 	if !levelOK && logging.FirstTime("plugin_log_level", conf.PluginLogLevel) {
 		log.Warn("plugin_log_level not understood; using "+logging.LevelName(lv), "plugin_log_level", conf.PluginLogLevel)

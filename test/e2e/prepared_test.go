@@ -73,11 +73,11 @@ func TestPreparedRecords(t *testing.T) {
 	t.Run("pod-that-cannot-be-decided", func(t *testing.T) {
 		spec := &testenv.PodSpec{Sidecar: true, Annotations: map[string]string{"traffic.sidecar.istio.io/excludeOutboundPorts": "80,http"}}
 		pod := e.newPod(spec)
-		// A pod after it gets its record, so this one's turn has passed.
-		after := e.newPod(&testenv.PodSpec{Sidecar: true})
-		e.waitRecord(after)
-		if _, err := prepared.Read(dir, pod.UID); !errors.Is(err, fs.ErrNotExist) {
-			t.Fatalf("a pod with a malformed annotation has a record: %v", err)
+		// Its record has no entry: its relay asks the agent and waits for
+		// it (it would not leave it for the fallback).
+		e.waitRecord(pod)
+		if rec, err := prepared.Read(dir, pod.UID); err != nil || len(rec.Entries) != 0 {
+			t.Fatalf("the record of a pod with a malformed annotation: %+v, %v; want one with no entry", rec, err)
 		}
 		_, err := e.node.Add(context.Background(), e.node.Chained, pod)
 		if err == nil || !strings.Contains(err.Error(), "excludeOutboundPorts") || !strings.Contains(err.Error(), "http") {
