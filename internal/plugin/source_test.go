@@ -28,7 +28,7 @@ func TestSkipAgentCache(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer l.Close()
+		t.Cleanup(func() { l.Close() })
 		conf, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + runDir + `"}`))
 		if err != nil {
 			t.Fatal(err)
