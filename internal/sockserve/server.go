@@ -307,14 +307,18 @@ func (s *Server) reject(c *net.UnixConn, reason string, err error) {
 
 // admit makes room for c: past the limit the oldest connection that has
 // not sent a complete request is evicted, so silent clients cannot keep
-// working ones out; when every connection is busy, c is refused.
+// working ones out; when every connection is busy, c is refused. A
+// connection whose request is there but not yet read is not silent: a
+// process short of CPU accepts a queue of them at once (the fallback's
+// log lines, posted without waiting, behind an agent starved on a busy
+// node).
 func (s *Server) admit(c *net.UnixConn) *Conn {
 	sc := &Conn{UnixConn: c, s: s, accepted: time.Now()}
 	s.mu.Lock()
 	var victim *Conn
 	if len(s.conns) >= s.limits.MaxConns {
 		for o := range s.conns {
-			if !o.busy.Load() && (victim == nil || o.accepted.Before(victim.accepted)) {
+			if !o.busy.Load() && (victim == nil || o.accepted.Before(victim.accepted)) && !unread(o.UnixConn) {
 				victim = o
 			}
 		}
@@ -334,6 +338,17 @@ func (s *Server) admit(c *net.UnixConn) *Conn {
 		}
 	}
 	return sc
+}
+
+// unread says bytes have arrived on c that nobody has read yet.
+func unread(c *net.UnixConn) bool {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return false
+	}
+	n := 0
+	_ = rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	return n > 0
 }
 
 // TimedOut counts a connection closed for not sending its request in time.

@@ -43,17 +43,28 @@ func TestSocketEvictsSilentClients(t *testing.T) {
 		}
 		return c.(*Conn)
 	}
-	first, second := dial(), dial()
+	// The oldest has sent its request, which the server has not read
+	// yet: it is not silent.
+	sent, first, second := dial(), dial(), dial()
+	if _, err := sent.Write([]byte("a request")); err != nil {
+		t.Fatal(err)
+	}
 	accept()
+	accept()
+	// Past the limit already (the sender's request unread): the oldest
+	// silent one makes room.
 	s2 := accept()
 	dial()
 	accept()
-	// The oldest silent one was closed.
 	_ = first.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := first.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the oldest silent client is still connected: %v", err)
 	}
-	if got := promtest.ToFloat64(m.Rejected.WithLabelValues("s.sock", "evicted")); got != 1 {
+	_ = sent.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if _, err := sent.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a client whose request waits to be read was evicted: %v", err)
+	}
+	if got := promtest.ToFloat64(m.Rejected.WithLabelValues("s.sock", "evicted")); got != 2 {
 		t.Fatalf("evictions counted: %v", got)
 	}
 	// With every connection busy, a new one is refused, not served.
