@@ -50,7 +50,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed, mixed-waiting, mixed-none")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
@@ -66,6 +66,9 @@ type clusterArm struct {
 	// handler, which never runs istio-cni: the two halves start side by
 	// side, under the same load, one with the plugin and one without.
 	mixed bool
+	// again marks a second arm without the plugin, compared with
+	// `without` as the plugin's arms are: the alternation's own drift.
+	again bool
 }
 
 // clusterArms are the arms the series knows. Each with-plugin arm is the
@@ -78,6 +81,8 @@ var clusterArms = map[string]clusterArm{
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_RULES_COMMITTER"] = "agent" }},
 	"mixed": {name: "mixed", about: "istio-cni, chart defaults, for every other pod of the burst; the rest run through a runtime handler without it (which half is which alternates by round)",
 		values: func(map[string]any) {}, mixed: true},
+	"without-again": {name: "without-again", about: "no istio-cni, as without, compared with it as the plugin's arms are: the alternation's own drift between rounds",
+		again: true},
 	"mixed-none": {name: "mixed-none", about: "no istio-cni, the burst split as mixed splits it (every other pod through the plain handler): the comparison's own spread, both halves without the plugin",
 		mixed: true},
 	"mixed-waiting": {name: "mixed-waiting", about: "mixed, but relays with no record wait for the agent however long it takes (CNI_AGENT_WAIT=0), as before relays left a slow agent",
@@ -149,7 +154,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	for _, name := range parseArms(cfg.arms) {
 		arm, ok := clusterArms[name]
 		if !ok {
-			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none)", name)
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again)", name)
 		}
 		res.arms = append(res.arms, arm)
 	}

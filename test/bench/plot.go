@@ -93,6 +93,8 @@ func armLegend(a clusterArm) string {
 		return "istio-cni, half of a mixed burst"
 	case "mixed-none":
 		return "half of a mixed burst, neither with istio-cni"
+	case "without-again":
+		return "without istio-cni, a second arm"
 	}
 	return a.name
 }
