@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -36,21 +37,26 @@ func (f *reasonRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, e
 	return execrun.Result{Stdout: []byte("from the fallback")}, nil
 }
 
-// mayLeaveRequest is web's ADD from a relay that may leave, as the relay
-// frames it, with r's namespace as the descriptor.
-func mayLeaveRequest(t *testing.T, r *commitRig) (hdr, rights, body []byte) {
+// sendMayLeave writes web's ADD from a relay that may leave to client, as
+// the relay frames it, with r's namespace as the descriptor.
+func sendMayLeave(t *testing.T, r *commitRig, client *net.UnixConn) {
 	t.Helper()
 	f, err := os.Open(r.netns)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { f.Close() })
-	body, err = json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
+	defer f.Close()
+	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
 		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, MayLeave: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return binary.BigEndian.AppendUint32(nil, uint32(len(body))), unixRights(f), body
+	if _, _, err := client.WriteMsgUnix(binary.BigEndian.AppendUint32(nil, uint32(len(body))), unixRights(f), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Write(body); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // newPreparingRig is a commit rig whose agent prepares ADDs ahead.
@@ -73,13 +79,7 @@ func TestAgentLeftByTheRelay(t *testing.T) {
 		// the pods from then on.
 		for range learnAfter {
 			client, server := socketPair(t)
-			hdr, rights, body := mayLeaveRequest(t, r)
-			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := client.Write(body); err != nil {
-				t.Fatal(err)
-			}
+			sendMayLeave(t, r, client)
 			client.Close()
 			r.s.serveConn(server, nopConnState{server})
 		}
@@ -115,13 +115,7 @@ func TestAgentLeftByTheRelay(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newPreparingRig(t)
 			client, server := socketPair(t)
-			hdr, rights, body := mayLeaveRequest(t, r)
-			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := client.Write(body); err != nil {
-				t.Fatal(err)
-			}
+			sendMayLeave(t, r, client)
 			served := make(chan struct{})
 			go func() {
 				defer close(served)
@@ -183,13 +177,7 @@ func TestAgentLeftByTheRelay(t *testing.T) {
 			// asked: it would write to the namespace itself.
 			r := newCommitRig(t, committer)
 			client, server := socketPair(t)
-			hdr, rights, body := mayLeaveRequest(t, r)
-			if _, _, err := client.WriteMsgUnix(hdr, rights, nil); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := client.Write(body); err != nil {
-				t.Fatal(err)
-			}
+			sendMayLeave(t, r, client)
 			r.s.serveConn(server, nopConnState{server})
 			var resp cnirelay.Response
 			if err := json.NewDecoder(client).Decode(&resp); err != nil || resp.Unavailable == "" {

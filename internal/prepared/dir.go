@@ -4,12 +4,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 )
 
@@ -66,18 +64,12 @@ func (d Dir) SetAgentWait(w time.Duration) error {
 // AgentWait is the wait SetAgentWait left in dir, 0 when there is none or
 // it does not read.
 func AgentWait(dir string) time.Duration {
-	f, err := os.OpenFile(filepath.Join(dir, waitName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0) //nolint:gosec // G304: the agent's own file in the run dir the config names, read as a duration at most
+	// At most 31 bytes: longer than any duration SetAgentWait writes.
+	b, err := readFile(filepath.Join(dir, waitName), 31, "the agent's wait")
 	if err != nil {
 		return 0
 	}
-	defer f.Close()
-	var b [32]byte
-	n, err := io.ReadFull(f, b[:])
-	if !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
-		// Empty, longer than any duration it writes, or unreadable.
-		return 0
-	}
-	w, err := time.ParseDuration(string(b[:n]))
+	w, err := time.ParseDuration(string(b))
 	if err != nil || w <= 0 || w > maxWait {
 		return 0
 	}

@@ -193,9 +193,27 @@ func Read(dir, uid string) (*Record, error) {
 	if !ValidUID(uid) {
 		return nil, fmt.Errorf("pod UID %q cannot name a record", uid)
 	}
-	// Not through a link, and not stuck on a FIFO: root alone writes
-	// there, but a record is only ever a regular file.
-	f, err := os.OpenFile(Path(dir, uid), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	path := Path(dir, uid)
+	data, err := readFile(path, MaxRecord, "a prepared record")
+	if err != nil {
+		return nil, err
+	}
+	r := &Record{}
+	if err := r.UnmarshalBinary(data); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if r.UID != uid {
+		return nil, fmt.Errorf("%s holds the record of pod UID %q", path, r.UID)
+	}
+	return r, nil
+}
+
+// readFile reads the file at path whole, when it is a regular file of at
+// most limit bytes (what names what it should be, for the error). Not
+// through a link, and not stuck on a FIFO: root alone writes the
+// directory, but its files are only ever regular ones.
+func readFile(path string, limit int64, what string) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0) //nolint:gosec // G304: a file in the run dir the plugin's config names
 	if err != nil {
 		return nil, err
 	}
@@ -204,19 +222,12 @@ func Read(dir, uid string) (*Record, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !fi.Mode().IsRegular() || fi.Size() > MaxRecord {
-		return nil, fmt.Errorf("%s is not a prepared record", f.Name())
+	if !fi.Mode().IsRegular() || fi.Size() > limit {
+		return nil, fmt.Errorf("%s is not %s", path, what)
 	}
 	data := make([]byte, fi.Size())
 	if _, err := io.ReadFull(f, data); err != nil {
 		return nil, err
 	}
-	r := &Record{}
-	if err := r.UnmarshalBinary(data); err != nil {
-		return nil, fmt.Errorf("%s: %w", f.Name(), err)
-	}
-	if r.UID != uid {
-		return nil, fmt.Errorf("%s holds the record of pod UID %q", f.Name(), r.UID)
-	}
-	return r, nil
+	return data, nil
 }
