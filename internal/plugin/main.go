@@ -7,6 +7,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/version"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
@@ -30,6 +31,7 @@ func Main() int {
 		// Set by the relay (istio-cni) when no node agent answered.
 		FallbackReason: os.Getenv(cnirelay.FallbackReasonEnv),
 		SkipAgentCache: os.Getenv(cnirelay.FallbackSkipAgentEnv) == "1",
+		ProcessCPU:     processCPU,
 	}
 	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
 		Add:    p.Add,
@@ -48,4 +50,17 @@ func Main() int {
 		_ = log.Forward(sock, time.Second)
 	}
 	return code
+}
+
+// processCPU is this process's CPU time and that of the children it has
+// waited for (iptables-restore), from the kernel's accounting.
+func processCPU() time.Duration {
+	var total time.Duration
+	for _, who := range []int{unix.RUSAGE_SELF, unix.RUSAGE_CHILDREN} {
+		var ru unix.Rusage
+		if unix.Getrusage(who, &ru) == nil {
+			total += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		}
+	}
+	return total
 }

@@ -48,6 +48,11 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
+	// ProcessCPU, when set (the plugin running as a process of its own,
+	// the fallback), is that process's CPU so far with its children's
+	// (iptables-restore); the ADD's line carries it as plugin_cpu, as the
+	// agent's lines carry the relay's.
+	ProcessCPU func() time.Duration
 	// SkipAgentCache makes the default pod source read the API server
 	// without asking the agent's pod cache first: the relay left the
 	// agent because it did not answer.
@@ -366,6 +371,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	if inPlace != "" {
 		// Served for a relay that could have sent the rules itself.
 		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
+	}
+	if p.ProcessCPU != nil {
+		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
 	}
 	req.log.Info("redirect rules programmed", attrs...)
 	return p.printResult(req.conf)

@@ -116,6 +116,9 @@ type burstFigures struct {
 	left           int
 	fallbackTime   []time.Duration
 	fallbackLookup []time.Duration
+	// fallbackCPU is each fallback ADD's process CPU, its children's
+	// included, as it logged it (plugin_cpu).
+	fallbackCPU []time.Duration
 	// prepared counts the ADDs the relay served from the pod's prepared
 	// record: no time in the agent (their duration is the relay's own,
 	// left out of agentTime).
@@ -247,7 +250,7 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	}
 	pl := pluginLines(agent, round)
 	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback, f.prepared = pl.cpu, pl.took, pl.own, pl.fallback, pl.prepared
-	f.left, f.fallbackTime, f.fallbackLookup = pl.left, pl.fbTook, pl.fbLookup
+	f.left, f.fallbackTime, f.fallbackLookup, f.fallbackCPU = pl.left, pl.fbTook, pl.fbLookup, pl.fbCPU
 	if arm.mixed {
 		// Each half is what it says: the plugin served every pod of its
 		// half, and never saw one of the other.
@@ -285,8 +288,8 @@ type pluginLog struct {
 	// fallback counts the ADDs the fallback served, left those of them
 	// whose relay left a slow agent; fbTook and fbLookup are the
 	// fallback's time and its pod lookup in it.
-	fallback, left   int
-	fbTook, fbLookup []time.Duration
+	fallback, left          int
+	fbTook, fbLookup, fbCPU []time.Duration
 	// prepared counts the ADDs the relay served from prepared records.
 	prepared int
 }
@@ -319,6 +322,9 @@ func pluginLines(p *corev1.Pod, round string) pluginLog {
 			if d, err := testenv.LogDuration(line, "lookup"); err == nil {
 				l.fbLookup = append(l.fbLookup, d)
 			}
+			if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
+				l.fbCPU = append(l.fbCPU, d)
+			}
 			continue
 		}
 		if d, err := testenv.LogDuration(line, "plugin_cpu"); err == nil {
@@ -335,7 +341,7 @@ func pluginLines(p *corev1.Pod, round string) pluginLog {
 			l.own = append(l.own, lk+pl)
 		}
 	}
-	for _, d := range [][]time.Duration{l.took, l.own, l.fbTook, l.fbLookup} {
+	for _, d := range [][]time.Duration{l.took, l.own, l.fbTook, l.fbLookup, l.fbCPU} {
 		slices.Sort(d)
 	}
 	return l

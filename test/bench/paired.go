@@ -69,6 +69,18 @@ func burstLast(b burstFigures) time.Duration {
 	return b.startup[len(b.startup)-1]
 }
 
+// burstStartCPU is the CPU a burst's start cost the node per pod: the
+// runtime's cgroup (containerd, the kubelet, the CNI plugins, the shims)
+// and the agent's pod. The pods' own cgroups are left out: the busy pods
+// spin in them and take whatever CPU the start leaves.
+func burstStartCPU(b burstFigures) time.Duration {
+	n := len(b.startup) + len(b.without)
+	if n == 0 {
+		return 0
+	}
+	return (b.cpu.runtime + b.cpu.agent) / time.Duration(n)
+}
+
 // within says what the interval shows of a target ratio: met when all of
 // it is below, missed when all of it is above, else not settled by these
 // rounds.

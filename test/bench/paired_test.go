@@ -42,3 +42,21 @@ func TestPairRounds(t *testing.T) {
 		t.Fatalf("no rounds: %+v", e)
 	}
 }
+
+// TestBurstStartCPU: the runtime's and the agent's CPU per pod of both
+// halves, the pods' own CPU (the busy pods' spinning) left out.
+func TestBurstStartCPU(t *testing.T) {
+	b := burstFigures{startup: make([]time.Duration, 10), without: make([]time.Duration, 10),
+		cpu: nodeCPU{runtime: 3 * time.Second, agent: time.Second, pods: time.Hour}}
+	if got := burstStartCPU(b); got != 200*time.Millisecond {
+		t.Fatalf("start-up CPU per pod %s, want 200ms", got)
+	}
+	if got := burstStartCPU(burstFigures{cpu: nodeCPU{runtime: time.Second}}); got != 0 {
+		t.Fatalf("no pods: %s", got)
+	}
+	base := []burstFigures{{startup: make([]time.Duration, 2), cpu: nodeCPU{runtime: 400 * time.Millisecond}}}
+	arm := []burstFigures{{startup: make([]time.Duration, 2), cpu: nodeCPU{runtime: 400 * time.Millisecond, agent: 20 * time.Millisecond}}}
+	if e := pairRounds(base, arm, burstStartCPU, .9); e.Median < 1.049 || e.Median > 1.051 {
+		t.Fatalf("the agent's CPU counts: %+v", e)
+	}
+}

@@ -234,6 +234,14 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			per := func(d time.Duration) float64 { return msf(d) / float64(n) }
 			fmt.Printf("  %-8s %s %s %s   %-30s %.1f = %.1f + %.1f + %.1f ms\n", a.name, ms(pct(all, .5)), ms(pct(all, .99)), ms(pct(lasts, .5)), rounds,
 				per(cpu.node), per(cpu.runtime), per(cpu.agent), per(cpu.pods))
+			// Per round: the start-up CPU per pod beside the round's p50,
+			// to tell a round that did more work from one that got less
+			// CPU for it.
+			var cpuByRound []string
+			for i := range bs {
+				cpuByRound = append(cpuByRound, fmt.Sprintf("%.0f", msf(burstStartCPU(bs[i]))))
+			}
+			fmt.Printf("  %-8s start-up CPU per pod (runtime + agent) by round, ms: %s\n", "", strings.Join(cpuByRound, " "))
 			if a.values != nil {
 				// Per round: the agent's time per ADD, p50 / slowest, to
 				// set beside the rounds' start-up.
@@ -257,6 +265,8 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 					byRound(func(b *burstFigures) []time.Duration { return b.fallbackTime }))
 				fmt.Printf("  %-8s of it the pod's lookup (the API server): %s\n", "",
 					byRound(func(b *burstFigures) []time.Duration { return b.fallbackLookup }))
+				fmt.Printf("  %-8s the fallback's process CPU per ADD (iptables-restore included) by round: %s\n", "",
+					byRound(func(b *burstFigures) []time.Duration { return b.fallbackCPU }))
 			}
 			if a.mixed {
 				all, lasts, rounds := burstStats(plainHalves(bs))
@@ -265,11 +275,12 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			}
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
 				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
-			var pluginCPU []time.Duration
+			var pluginCPU, fallbackCPU []time.Duration
 			fallback, left, prepared := 0, 0, 0
 			for i := range bs {
 				b := &bs[i]
 				pluginCPU = append(pluginCPU, b.pluginCPU...)
+				fallbackCPU = append(fallbackCPU, b.fallbackCPU...)
 				fallback += b.fallback
 				left += b.left
 				prepared += b.prepared
@@ -278,6 +289,10 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				fmt.Printf("  %-8s istio-cni process CPU per ADD (as it reports it to the agent): p50 %s, p99 %s, %d ADDs reported; %d ADDs served by the fallback, %d of them for relays that left an agent behind\n", "",
 					ms(pct(pluginCPU, .5)), ms(pct(pluginCPU, .99)), len(pluginCPU), fallback, left)
 				fmt.Printf("  %-8s ADDs the relay served from the pod's prepared record, without the agent: %d of %d\n", "", prepared, len(pluginCPU))
+				if len(fallbackCPU) > 0 {
+					fmt.Printf("  %-8s istio-cni-fallback process CPU per ADD (iptables-restore included): p50 %s, p99 %s, %d ADDs\n", "",
+						ms(pct(fallbackCPU, .5)), ms(pct(fallbackCPU, .99)), len(fallbackCPU))
+				}
 			}
 		}
 		for _, a := range r.arms {
@@ -302,6 +317,14 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				e := pairRounds(base, r.bursts[size][a.name], st.f, .9)
 				fmt.Printf("  %-8s %-8s round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; target within 5%%: %s (rounds %s)\n",
 					a.name, st.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05), percents(e.Ratios))
+			}
+			if !a.mixed {
+				// The work a pod's start costs the node, which a round's
+				// wall time divides by the CPU that round got: steadier
+				// from round to round than the time is on a shared machine.
+				e := pairRounds(base, r.bursts[size][a.name], burstStartCPU, .9)
+				fmt.Printf("  %-8s start-up CPU per pod (runtime + agent) round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s (rounds %s)\n",
+					a.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05), percents(e.Ratios))
 			}
 		}
 	}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"net"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -67,6 +68,21 @@ func TestAgentBehindRelayLeaves(t *testing.T) {
 	if !strings.Contains(logs, "node agent behind: no answer within 25ms") {
 		t.Fatalf("the fallback's line does not say why it ran:\n%s", logs)
 	}
+	// Its ADD line carries what its process spent (children included),
+	// as the agent's lines carry a relay's.
+	logs = h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed", `"fallback":true`, testNS+"/"+pod.Name))
+	var cpu string
+	for _, l := range strings.Split(logs, "\n") {
+		if strings.Contains(l, "redirect rules programmed") && strings.Contains(l, `"fallback":true`) && strings.Contains(l, testNS+"/"+pod.Name) {
+			if m := regexp.MustCompile(`"plugin_cpu":"([^"]+)"`).FindStringSubmatch(l); m != nil {
+				cpu = m[1]
+			}
+		}
+	}
+	if d, err := time.ParseDuration(cpu); err != nil || d <= 0 {
+		t.Fatalf("the fallback's plugin_cpu %q (%v), want a positive duration:\n%s", cpu, err, logs)
+	}
+	t.Logf("the fallback's process CPU for the ADD: %s", cpu)
 }
 
 // sansComments is an iptables-save dump without its comment lines, which
