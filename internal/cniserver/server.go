@@ -205,6 +205,11 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 	if s.PreparedDir != "" {
 		prepare := s.Prepare && s.Pods != nil && s.Ambient == nil && s.Committer != CommitterAgent
 		if prepare {
+			// Plans that cost an iptables-restore to prepare are left for
+			// the fallback too, which then runs none.
+			if st, ok := s.Rules.(interface{ StorePlansIn(dir string) }); ok {
+				st.StorePlansIn(s.PreparedDir)
+			}
 			if err := s.startPreparing(ctx, s.PreparedDir); err != nil {
 				// Every relay then asks the agent, as before.
 				log.Warn("cannot prepare pods' ADDs ahead", "dir", s.PreparedDir, "error", err.Error())

@@ -43,6 +43,9 @@ type Applier struct {
 	// expandSets makes the applier behave as on a kernel without ipset
 	// (long lists as a rule per entry), so tests cover that path here.
 	expandSets bool
+	// planDir, when set (StorePlansIn), is where plans prepared are also
+	// stored for the fallback.
+	planDir string
 }
 
 // Apply makes the namespace hold exactly the plan's rules: nothing is done

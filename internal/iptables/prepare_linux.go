@@ -16,6 +16,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -71,7 +72,8 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	if a.Force == VariantLegacy {
 		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
 	}
-	txn, _, err := preparedTxns.Get("iptables "+a.Force+" "+plan.Fingerprint(), func() (*nlsteps.Txn, error) {
+	key := a.planKey(plan)
+	txn, hit, err := preparedTxns.Get(key, func() (*nlsteps.Txn, error) {
 		return a.compile(plan)
 	})
 	if errors.Is(err, errNotNFT) {
@@ -79,6 +81,44 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	}
 	if err != nil {
 		return nil, "", err
+	}
+	if !hit && a.planDir != "" && txn.Oversize == 0 {
+		// Best effort: a plan not stored only leaves a fallback to run
+		// iptables-restore itself.
+		if b, err := txn.MarshalBinary(); err == nil {
+			_ = prepared.Dir(a.planDir).PutPlan(key, b)
+		}
+	}
+	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
+		return nil, why, nil
+	}
+	return txn, "", nil
+}
+
+// planKey names a plan's requests in the cache and among stored plans.
+func (a *Applier) planKey(plan *ruleset.Plan) string {
+	return "iptables " + a.Force + " " + plan.Fingerprint()
+}
+
+// StorePlansIn makes the applier also leave each plan it prepares in the
+// agent's prepared directory (prepared.Dir.PutPlan), for fallback plugin
+// processes; call it before the applier is used.
+func (a *Applier) StorePlansIn(dir string) { a.planDir = dir }
+
+// PrepareStored is PrepareFresh for a process that does not prepare
+// plans itself (the fallback): the requests the agent stored in dir for
+// the plan, when there are some; with none, why.
+func (a *Applier) PrepareStored(dir string, facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	if a.Force == VariantLegacy {
+		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
+	}
+	b, err := prepared.ReadPlan(dir, a.planKey(plan))
+	if err != nil {
+		return nil, "the agent stored no requests for the plan", nil
+	}
+	txn := &nlsteps.Txn{}
+	if err := txn.UnmarshalBinary(b); err != nil {
+		return nil, "the agent's stored requests for the plan do not read: " + err.Error(), nil
 	}
 	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
 		return nil, why, nil

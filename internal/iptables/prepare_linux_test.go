@@ -1,6 +1,8 @@
 package iptables
 
 import (
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -175,5 +177,87 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 				t.Fatalf("Prepare changed the namespace:\n%s\nwas\n%s", after, before)
 			}
 		})
+	}
+}
+
+// TestStoredPlans: an applier told to store plans (the agent's) leaves
+// each plan it prepares in the directory; another applier (a fallback's)
+// finds it there by the plan, and the requests it reads, sent to a fresh
+// namespace, leave what Apply leaves. A plan never prepared, one whose
+// file holds another plan, a legacy-forced applier, and a namespace that
+// already holds rules get no stored requests, each with why.
+func TestStoredPlans(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-nft-save", "ip6tables-nft-save", "ip")
+	dir := t.TempDir()
+	c := testutil.RedirectCases[0]
+	params, _, err := redirect.FromPod(c.Pod())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A plan of its own, so the package's cache has not prepared it yet.
+	params.ExcludeOutboundPorts = append(params.ExcludeOutboundPorts, "47111")
+	plan := ruleset.Build(params, false)
+
+	fallback := &Applier{}
+	fresh := newNS(t)
+	facts, why, err := fallback.Examine(fresh.Path())
+	if err != nil || why != "" {
+		t.Fatalf("examine: %v (%s)", err, why)
+	}
+	if txn, why, err := fallback.PrepareStored(dir, facts, plan); err != nil || txn != nil || why == "" {
+		t.Fatalf("nothing stored yet: txn %v, why %q, err %v", txn != nil, why, err)
+	}
+
+	agent := &Applier{}
+	agent.StorePlansIn(dir)
+	if txn, why, err := agent.PrepareFresh(facts, plan); err != nil || txn == nil {
+		t.Fatalf("agent prepare: %v (%s)", err, why)
+	}
+	txn, why, err := fallback.PrepareStored(dir, facts, plan)
+	if err != nil || txn == nil {
+		t.Fatalf("stored: %v (%s)", err, why)
+	}
+	direct := newNS(t)
+	if _, err := (&Applier{Force: VariantNFT}).Apply(direct.Path(), plan); err != nil {
+		t.Fatal(err)
+	}
+	if err := sendTxn(fresh, txn); err != nil {
+		t.Fatalf("sending:\n%s\n%v", txn.Describe(), err)
+	}
+	if got, want := nsState(t, fresh), nsState(t, direct); got != want {
+		t.Fatalf("after the stored requests the namespace holds\n%s\nApply leaves\n%s", got, want)
+	}
+
+	// The namespace now holds rules: in place, whatever is stored.
+	held, why, err := fallback.Examine(fresh.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if why == "" {
+		if txn, why, _ := fallback.PrepareStored(dir, held, plan); txn != nil || why == "" {
+			t.Fatalf("a namespace with rules got stored requests (why %q)", why)
+		}
+	}
+	if txn, why, _ := (&Applier{Force: VariantLegacy}).PrepareStored(dir, facts, plan); txn != nil || !strings.Contains(why, "legacy") {
+		t.Fatalf("legacy-forced: txn %v, why %q", txn != nil, why)
+	}
+	// Another plan's file under this plan's name is not this plan's.
+	other := ruleset.Build(params, true)
+	if txn, _, err := agent.PrepareFresh(facts, other); err != nil || txn == nil {
+		t.Fatalf("agent prepare, dual stack: %v", err)
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil || len(entries) != 2 {
+		t.Fatalf("stored plans %v (%v), want 2", entries, err)
+	}
+	a, b := filepath.Join(dir, entries[0].Name()), filepath.Join(dir, entries[1].Name())
+	if err := os.Rename(a, b); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []*ruleset.Plan{plan, other} {
+		if txn, why, err := fallback.PrepareStored(dir, facts, p); err != nil || txn != nil || why == "" {
+			t.Fatalf("a file swapped under another plan's name: txn %v, why %q, err %v", txn != nil, why, err)
+		}
 	}
 }

@@ -32,6 +32,7 @@ func Main() int {
 		FallbackReason: os.Getenv(cnirelay.FallbackReasonEnv),
 		SkipAgentCache: os.Getenv(cnirelay.FallbackSkipAgentEnv) == "1",
 		ProcessCPU:     processCPU,
+		StoredPlans:    true,
 	}
 	err := skel.PluginMainFuncsWithError(skel.CNIFuncs{
 		Add:    p.Add,

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -22,6 +23,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -48,6 +50,11 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
+	// StoredPlans makes an ADD that is not handed to Commit send the
+	// requests the agent stored for the pod's plan, when there are some,
+	// instead of applying the rules in place (the fallback: it then runs
+	// no iptables-restore).
+	StoredPlans bool
 	// ProcessCPU, when set (the plugin running as a process of its own,
 	// the fallback), is that process's CPU so far with its children's
 	// (iptables-restore); the ADD's line carries it as plugin_cpu, as the
@@ -343,9 +350,13 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var plan *ruleset.Plan
 	var txn *nlsteps.Txn
 	var inPlace string
-	if p.Commit != nil {
+	var stored *nlsteps.Txn
+	switch {
+	case p.Commit != nil:
 		plan, txn, inPlace, err = podrules.PreparePod(req.rules, args.Netns, d.Params)
-	} else {
+	case p.StoredPlans:
+		plan, stored, _, err = podrules.PrepareFromStore(req.rules, filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName), args.Netns, d.Params)
+	default:
 		plan, err = podrules.BuildPlan(req.rules, args.Netns, d.Params)
 	}
 	if err != nil {
@@ -360,6 +371,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("rules not handed to the relay, which may have left: it runs the fallback", "why", inPlace)
 		return fmt.Errorf("%w (%s)", ErrInPlace, inPlace)
 	}
+	if stored != nil {
+		return p.sendStored(req, args.Netns, d, plan, stored, start, decided, planned)
+	}
 	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
 		req.log.Error("programming redirect rules failed", "error", err.Error())
@@ -372,6 +386,31 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		// Served for a relay that could have sent the rules itself.
 		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
 	}
+	if p.ProcessCPU != nil {
+		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
+	}
+	req.log.Info("redirect rules programmed", attrs...)
+	return p.printResult(req.conf)
+}
+
+// sendStored sends the requests the agent stored for the pod's plan from
+// inside the pod's namespace, and logs as Add logs its own apply.
+func (p *Plugin) sendStored(req *request, netnsPath string, d *Decision, plan *ruleset.Plan, txn *nlsteps.Txn, start, decided, planned time.Time) error {
+	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
+	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
+	if err != nil {
+		req.log.Error("programming redirect rules failed", "error", err.Error())
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
+	}
+	defer netns.Close()
+	took, err := nlsteps.RunIn(netns, txn)
+	if err != nil {
+		req.log.Error("programming redirect rules failed", "error", err.Error(), "stored_plan", true)
+		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
+	}
+	attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+		"result", txn.Summary + " applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
+		"plan", planned.Sub(decided).String(), "apply", took.String(), "stored_plan", true}
 	if p.ProcessCPU != nil {
 		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
 	}

@@ -145,6 +145,41 @@ func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset
 	return plan, txn, why, err
 }
 
+// StoredPreparer is a backend whose prepared requests the agent stores
+// for other processes (iptables.Applier: its requests cost an
+// iptables-restore to prepare).
+type StoredPreparer interface {
+	Preparer
+	// PrepareStored returns the requests the agent stored in dir for a
+	// namespace Examine found fit, or why there are none to send.
+	PrepareStored(dir string, facts nsfacts.Facts, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
+}
+
+var _ StoredPreparer = (*iptables.Applier)(nil)
+
+// PrepareFromStore is PreparePod for a process that prepares nothing
+// itself (the fallback): the pod's plan and, when the namespace can take
+// them and the agent stored them in dir, the plan's requests; with none,
+// why the rules must be applied in place. The namespace is read once for
+// both.
+func PrepareFromStore(rules Rules, dir, netnsPath string, params redirect.Params) (*ruleset.Plan, *nlsteps.Txn, string, error) {
+	p, ok := rules.(StoredPreparer)
+	if !ok {
+		plan, err := BuildPlan(rules, netnsPath, params)
+		return plan, nil, "the rule backend stores no requests", err
+	}
+	facts, why, err := p.Examine(netnsPath)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	plan, err := planFor(facts.Addrs, params)
+	if err != nil || why != "" {
+		return plan, nil, why, err
+	}
+	txn, why, err := p.PrepareStored(dir, facts, plan)
+	return plan, txn, why, err
+}
+
 // prepareFresh is p.PrepareFresh with transactions too large to hand to
 // a relay turned down.
 func prepareFresh(p Preparer, facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {

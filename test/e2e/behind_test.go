@@ -71,9 +71,10 @@ func TestAgentBehindRelayLeaves(t *testing.T) {
 	// Its ADD line carries what its process spent (children included),
 	// as the agent's lines carry a relay's.
 	logs = h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed", `"fallback":true`, testNS+"/"+pod.Name))
-	var cpu string
+	var cpu, line string
 	for _, l := range strings.Split(logs, "\n") {
 		if strings.Contains(l, "redirect rules programmed") && strings.Contains(l, `"fallback":true`) && strings.Contains(l, testNS+"/"+pod.Name) {
+			line = l
 			if m := regexp.MustCompile(`"plugin_cpu":"([^"]+)"`).FindStringSubmatch(l); m != nil {
 				cpu = m[1]
 			}
@@ -81,6 +82,12 @@ func TestAgentBehindRelayLeaves(t *testing.T) {
 	}
 	if d, err := time.ParseDuration(cpu); err != nil || d <= 0 {
 		t.Fatalf("the fallback's plugin_cpu %q (%v), want a positive duration:\n%s", cpu, err, logs)
+	}
+	// The agent prepared this plan for the first pod and stored it: the
+	// fallback sent those requests and ran no iptables-restore (the
+	// rules' arrival and contents are asserted above).
+	if !strings.Contains(line, `"stored_plan":true`) {
+		t.Fatalf("the fallback did not send the agent's stored plan:\n%s", line)
 	}
 	t.Logf("the fallback's process CPU for the ADD: %s", cpu)
 }

@@ -1,0 +1,63 @@
+package prepared
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"path/filepath"
+)
+
+// Stored plans.
+//
+// Some rule backends prepare a plan's requests at a cost (iptables-nft:
+// iptables-nft-restore into a scratch namespace, read back), once per
+// distinct plan in the agent. The agent also leaves each such plan's
+// requests here, under a name made from the plan's key, so that a
+// fallback plugin process, which reads its pod from the API server when
+// the agent is behind, sends the same requests instead of running
+// iptables-restore itself. The agent empties the directory when it
+// starts (Reset), so the plans are the running agent's.
+
+// planPrefix starts a stored plan's file name; no UID starts with it.
+const planPrefix = ".plan-"
+
+// planMagic starts a stored plan; the number is its form's version.
+const planMagic = "istio-cni plan 1\n"
+
+// planName is the file of the plan with key.
+func planName(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return planPrefix + hex.EncodeToString(sum[:16])
+}
+
+// PutPlan stores the requests (an nlsteps.Txn, binary) of the plan with
+// key, whole or not at all.
+func (d Dir) PutPlan(key string, txn []byte) error {
+	b := append([]byte(planMagic), binary.BigEndian.AppendUint32(nil, uint32(len(key)))...)
+	b = append(append(b, key...), txn...)
+	if len(b) > MaxRecord {
+		return fmt.Errorf("the plan's requests are %d bytes, more than a record holds", len(txn))
+	}
+	return d.write(planName(key), b)
+}
+
+// ReadPlan returns the requests PutPlan stored in dir for key; a missing
+// plan is an error that errors.Is(err, fs.ErrNotExist).
+func ReadPlan(dir, key string) ([]byte, error) {
+	path := filepath.Join(dir, planName(key))
+	b, err := readFile(path, MaxRecord, "a stored plan")
+	if err != nil {
+		return nil, err
+	}
+	rest, ok := bytes.CutPrefix(b, []byte(planMagic))
+	if !ok || len(rest) < 4 {
+		return nil, fmt.Errorf("%s is not a stored plan", path)
+	}
+	n := binary.BigEndian.Uint32(rest)
+	if uint64(n) > uint64(len(rest)-4) || string(rest[4:4+n]) != key {
+		return nil, fmt.Errorf("%s is not the stored plan of %q", path, key)
+	}
+	return rest[4+n:], nil
+}
