@@ -2,11 +2,11 @@ package prepared
 
 import (
 	"bytes"
-	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
 	"fmt"
+	"hash/fnv"
 	"path/filepath"
+	"strconv"
 )
 
 // Stored plans.
@@ -26,10 +26,14 @@ const planPrefix = ".plan-"
 // planMagic starts a stored plan; the number is its form's version.
 const planMagic = "istio-cni plan 1\n"
 
-// planName is the file of the plan with key.
+// planName is the file of the plan with key. The file holds the key
+// too (ReadPlan compares it), so two keys of one name only cost one of
+// them its stored plan; and the hash links nothing into the relay, which
+// imports this package and starts for every pod.
 func planName(key string) string {
-	sum := sha256.Sum256([]byte(key))
-	return planPrefix + hex.EncodeToString(sum[:16])
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(key))
+	return planPrefix + strconv.FormatUint(h.Sum64(), 16)
 }
 
 // PutPlan stores the requests (an nlsteps.Txn, binary) of the plan with
