@@ -1,9 +1,11 @@
 package iptables
 
 import (
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"runtime"
 	"strings"
@@ -82,12 +84,8 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	if err != nil {
 		return nil, "", err
 	}
-	if !hit && a.planDir != "" && txn.Oversize == 0 {
-		// Best effort: a plan not stored only leaves a fallback to run
-		// iptables-restore itself.
-		if b, err := txn.MarshalBinary(); err == nil {
-			_ = prepared.Dir(a.planDir).PutPlan(key, b)
-		}
+	if a.planDir != "" && txn.Oversize == 0 {
+		a.storePlan(key, txn, hit)
 	}
 	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
 		return nil, why, nil
@@ -95,9 +93,23 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	return txn, "", nil
 }
 
-// planKey names a plan's requests in the cache and among stored plans.
+// storePlan leaves a plan's requests for the fallback, best effort: a
+// plan not stored only leaves a fallback to run iptables-restore itself.
+// A plan the cache held is written again if its file is gone (a write
+// that failed, a directory emptied since): a stat per prepared pod.
+func (a *Applier) storePlan(key string, txn *nlsteps.Txn, cached bool) {
+	if cached && prepared.HasPlan(a.planDir, key) {
+		return
+	}
+	if b, err := txn.MarshalBinary(); err == nil {
+		_ = prepared.Dir(a.planDir).PutPlan(key, b)
+	}
+}
+
+// planKey names a plan's requests in the cache and among stored plans;
+// the unforced variant prepares as nft does, so both share one name.
 func (a *Applier) planKey(plan *ruleset.Plan) string {
-	return "iptables " + a.Force + " " + plan.Fingerprint()
+	return "iptables " + cmp.Or(a.Force, VariantNFT) + " " + plan.Fingerprint()
 }
 
 // StorePlansIn makes the applier also leave each plan it prepares in the
@@ -113,8 +125,11 @@ func (a *Applier) PrepareStored(dir string, facts nsfacts.Facts, plan *ruleset.P
 		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
 	}
 	b, err := prepared.ReadPlan(dir, a.planKey(plan))
-	if err != nil {
+	if errors.Is(err, fs.ErrNotExist) {
 		return nil, "the agent stored no requests for the plan", nil
+	}
+	if err != nil {
+		return nil, "the agent's stored requests for the plan do not read: " + err.Error(), nil
 	}
 	txn := &nlsteps.Txn{}
 	if err := txn.UnmarshalBinary(b); err != nil {

@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -10,6 +11,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -183,81 +185,118 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 // TestStoredPlans: an applier told to store plans (the agent's) leaves
 // each plan it prepares in the directory; another applier (a fallback's)
 // finds it there by the plan, and the requests it reads, sent to a fresh
-// namespace, leave what Apply leaves. A plan never prepared, one whose
-// file holds another plan, a legacy-forced applier, and a namespace that
-// already holds rules get no stored requests, each with why.
+// namespace, leave what Apply leaves: for the default rules and for long
+// lists matched through ipsets (whose requests make the sets), IPv4 only
+// and dual stack. A plan never prepared, a file holding another plan, a
+// legacy-forced applier, and a namespace that already holds the rules
+// get no stored requests, each with why. A plan the cache held is stored
+// again in a directory emptied since.
 func TestStoredPlans(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "iptables-nft-save", "ip6tables-nft-save", "ip")
-	dir := t.TempDir()
-	c := testutil.RedirectCases[0]
-	params, _, err := redirect.FromPod(c.Pod())
+	params, _, err := redirect.FromPod(testutil.RedirectCases[0].Pod())
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A plan of its own, so the package's cache has not prepared it yet.
-	params.ExcludeOutboundPorts = append(params.ExcludeOutboundPorts, "47111")
-	plan := ruleset.Build(params, false)
-
-	fallback := &Applier{}
-	fresh := newNS(t)
-	facts, why, err := fallback.Examine(fresh.Path())
-	if err != nil || why != "" {
-		t.Fatalf("examine: %v (%s)", err, why)
+	list := testenv.ListCases()[0]
+	plans := map[string]func(v6 bool) *ruleset.Plan{
+		testutil.RedirectCases[0].Name: func(v6 bool) *ruleset.Plan { return ruleset.Build(params, v6) },
+		list.Name:                      func(v6 bool) *ruleset.Plan { return listPlan(t, list.Annotations, v6) },
 	}
-	if txn, why, err := fallback.PrepareStored(dir, facts, plan); err != nil || txn != nil || why == "" {
-		t.Fatalf("nothing stored yet: txn %v, why %q, err %v", txn != nil, why, err)
-	}
-
-	agent := &Applier{}
-	agent.StorePlansIn(dir)
-	if txn, why, err := agent.PrepareFresh(facts, plan); err != nil || txn == nil {
-		t.Fatalf("agent prepare: %v (%s)", err, why)
-	}
-	txn, why, err := fallback.PrepareStored(dir, facts, plan)
-	if err != nil || txn == nil {
-		t.Fatalf("stored: %v (%s)", err, why)
-	}
-	direct := newNS(t)
-	if _, err := (&Applier{Force: VariantNFT}).Apply(direct.Path(), plan); err != nil {
-		t.Fatal(err)
-	}
-	if err := sendTxn(fresh, txn); err != nil {
-		t.Fatalf("sending:\n%s\n%v", txn.Describe(), err)
-	}
-	if got, want := nsState(t, fresh), nsState(t, direct); got != want {
-		t.Fatalf("after the stored requests the namespace holds\n%s\nApply leaves\n%s", got, want)
-	}
-
-	// The namespace now holds rules: in place, whatever is stored.
-	held, why, err := fallback.Examine(fresh.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if why == "" {
-		if txn, why, _ := fallback.PrepareStored(dir, held, plan); txn != nil || why == "" {
-			t.Fatalf("a namespace with rules got stored requests (why %q)", why)
-		}
-	}
-	if txn, why, _ := (&Applier{Force: VariantLegacy}).PrepareStored(dir, facts, plan); txn != nil || !strings.Contains(why, "legacy") {
-		t.Fatalf("legacy-forced: txn %v, why %q", txn != nil, why)
-	}
-	// Another plan's file under this plan's name is not this plan's.
-	other := ruleset.Build(params, true)
-	if txn, _, err := agent.PrepareFresh(facts, other); err != nil || txn == nil {
-		t.Fatalf("agent prepare, dual stack: %v", err)
-	}
-	entries, err := os.ReadDir(dir)
-	if err != nil || len(entries) != 2 {
-		t.Fatalf("stored plans %v (%v), want 2", entries, err)
-	}
-	a, b := filepath.Join(dir, entries[0].Name()), filepath.Join(dir, entries[1].Name())
-	if err := os.Rename(a, b); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []*ruleset.Plan{plan, other} {
-		if txn, why, err := fallback.PrepareStored(dir, facts, p); err != nil || txn != nil || why == "" {
-			t.Fatalf("a file swapped under another plan's name: txn %v, why %q, err %v", txn != nil, why, err)
+	for name, build := range plans {
+		for _, v6 := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/v6=%v", name, v6), func(t *testing.T) {
+				plan := build(v6)
+				if name == list.Name && len(plan.IPSets()) == 0 {
+					t.Fatal("the list case matches no ipset")
+				}
+				dir := t.TempDir()
+				fallback := &Applier{}
+				fresh := newNS(t)
+				facts, why, err := fallback.Examine(fresh.Path())
+				if err != nil || why != "" {
+					t.Fatalf("examine: %v (%s)", err, why)
+				}
+				if txn, why, err := fallback.PrepareStored(dir, facts, plan); err != nil || txn != nil || !strings.Contains(why, "stored no requests") {
+					t.Fatalf("nothing stored yet: txn %v, why %q, err %v", txn != nil, why, err)
+				}
+				agent := &Applier{}
+				agent.StorePlansIn(dir)
+				// Twice: the second is served from the cache, and stores
+				// nothing new.
+				for i := 0; i < 2; i++ {
+					if txn, why, err := agent.PrepareFresh(facts, plan); err != nil || txn == nil {
+						t.Fatalf("agent prepare: %v (%s)", err, why)
+					}
+				}
+				txn, why, err := fallback.PrepareStored(dir, facts, plan)
+				if err != nil || txn == nil {
+					t.Fatalf("stored: %v (%s)", err, why)
+				}
+				if len(plan.IPSets()) > 0 && len(txn.Undo) == 0 {
+					t.Fatal("a plan with ipsets stored without the requests that undo them")
+				}
+				direct := newNS(t)
+				if _, err := (&Applier{Force: VariantNFT}).Apply(direct.Path(), plan); err != nil {
+					t.Fatal(err)
+				}
+				if err := sendTxn(fresh, txn); err != nil {
+					t.Fatalf("sending:\n%s\n%v", txn.Describe(), err)
+				}
+				if got, want := nsState(t, fresh), nsState(t, direct); got != want {
+					t.Fatalf("after the stored requests the namespace holds\n%s\nApply leaves\n%s", got, want)
+				}
+				// The namespace now holds the rules: in place, whatever
+				// is stored.
+				held, why, err := fallback.Examine(fresh.Path())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if why == "" {
+					if txn, why, _ := fallback.PrepareStored(dir, held, plan); txn != nil || why == "" {
+						t.Fatalf("a namespace with rules got stored requests (why %q)", why)
+					}
+				}
+				if txn, why, _ := (&Applier{Force: VariantLegacy}).PrepareStored(dir, facts, plan); txn != nil || !strings.Contains(why, "legacy") {
+					t.Fatalf("legacy-forced: txn %v, why %q", txn != nil, why)
+				}
+				// Forced to nft, the fallback finds what the unforced
+				// agent stored: both prepare alike.
+				if txn, why, _ := (&Applier{Force: VariantNFT}).PrepareStored(dir, facts, plan); txn == nil {
+					t.Fatalf("nft-forced fallback: %s", why)
+				}
+				// Emptied (a new agent's Reset): stored again from the
+				// cache on the next prepare.
+				if err := prepared.Dir(dir).Reset(); err != nil {
+					t.Fatal(err)
+				}
+				if txn, _, err := agent.PrepareFresh(facts, plan); err != nil || txn == nil {
+					t.Fatalf("agent prepare after reset: %v", err)
+				}
+				if txn, why, _ := fallback.PrepareStored(dir, facts, plan); txn == nil {
+					t.Fatalf("not stored again after a reset: %s", why)
+				}
+				// Another plan's file under this plan's name.
+				other := ruleset.Build(params, !v6)
+				if name == testutil.RedirectCases[0].Name {
+					other = listPlan(t, list.Annotations, v6)
+				}
+				if txn, _, err := agent.PrepareFresh(facts, other); err != nil || txn == nil {
+					t.Fatalf("agent prepare, the other plan: %v", err)
+				}
+				entries, err := os.ReadDir(dir)
+				if err != nil || len(entries) != 2 {
+					t.Fatalf("stored plans %v (%v), want 2", entries, err)
+				}
+				if err := os.Rename(filepath.Join(dir, entries[0].Name()), filepath.Join(dir, entries[1].Name())); err != nil {
+					t.Fatal(err)
+				}
+				for _, p := range []*ruleset.Plan{plan, other} {
+					if txn, why, err := fallback.PrepareStored(dir, facts, p); err != nil || txn != nil || why == "" {
+						t.Fatalf("a file swapped under another plan's name: txn %v, why %q, err %v", txn != nil, why, err)
+					}
+				}
+			})
 		}
 	}
 }

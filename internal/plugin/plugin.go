@@ -351,12 +351,14 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var txn *nlsteps.Txn
 	var inPlace string
 	var stored *nlsteps.Txn
+	var notStored string
+	if p.StoredPlans && p.Commit == nil {
+		stored, notStored = p.storedPlan(req, args.Netns, d.Params, &plan)
+	}
 	switch {
 	case p.Commit != nil:
 		plan, txn, inPlace, err = podrules.PreparePod(req.rules, args.Netns, d.Params)
-	case p.StoredPlans:
-		plan, stored, _, err = podrules.PrepareFromStore(req.rules, filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName), args.Netns, d.Params)
-	default:
+	case plan == nil:
 		plan, err = podrules.BuildPlan(req.rules, args.Netns, d.Params)
 	}
 	if err != nil {
@@ -372,7 +374,21 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return fmt.Errorf("%w (%s)", ErrInPlace, inPlace)
 	}
 	if stored != nil {
-		return p.sendStored(req, args.Netns, d, plan, stored, start, decided, planned)
+		took, err := sendStored(args.Netns, stored)
+		if err == nil {
+			attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
+				"result", stored.Summary + " applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
+				"plan", planned.Sub(decided).String(), "apply", took.String(), "stored_plan", true}
+			if p.ProcessCPU != nil {
+				attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
+			}
+			req.log.Info("redirect rules programmed", attrs...)
+			return p.printResult(req.conf)
+		}
+		// The namespace changed since it was read (rules made meanwhile
+		// refuse the whole transaction): in place, as without a plan.
+		req.log.Warn("the agent's stored plan was not taken; applying the rules in place", "error", err.Error())
+		notStored = "its send failed: " + err.Error()
 	}
 	rep, err := req.rules.Apply(args.Netns, plan)
 	if err != nil {
@@ -386,6 +402,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		// Served for a relay that could have sent the rules itself.
 		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
 	}
+	if notStored != "" {
+		attrs = append(attrs, "stored_plan", false, "why", notStored)
+	}
 	if p.ProcessCPU != nil {
 		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
 	}
@@ -393,29 +412,36 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	return p.printResult(req.conf)
 }
 
+// storedPlan is, for the fallback, the requests the agent stored for the
+// pod's plan, with the plan it built on the way (*plan); or, with none,
+// why not. Whatever goes wrong on the way leaves the rules to be applied
+// in place, as they were before plans were stored: the fallback is what
+// serves pods when nothing else does.
+func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Params, plan **ruleset.Plan) (*nlsteps.Txn, string) {
+	dir := filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName)
+	if _, err := os.Lstat(dir); err != nil {
+		return nil, "no prepared directory (no agent that prepares ahead)"
+	}
+	built, txn, why, err := podrules.PrepareFromStore(req.rules, dir, netnsPath, params)
+	if err != nil {
+		return nil, "reading the namespace: " + err.Error()
+	}
+	*plan = built
+	if txn == nil {
+		return nil, why
+	}
+	return txn, ""
+}
+
 // sendStored sends the requests the agent stored for the pod's plan from
-// inside the pod's namespace, and logs as Add logs its own apply.
-func (p *Plugin) sendStored(req *request, netnsPath string, d *Decision, plan *ruleset.Plan, txn *nlsteps.Txn, start, decided, planned time.Time) error {
-	pod := string(req.args.K8S_POD_NAMESPACE) + "/" + string(req.args.K8S_POD_NAME)
+// inside the pod's namespace, as a relay sends a record's.
+func sendStored(netnsPath string, txn *nlsteps.Txn) (time.Duration, error) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {
-		req.log.Error("programming redirect rules failed", "error", err.Error())
-		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
+		return 0, err
 	}
 	defer netns.Close()
-	took, err := nlsteps.RunIn(netns, txn)
-	if err != nil {
-		req.log.Error("programming redirect rules failed", "error", err.Error(), "stored_plan", true)
-		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s: %v", pod, err), "")
-	}
-	attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
-		"result", txn.Summary + " applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
-		"plan", planned.Sub(decided).String(), "apply", took.String(), "stored_plan", true}
-	if p.ProcessCPU != nil {
-		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
-	}
-	req.log.Info("redirect rules programmed", attrs...)
-	return p.printResult(req.conf)
+	return nlsteps.RunIn(netns, txn)
 }
 
 // commitElsewhere hands the pod's prepared requests to p.Commit and logs

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"os"
 	"path/filepath"
 	"strconv"
 )
@@ -42,7 +43,7 @@ func (d Dir) PutPlan(key string, txn []byte) error {
 	b := append([]byte(planMagic), binary.BigEndian.AppendUint32(nil, uint32(len(key)))...)
 	b = append(append(b, key...), txn...)
 	if len(b) > MaxRecord {
-		return fmt.Errorf("the plan's requests are %d bytes, more than a record holds", len(txn))
+		return fmt.Errorf("the stored plan would be %d bytes, more than a record holds", len(b))
 	}
 	return d.write(planName(key), b)
 }
@@ -64,4 +65,10 @@ func ReadPlan(dir, key string) ([]byte, error) {
 		return nil, fmt.Errorf("%s is not the stored plan of %q", path, key)
 	}
 	return rest[4+n:], nil
+}
+
+// HasPlan says whether dir holds a file under the name of key's plan.
+func HasPlan(dir, key string) bool {
+	_, err := os.Lstat(filepath.Join(dir, planName(key)))
+	return err == nil
 }
