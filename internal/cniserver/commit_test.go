@@ -48,6 +48,9 @@ type recordingRules struct {
 	inPlace string
 	// sent are the summaries of the transactions the agent sent itself.
 	sent []string
+	// preparedPlans are the plans PrepareFresh was asked for, as their
+	// IPv4 rules.
+	preparedPlans []string
 }
 
 // send records a transaction the agent sends itself (Server.Send).
@@ -97,6 +100,9 @@ func (r *recordingRules) Examine(string) (nsfacts.Facts, string, error) {
 // PrepareFresh names the plan in the transaction's summary, so the test
 // sees which plan the relay was handed.
 func (r *recordingRules) PrepareFresh(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	r.mu.Lock()
+	r.preparedPlans = append(r.preparedPlans, plan.V4.Restore())
+	r.mu.Unlock()
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil
@@ -510,6 +516,34 @@ func TestPreparesUnderLearntConfigs(t *testing.T) {
 	}
 	if got := promtest.ToFloat64(r2.s.Commands.WithLabelValues("ADD", "ok")); got != 0 {
 		t.Fatalf("the next agent served %v ADDs", got)
+	}
+	// It also prepared, unasked, the plan of a pod that sets nothing of
+	// its redirection (no pod of the node has it: web excludes 5432), so
+	// the most common plan is there for a burst right after its start.
+	warmed := func() bool {
+		r2.agent.mu.Lock()
+		defer r2.agent.mu.Unlock()
+		for _, p := range r2.agent.preparedPlans {
+			if !strings.Contains(p, "5432") && strings.Contains(p, "ISTIO_OUTPUT") {
+				return true
+			}
+		}
+		return false
+	}
+	for !warmed() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the next agent prepared no plan of a default pod: %q", r2.agent.preparedPlans)
+		}
+		time.Sleep(time.Millisecond) // polling the preparer's goroutine, bounded
+	}
+	// The first agent, which learnt its config from ADDs, had nothing to
+	// warm at its start.
+	r.agent.mu.Lock()
+	defer r.agent.mu.Unlock()
+	for _, p := range r.agent.preparedPlans {
+		if !strings.Contains(p, "5432") {
+			t.Fatalf("the first agent prepared a plan no pod of its node has:\n%s", p)
+		}
 	}
 }
 

@@ -5,10 +5,12 @@ import (
 	"context"
 	"hash/fnv"
 	"log/slog"
+	"slices"
 	"sync"
 
 	"github.com/containernetworking/cni/pkg/types"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
@@ -18,6 +20,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
 
 // Preparing pods' ADDs ahead (internal/prepared): for every pod of the
@@ -109,10 +112,14 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 	// ranges, when a config is learnt with many pods waiting).
 	p.done = make(chan struct{})
 	var wg sync.WaitGroup
+	warm := slices.Clone(p.learnt)
 	for _, newOnly := range []bool{true, false} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			if !newOnly {
+				p.warm(warm)
+			}
 			for p.next(newOnly) {
 			}
 		}()
@@ -267,6 +274,25 @@ func (p *preparer) record(pod *corev1.Pod, learnt []learntConfig) *prepared.Reco
 		rec.Entries = append(rec.Entries, e)
 	}
 	return rec
+}
+
+// warmPod is an injected pod with nothing of its own to say about its
+// redirection: most sidecar pods' plan.
+var warmPod = &corev1.Pod{
+	ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "istio-cni-warm-up", UID: "warm-up",
+		Annotations: map[string]string{redirect.AnnotationStatus: "{}"}},
+	Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "app"}, {Name: redirect.ProxyContainerName}}},
+}
+
+// warm prepares, under the configs an earlier agent learnt, the plan of
+// a pod that sets nothing of its redirection, before any pod asks: the
+// backend keeps it (and iptables stores it for the fallback,
+// Applier.StorePlansIn), so a burst right after an agent's start finds
+// the most common plan prepared, whoever serves it.
+func (p *preparer) warm(learnt []learntConfig) {
+	if len(learnt) > 0 {
+		_ = p.record(warmPod, learnt)
+	}
 }
 
 // knownPod is a pod source that holds the one pod being prepared.
