@@ -353,7 +353,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var stored *nlsteps.Txn
 	var notStored string
 	if p.StoredPlans && p.Commit == nil {
-		stored, notStored = p.storedPlan(req, args.Netns, d.Params, &plan)
+		plan, stored, notStored = p.storedPlan(req, args.Netns, d.Params)
 	}
 	switch {
 	case p.Commit != nil:
@@ -373,37 +373,40 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		req.log.Info("rules not handed to the relay, which may have left: it runs the fallback", "why", inPlace)
 		return fmt.Errorf("%w (%s)", ErrInPlace, inPlace)
 	}
+	var outcome string
+	var applied time.Duration
 	if stored != nil {
 		took, err := sendStored(args.Netns, stored)
 		if err == nil {
-			attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
-				"result", stored.Summary + " applied", "duration", time.Since(start).String(), "lookup", decided.Sub(start).String(),
-				"plan", planned.Sub(decided).String(), "apply", took.String(), "stored_plan", true}
-			if p.ProcessCPU != nil {
-				attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
-			}
-			req.log.Info("redirect rules programmed", attrs...)
-			return p.printResult(req.conf)
+			outcome, applied = stored.Summary+" applied", took
+		} else {
+			// The namespace changed since it was read (rules made
+			// meanwhile refuse the whole transaction): in place, as
+			// without a plan.
+			req.log.Warn("the agent's stored plan was not taken; applying the rules in place", "error", err.Error())
+			notStored = "its send failed: " + err.Error()
 		}
-		// The namespace changed since it was read (rules made meanwhile
-		// refuse the whole transaction): in place, as without a plan.
-		req.log.Warn("the agent's stored plan was not taken; applying the rules in place", "error", err.Error())
-		notStored = "its send failed: " + err.Error()
 	}
-	rep, err := req.rules.Apply(args.Netns, plan)
-	if err != nil {
-		req.log.Error("programming redirect rules failed", "error", err.Error())
-		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+	if outcome == "" {
+		rep, err := req.rules.Apply(args.Netns, plan)
+		if err != nil {
+			req.log.Error("programming redirect rules failed", "error", err.Error())
+			return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
+		}
+		outcome, applied = rep.String(), time.Since(planned)
 	}
 	attrs := []any{"mode", string(d.Params.Mode), "ipv6", plan.V6 != nil,
-		"result", rep.String(), "duration", time.Since(start).String(),
-		"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String(), "apply", time.Since(planned).String()}
+		"result", outcome, "duration", time.Since(start).String(),
+		"lookup", decided.Sub(start).String(), "plan", planned.Sub(decided).String(), "apply", applied.String()}
 	if inPlace != "" {
 		// Served for a relay that could have sent the rules itself.
 		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
 	}
-	if notStored != "" {
+	switch {
+	case notStored != "":
 		attrs = append(attrs, "stored_plan", false, "why", notStored)
+	case stored != nil:
+		attrs = append(attrs, "stored_plan", true)
 	}
 	if p.ProcessCPU != nil {
 		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
@@ -413,24 +416,23 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 }
 
 // storedPlan is, for the fallback, the requests the agent stored for the
-// pod's plan, with the plan it built on the way (*plan); or, with none,
-// why not. Whatever goes wrong on the way leaves the rules to be applied
-// in place, as they were before plans were stored: the fallback is what
-// serves pods when nothing else does.
-func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Params, plan **ruleset.Plan) (*nlsteps.Txn, string) {
+// pod's plan, with the plan it built on the way; or, with none, why not
+// (and the plan when it got that far). Whatever goes wrong on the way
+// leaves the rules to be applied in place, as they were before plans
+// were stored: the fallback is what serves pods when nothing else does.
+func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Params) (*ruleset.Plan, *nlsteps.Txn, string) {
 	dir := filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName)
 	if _, err := os.Lstat(dir); err != nil {
-		return nil, "no prepared directory (no agent that prepares ahead)"
+		return nil, nil, "no prepared directory (no agent that prepares ahead)"
 	}
-	built, txn, why, err := podrules.PrepareFromStore(req.rules, dir, netnsPath, params)
+	plan, txn, why, err := podrules.PrepareFromStore(req.rules, dir, netnsPath, params)
 	if err != nil {
-		return nil, "reading the namespace: " + err.Error()
+		return nil, nil, "reading the namespace: " + err.Error()
 	}
-	*plan = built
 	if txn == nil {
-		return nil, why
+		return plan, nil, why
 	}
-	return txn, ""
+	return plan, txn, ""
 }
 
 // sendStored sends the requests the agent stored for the pod's plan from

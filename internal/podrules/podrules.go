@@ -133,6 +133,16 @@ func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset
 		plan, err := BuildPlan(rules, netnsPath, params)
 		return plan, nil, "the rule backend applies only in place", err
 	}
+	return prepareIn(p, netnsPath, params, func(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+		return prepareFresh(p, facts, plan)
+	})
+}
+
+// prepareIn reads the namespace once, builds the pod's plan for its
+// addresses, and, when the namespace can take requests, asks prepare for
+// them; otherwise it says why the rules must be applied in place.
+func prepareIn(p Preparer, netnsPath string, params redirect.Params,
+	prepare func(nsfacts.Facts, *ruleset.Plan) (*nlsteps.Txn, string, error)) (*ruleset.Plan, *nlsteps.Txn, string, error) {
 	facts, why, err := p.Examine(netnsPath)
 	if err != nil {
 		return nil, nil, "", err
@@ -141,7 +151,7 @@ func PreparePod(rules Rules, netnsPath string, params redirect.Params) (*ruleset
 	if err != nil || why != "" {
 		return plan, nil, why, err
 	}
-	txn, why, err := prepareFresh(p, facts, plan)
+	txn, why, err := prepare(facts, plan)
 	return plan, txn, why, err
 }
 
@@ -168,16 +178,9 @@ func PrepareFromStore(rules Rules, dir, netnsPath string, params redirect.Params
 		plan, err := BuildPlan(rules, netnsPath, params)
 		return plan, nil, "the rule backend stores no requests", err
 	}
-	facts, why, err := p.Examine(netnsPath)
-	if err != nil {
-		return nil, nil, "", err
-	}
-	plan, err := planFor(facts.Addrs, params)
-	if err != nil || why != "" {
-		return plan, nil, why, err
-	}
-	txn, why, err := p.PrepareStored(dir, facts, plan)
-	return plan, txn, why, err
+	return prepareIn(p, netnsPath, params, func(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+		return p.PrepareStored(dir, facts, plan)
+	})
 }
 
 // prepareFresh is p.PrepareFresh with transactions too large to hand to
