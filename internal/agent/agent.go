@@ -252,19 +252,29 @@ func (a *Agent) Run(ctx context.Context) error {
 // start starts every part but the install loop, in the order that lets
 // each find what it needs, and records each in p.
 func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(context.Context) (bool, error), error) {
+	metrics := promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{})
 	if cfg.ReadinessPort > 0 {
-		done, err := sockserve.ServeTCPOn(ctx, a.listen, cfg.ReadinessPort, a.Handler())
+		h := a.Handler()
+		if cfg.MonitoringPort == cfg.ReadinessPort {
+			// One port set twice would otherwise fail the agent on its
+			// own bind; both handlers share the listener instead.
+			mux := http.NewServeMux()
+			mux.Handle("/metrics", metrics)
+			mux.Handle("/", h)
+			h = mux
+		}
+		done, err := sockserve.ServeTCPOn(ctx, a.listen, cfg.ReadinessPort, h)
 		if err != nil {
-			return nil, fmt.Errorf("readiness server: %w", err)
+			return nil, fmt.Errorf("readiness server on port %d: %w", cfg.ReadinessPort, err)
 		}
 		p.rest = append(p.rest, done)
 	}
-	if cfg.MonitoringPort > 0 {
+	if cfg.MonitoringPort > 0 && cfg.MonitoringPort != cfg.ReadinessPort {
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{}))
+		mux.Handle("/metrics", metrics)
 		done, err := sockserve.ServeTCPOn(ctx, a.listen, cfg.MonitoringPort, mux)
 		if err != nil {
-			return nil, fmt.Errorf("metrics server: %w", err)
+			return nil, fmt.Errorf("metrics server on port %d: %w", cfg.MonitoringPort, err)
 		}
 		p.rest = append(p.rest, done)
 	}

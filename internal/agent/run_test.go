@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -192,4 +193,65 @@ func exercise(ctx context.Context, a *Agent, cs *fake.Clientset, cfg *Config, po
 	}
 	_ = resp.Body.Close()
 	return nil
+}
+
+// TestOnePortForReadinessAndMetrics: an operator who sets the readiness
+// and monitoring ports to one number gets one listener serving both,
+// not an agent that fails on its own second bind.
+func TestOnePortForReadinessAndMetrics(t *testing.T) {
+	cfg := testNode(t)
+	cfg.ReadinessPort, cfg.MonitoringPort = 9, 9 // bound to the loopback's port 0 below
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	a := New(cfg, quiet)
+	var binds []int
+	addrs := make(chan string, 2)
+	a.listen = func(network, addr string) (net.Listener, error) {
+		_, port, _ := net.SplitHostPort(addr)
+		n, _ := strconv.Atoi(port)
+		binds = append(binds, n)
+		l, err := net.Listen(network, "127.0.0.1:0")
+		if err == nil {
+			addrs <- l.Addr().String()
+		}
+		return l, err
+	}
+	runErr := make(chan error, 1)
+	go func() { runErr <- a.Run(ctx) }()
+	var addr string
+	select {
+	case addr = <-addrs:
+	case err := <-runErr:
+		t.Fatalf("Run ended before it listened: %v", err)
+	}
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	get := func(path string) (int, string) {
+		resp, err := client.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	for a.ReadyReason() != "" {
+		select {
+		case err := <-runErr:
+			t.Fatalf("Run ended before ready: %v", err)
+		case <-time.After(time.Millisecond): // polling the agent's state
+		}
+	}
+	if code, body := get("/readyz"); code != http.StatusOK || body != "ready\n" {
+		t.Fatalf("/readyz: %d %q", code, body)
+	}
+	if code, body := get("/metrics"); code != http.StatusOK || !strings.Contains(body, "istio_cni_install_ready") {
+		t.Fatalf("/metrics: %d, no istio_cni_install_ready in:\n%s", code, body)
+	}
+	cancel()
+	if err := <-runErr; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if len(binds) != 1 || binds[0] != 9 {
+		t.Fatalf("listened on %v, want once on port 9", binds)
+	}
 }

@@ -42,12 +42,11 @@ func NewAgentHost(ctx context.Context, dir string, c *Cluster, pluginBin string)
 	if _, err := h.RotateToken(ctx); err != nil {
 		return nil, err
 	}
-	var err error
-	for _, p := range []*int{&h.ReadyPort, &h.MetricsPort} {
-		if *p, err = freePort(); err != nil {
-			return nil, err
-		}
+	ports, err := freePorts(2)
+	if err != nil {
+		return nil, err
 	}
+	h.ReadyPort, h.MetricsPort = ports[0], ports[1]
 	h.Log, err = os.Create(filepath.Join(dir, "agent.log"))
 	return h, err
 }

@@ -88,13 +88,34 @@ func APIServerBinary() (string, error) {
 	return p, nil
 }
 
+// freePorts returns n distinct loopback ports that were free a moment
+// ago. Every listener stays open until all are chosen: a port closed
+// before the next is asked for can come back as that next one.
+func freePorts(n int) ([]int, error) {
+	ports := make([]int, 0, n)
+	var open []net.Listener
+	defer func() {
+		for _, l := range open {
+			_ = l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		open = append(open, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
 func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freePorts(1)
 	if err != nil {
 		return 0, err
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return p[0], nil
 }
 
 // StartCluster starts etcd and kube-apiserver on loopback in dir. It
@@ -124,12 +145,11 @@ func startCluster(dir, address string) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	clientPort, err1 := freePort()
-	peerPort, err2 := freePort()
-	apiPort, err3 := freePort()
-	if err := errors.Join(err1, err2, err3); err != nil {
+	ports, err := freePorts(3)
+	if err != nil {
 		return nil, err
 	}
+	clientPort, peerPort, apiPort := ports[0], ports[1], ports[2]
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", clientPort)
 	if err := c.start(logf, etcdBin, "--data-dir", filepath.Join(dir, "etcd"),
 		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL,
