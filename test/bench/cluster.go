@@ -203,9 +203,8 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 			}
 		}
 		for round := 0; round < cfg.rounds; round++ {
-			// Rotated, so no arm always follows the same one.
-			for i := range res.arms {
-				arm := res.arms[(i+round)%len(res.arms)]
+			for _, i := range armOrder(len(res.arms), round) {
+				arm := res.arms[i]
 				f, err := armBurst(ctx, one, cfg, arm, fmt.Sprintf("%s-%d-%d", arm.name, size, round), round)
 				if err != nil {
 					return nil, fmt.Errorf("%s, %d pods on the node, round %d: %w", arm.name, size, round, err)
@@ -676,6 +675,38 @@ func waitAgentPodReady(ctx context.Context, c *testenv.Cluster) (*corev1.Pod, er
 }
 
 // parseArms reads -cluster-arms.
+// armOrder is round's order of k arms, a row of a Williams design: over
+// k rounds (2k when k is odd) every arm follows every other arm equally
+// often within a round. A cyclic rotation would not: with three arms
+// each arm's predecessor is one arm in two rounds of three, so whatever
+// one arm leaves behind (a chart just removed) lands on the same other.
+func armOrder(k, round int) []int {
+	first := make([]int, 0, k)
+	for lo, hi := 0, k-1; lo <= hi; {
+		first = append(first, lo)
+		lo++
+		if lo <= hi {
+			first = append(first, hi)
+			hi--
+		}
+	}
+	// first is 0, k-1, 1, k-2, ...: its successive differences are all
+	// distinct mod k, which is what balances the shifted rows.
+	rows := k
+	if k%2 == 1 {
+		rows = 2 * k
+	}
+	r := round % rows
+	order := make([]int, k)
+	for j := range order {
+		order[j] = (first[j] + r%k) % k
+	}
+	if r >= k {
+		slices.Reverse(order)
+	}
+	return order
+}
+
 func parseArms(s string) []string {
 	var out []string
 	for _, a := range strings.Split(s, ",") {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -121,5 +122,47 @@ func TestMixedBurstPods(t *testing.T) {
 	halves := plainHalves([]burstFigures{{startup: []time.Duration{1, 2}, without: []time.Duration{3}}})
 	if len(halves) != 1 || len(halves[0].startup) != 1 || halves[0].startup[0] != 3 {
 		t.Errorf("plain halves %v", halves)
+	}
+}
+
+// TestArmOrderBalancesPredecessors: over a full design every round runs
+// every arm once, and every arm follows every other arm equally often.
+func TestArmOrderBalancesPredecessors(t *testing.T) {
+	for k := 1; k <= 7; k++ {
+		rows := k
+		if k%2 == 1 {
+			rows = 2 * k
+		}
+		follows := map[[2]int]int{}
+		for round := 0; round < rows; round++ {
+			order := armOrder(k, round)
+			seen := map[int]bool{}
+			for j, a := range order {
+				if a < 0 || a >= k || seen[a] {
+					t.Fatalf("k=%d round %d: order %v is not a permutation", k, round, order)
+				}
+				seen[a] = true
+				if j > 0 {
+					follows[[2]int{order[j-1], a}]++
+				}
+			}
+			if len(seen) != k {
+				t.Fatalf("k=%d round %d: order %v", k, round, order)
+			}
+		}
+		want := rows / k // rows*(k-1) pairs over k*(k-1) ordered pairs
+		if k == 1 {
+			continue
+		}
+		for a := range k {
+			for b := range k {
+				if a != b && follows[[2]int{a, b}] != want {
+					t.Fatalf("k=%d: arm %d follows arm %d %d times, want %d (all: %v)", k, b, a, follows[[2]int{a, b}], want, follows)
+				}
+			}
+		}
+	}
+	if got := armOrder(3, 6); !slices.Equal(got, armOrder(3, 0)) {
+		t.Fatalf("the design does not repeat: %v", got)
 	}
 }

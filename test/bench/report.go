@@ -205,8 +205,18 @@ func reportLists(r *results) {
 // pod by cgroup, and each arm against the node without the plugin.
 func reportCluster(cfg clusterConfig, r *clusterResult) {
 	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node with a node's cgroups (QoS tree, runtime in its own cgroup),\n", cfg.pods)
-	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm, arms rotated:\n",
+	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm,\n",
 		r.busyPods, cfg.busyCPU, cmp.Or(cfg.agentCPU, "100m (chart default)"), cfg.rounds)
+	k := len(r.arms)
+	design := k
+	if k%2 == 1 {
+		design = 2 * k
+	}
+	balance := "every arm follows every other equally often"
+	if k > 1 && cfg.rounds%design != 0 {
+		balance = fmt.Sprintf("balanced only over multiples of %d rounds", design)
+	}
+	fmt.Printf("arms in a Williams design's order by round (%s):\n", balance)
 	for _, a := range r.arms {
 		fmt.Printf("  %-8s %s\n", a.name, a.about)
 	}
