@@ -50,7 +50,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, rotated round by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
