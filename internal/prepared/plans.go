@@ -3,11 +3,16 @@ package prepared
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/fnv"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
+	"time"
 )
 
 // Stored plans.
@@ -37,15 +42,74 @@ func planName(key string) string {
 	return planPrefix + strconv.FormatUint(h.Sum64(), 16)
 }
 
+// PlanBudget bounds the bytes of the plans stored at once. The run
+// directory is a tmpfs whose pages count against the agent's memory; the
+// plans of a node's usual few pod shapes take kilobytes, and a node whose
+// pods carry many distinct long lists would otherwise grow it for as long
+// as the agent runs. It matches the agent's cache of prepared requests.
+const PlanBudget = 4 << 20
+
 // PutPlan stores the requests (an nlsteps.Txn, binary) of the plan with
-// key, whole or not at all.
-func (d Dir) PutPlan(key string, txn []byte) error {
+// key, whole or not at all, and then removes the longest-stored other
+// plans while the stored plans exceed PlanBudget. A plan removed only
+// sends a fallback to iptables-restore; the agent stores it again when
+// it next prepares it.
+func (d Dir) PutPlan(key string, txn []byte) error { return d.putPlan(key, txn, PlanBudget) }
+
+func (d Dir) putPlan(key string, txn []byte, budget int64) error {
 	b := append([]byte(planMagic), binary.BigEndian.AppendUint32(nil, uint32(len(key)))...)
 	b = append(append(b, key...), txn...)
 	if len(b) > MaxRecord {
 		return fmt.Errorf("the stored plan would be %d bytes, more than a record holds", len(b))
 	}
-	return d.write(planName(key), b)
+	name := planName(key)
+	if err := d.write(name, b); err != nil {
+		return err
+	}
+	return d.prunePlans(name, budget)
+}
+
+// prunePlans removes stored plans other than keep, the longest stored
+// first, until the rest fit in budget bytes.
+func (d Dir) prunePlans(keep string, budget int64) error {
+	entries, err := os.ReadDir(string(d))
+	if err != nil {
+		return err
+	}
+	type plan struct {
+		name string
+		size int64
+		at   time.Time
+	}
+	var plans []plan
+	var total int64
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), planPrefix) || !e.Type().IsRegular() {
+			continue
+		}
+		info, err := e.Info()
+		if err != nil {
+			continue // removed meanwhile
+		}
+		total += info.Size()
+		if e.Name() != keep {
+			plans = append(plans, plan{e.Name(), info.Size(), info.ModTime()})
+		}
+	}
+	if total <= budget {
+		return nil
+	}
+	slices.SortStableFunc(plans, func(a, b plan) int { return a.at.Compare(b.at) })
+	for _, p := range plans {
+		if total <= budget {
+			break
+		}
+		if err := os.Remove(filepath.Join(string(d), p.name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		total -= p.size
+	}
+	return nil
 }
 
 // ReadPlan returns the requests PutPlan stored in dir for key; a missing

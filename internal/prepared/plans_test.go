@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestStoredPlan: a plan's requests come back under its key and no
@@ -75,5 +76,48 @@ func TestStoredPlan(t *testing.T) {
 	}
 	if err := d.PutPlan("iptables  big", make([]byte, MaxRecord)); err == nil {
 		t.Fatal("a plan over MaxRecord stored")
+	}
+}
+
+// TestPlanBudget: past the budget the longest-stored plans go, never the
+// one just stored nor anything but plans.
+func TestPlanBudget(t *testing.T) {
+	d := Dir(t.TempDir())
+	if err := d.SaveConfigs([][]byte{[]byte(`{"type":"istio-cni"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	txn := []byte(strings.Repeat("r", 1000))
+	size := int64(len(planMagic) + 4 + len("plan a") + len(txn)) // every key here is as long
+	at := time.Now().Add(-time.Hour)
+	for _, k := range []string{"plan a", "plan b", "plan c"} {
+		if err := d.putPlan(k, txn, 1<<20); err != nil {
+			t.Fatal(err)
+		}
+		// Stored a minute apart, b first: the order is the files' times,
+		// not the names'.
+		order := map[string]int{"plan b": 0, "plan a": 1, "plan c": 2}[k]
+		if err := os.Chtimes(filepath.Join(string(d), planName(k)), at, at.Add(time.Duration(order)*time.Minute)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.putPlan("plan d", txn, 3*size); err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range map[string]bool{"plan a": true, "plan b": false, "plan c": true, "plan d": true} {
+		if got := HasPlan(string(d), k); got != want {
+			t.Errorf("%s stored: %v, want %v", k, got, want)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(string(d), configsName)); err != nil {
+		t.Errorf("the configs went with the plans: %v", err)
+	}
+	// One plan over the budget alone stays: the pod preparing it sends it.
+	if err := d.putPlan("plan e", txn, size/2); err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range map[string]bool{"plan a": false, "plan c": false, "plan d": false, "plan e": true} {
+		if got := HasPlan(string(d), k); got != want {
+			t.Errorf("%s stored: %v, want %v", k, got, want)
+		}
 	}
 }
