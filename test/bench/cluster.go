@@ -123,6 +123,11 @@ type burstFigures struct {
 	// record: no time in the agent (their duration is the relay's own,
 	// left out of agentTime).
 	prepared int
+	// warnings counts the burst's pods' warning events by reason (a
+	// sandbox that failed and was made again costs the runtime a second
+	// start), and warningText is one message of each reason.
+	warnings    map[string]int
+	warningText map[string]string
 }
 
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
@@ -488,12 +493,42 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 	if err != nil {
 		return burstFigures{}, err
 	}
+	if f.warnings, f.warningText, err = podWarnings(ctx, one.Cluster, ps); err != nil {
+		return burstFigures{}, err
+	}
 	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
 		agent: after.agent - before.agent, containerd: after.containerd - before.containerd,
 		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet}
 	split.pods = after.pods - before.pods - split.agent
 	f.cpu = split
 	return f, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
+}
+
+// podWarnings counts the warning events of pods by reason, with one
+// message of each reason.
+func podWarnings(ctx context.Context, c *testenv.Cluster, ps []*corev1.Pod) (map[string]int, map[string]string, error) {
+	names := map[string]bool{}
+	for _, p := range ps {
+		names[p.Name] = true
+	}
+	evs, err := c.Client.CoreV1().Events("bench").List(ctx, metav1.ListOptions{FieldSelector: "type=Warning"})
+	if err != nil {
+		return nil, nil, err
+	}
+	count, text := map[string]int{}, map[string]string{}
+	for i := range evs.Items {
+		e := &evs.Items[i]
+		// The test kubelet has no cluster DNS to give pods: every pod
+		// gets that warning, in every arm.
+		if e.InvolvedObject.Kind != "Pod" || !names[e.InvolvedObject.Name] || e.Reason == "MissingClusterDNS" {
+			continue
+		}
+		count[e.Reason] += int(max(e.Count, 1))
+		if _, ok := text[e.Reason]; !ok {
+			text[e.Reason] = e.Message
+		}
+	}
+	return count, text, nil
 }
 
 // procCPU is a process's own CPU time and that of its children it has

@@ -3,6 +3,8 @@ package main
 import (
 	"cmp"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -252,6 +254,9 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpuByRound = append(cpuByRound, fmt.Sprintf("%.0f", msf(burstStartCPU(bs[i]))))
 			}
 			fmt.Printf("  %-8s start-up CPU per pod (runtime + agent) by round, ms: %s\n", "", strings.Join(cpuByRound, " "))
+			if w := warningsByRound(bs); w != "" {
+				fmt.Printf("  %-8s %s\n", "", w)
+			}
 			if a.values != nil {
 				// Per round: the agent's time per ADD, p50 / slowest, to
 				// set beside the rounds' start-up.
@@ -285,6 +290,16 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			}
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
 				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
+			// By round too: which part of the runtime a costly round spent.
+			var split []string
+			for i := range bs {
+				b := &bs[i]
+				n := float64(max(len(b.startup)+len(b.without), 1))
+				c := b.cpu
+				split = append(split, fmt.Sprintf("%.0f/%.0f/%.0f/%.0f", msf(c.containerd)/n, msf(c.cni)/n, msf(c.kubelet)/n,
+					msf(c.runtime-c.containerd-c.cni-c.kubelet)/n))
+			}
+			fmt.Printf("  %-8s the same by round, ms: %s\n", "", strings.Join(split, " "))
 			var pluginCPU, fallbackCPU []time.Duration
 			fallback, left, prepared := 0, 0, 0
 			for i := range bs {
@@ -400,4 +415,37 @@ func reportAmbient(r *results) {
 				backend, ms(pct(ds, .5)), ms(pct(ds, .99)), len(ds))
 		}
 	}
+}
+
+// warningsByRound lists the bursts' pods' warning events by round and
+// reason (a sandbox made twice is a second start's work in a round), and
+// one message of each reason; "" when there were none.
+func warningsByRound(bs []burstFigures) string {
+	var rounds []string
+	text := map[string]string{}
+	found := false
+	for i := range bs {
+		b := &bs[i]
+		var parts []string
+		for _, reason := range slices.Sorted(maps.Keys(b.warnings)) {
+			parts = append(parts, fmt.Sprintf("%s×%d", reason, b.warnings[reason]))
+			found = true
+			if _, ok := text[reason]; !ok {
+				text[reason] = b.warningText[reason]
+			}
+		}
+		rounds = append(rounds, cmp.Or(strings.Join(parts, "+"), "-"))
+	}
+	if !found {
+		return ""
+	}
+	out := "the pods' warning events by round: " + strings.Join(rounds, " ")
+	for _, reason := range slices.Sorted(maps.Keys(text)) {
+		msg := text[reason]
+		if len(msg) > 200 {
+			msg = msg[:200] + "..."
+		}
+		out += fmt.Sprintf("\n           %s: %s", reason, msg)
+	}
+	return out
 }
