@@ -173,7 +173,7 @@ func TestWarningsByRound(t *testing.T) {
 	}
 	got := warningsByRound([]burstFigures{{}, {warnings: map[string]int{"FailedCreatePodSandBox": 3, "BackOff": 1},
 		warningText: map[string]string{"FailedCreatePodSandBox": "plugin type=\"istio-cni\" failed (add): boom", "BackOff": "back-off"}}})
-	want := "the pods' warning events by round: - BackOff×1+FailedCreatePodSandBox×3\n" +
+	want := "the pods' events beyond a plain start, by round: - BackOff×1+FailedCreatePodSandBox×3\n" +
 		"           BackOff: back-off\n           FailedCreatePodSandBox: plugin type=\"istio-cni\" failed (add): boom"
 	if got != want {
 		t.Fatalf("got\n%s\nwant\n%s", got, want)

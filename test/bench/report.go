@@ -417,7 +417,7 @@ func reportAmbient(r *results) {
 	}
 }
 
-// warningsByRound lists the bursts' pods' warning events by round and
+// warningsByRound lists the bursts' pods' unusual events by round and
 // reason (a sandbox made twice is a second start's work in a round), and
 // one message of each reason; "" when there were none.
 func warningsByRound(bs []burstFigures) string {
@@ -439,7 +439,7 @@ func warningsByRound(bs []burstFigures) string {
 	if !found {
 		return ""
 	}
-	out := "the pods' warning events by round: " + strings.Join(rounds, " ")
+	out := "the pods' events beyond a plain start, by round: " + strings.Join(rounds, " ")
 	for _, reason := range slices.Sorted(maps.Keys(text)) {
 		msg := text[reason]
 		if len(msg) > 200 {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -143,4 +144,53 @@ func checkNodeCgroups(t *testing.T) {
 			t.Errorf("%s cpu.shares %q (%v), want %d", rel, b, err, want)
 		}
 	}
+}
+
+// TestRemoveStoppedSandboxes: a deleted pod's sandbox stays, stopped,
+// until the kubelet's minute-periodic GC removes it (with one more CNI DEL
+// down the chain); RemoveStoppedSandboxes, which the bench runs between
+// bursts so that no burst pays for that GC, removes it at once.
+func TestRemoveStoppedSandboxes(t *testing.T) {
+	ctx := context.Background()
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {
+		t.Fatal(err)
+	}
+	never := corev1.PullNever
+	f := false
+	// The kubelet's own GC may get there between the deletion and the
+	// look, once a minute: then again with another pod.
+	for attempt := range 3 {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "plain", Name: fmt.Sprintf("gc-%d", attempt)},
+			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+				Containers: []corev1.Container{{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}}}},
+		}
+		ps := []*corev1.Pod{pod}
+		if _, err := testenv.StartPods(ctx, cluster, "plain", ps, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		if err := testenv.DeletePods(ctx, cluster, "plain", ps, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		stopped, err := node.StoppedSandboxes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(stopped, "plain/"+pod.Name) {
+			t.Logf("the sandbox of %s is not among the stopped ones %v: the kubelet's GC came first", pod.Name, stopped)
+			continue
+		}
+		n, err := node.RemoveStoppedSandboxes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n < 1 {
+			t.Fatalf("removed %d sandboxes, want at least %s's", n, pod.Name)
+		}
+		if left, err := node.StoppedSandboxes(ctx); err != nil || len(left) != 0 {
+			t.Fatalf("stopped sandboxes after the removal: %v (%v)", left, err)
+		}
+		return
+	}
+	t.Fatal("the kubelet's GC removed the sandbox before the test looked, three times")
 }
