@@ -63,7 +63,7 @@ func (a *Applier) Examine(netnsPath string) (nsfacts.Facts, string, error) {
 // the requests are known to make some.
 func (a *Applier) unfit(f nsfacts.Facts) string {
 	if a.Force == VariantLegacy {
-		return "FORCE_IPTABLES_BINARY=legacy"
+		return legacyForced
 	}
 	return f.Unfit(nsfacts.KindIPTablesNFT, false)
 }
@@ -72,7 +72,7 @@ func (a *Applier) unfit(f nsfacts.Facts) string {
 // plan's, prepared once and then taken from the cache.
 func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	if a.Force == VariantLegacy {
-		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
+		return nil, legacyForced, nil
 	}
 	key := a.planKey(plan)
 	txn, hit, err := preparedTxns.Get(key, func() (*nlsteps.Txn, error) {
@@ -87,10 +87,7 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	if a.planDir != "" && txn.Oversize == 0 {
 		a.storePlan(key, txn, hit)
 	}
-	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
-		return nil, why, nil
-	}
-	return txn, "", nil
+	return fitFor(facts, txn)
 }
 
 // storePlan leaves a plan's requests for the fallback, best effort: a
@@ -122,7 +119,7 @@ func (a *Applier) StorePlansIn(dir string) { a.planDir = dir }
 // the plan, when there are some; with none, why.
 func (a *Applier) PrepareStored(dir string, facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	if a.Force == VariantLegacy {
-		return nil, "FORCE_IPTABLES_BINARY=legacy", nil
+		return nil, legacyForced, nil
 	}
 	b, err := prepared.ReadPlan(dir, a.planKey(plan))
 	if errors.Is(err, fs.ErrNotExist) {
@@ -135,6 +132,16 @@ func (a *Applier) PrepareStored(dir string, facts nsfacts.Facts, plan *ruleset.P
 	if err := txn.UnmarshalBinary(b); err != nil {
 		return nil, "the agent's stored requests for the plan do not read: " + err.Error(), nil
 	}
+	return fitFor(facts, txn)
+}
+
+// legacyForced is why a legacy-forced applier sends no prepared
+// requests: they are nf_tables requests.
+const legacyForced = "FORCE_IPTABLES_BINARY=legacy"
+
+// fitFor hands txn on when a namespace with these facts can take it;
+// whether it makes ipsets is known only once the requests are.
+func fitFor(facts nsfacts.Facts, txn *nlsteps.Txn) (*nlsteps.Txn, string, error) {
 	if why := facts.Unfit(nsfacts.KindIPTablesNFT, len(txn.Undo) > 0); why != "" {
 		return nil, why, nil
 	}

@@ -16,45 +16,45 @@ import (
 // DELs to it; the bench removes them between bursts instead. It returns
 // how many it removed.
 func (n *KubeNode) RemoveStoppedSandboxes(ctx context.Context) (int, error) {
-	rt, stopped, done, err := n.stoppedSandboxes(ctx)
-	if err != nil {
-		return 0, err
-	}
-	defer done()
-	for _, s := range stopped {
-		if _, err := rt.RemovePodSandbox(ctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: s.Id}); err != nil {
-			return 0, fmt.Errorf("removing pod sandbox %s of %s/%s: %w", s.Id, s.Metadata.GetNamespace(), s.Metadata.GetName(), err)
+	removed := 0
+	err := n.withStoppedSandboxes(ctx, func(rt runtimeapi.RuntimeServiceClient, stopped []*runtimeapi.PodSandbox) error {
+		for _, s := range stopped {
+			if _, err := rt.RemovePodSandbox(ctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: s.Id}); err != nil {
+				return fmt.Errorf("removing pod sandbox %s of %s/%s: %w", s.Id, s.Metadata.GetNamespace(), s.Metadata.GetName(), err)
+			}
+			removed++
 		}
-	}
-	return len(stopped), nil
+		return nil
+	})
+	return removed, err
 }
 
 // StoppedSandboxes names (namespace/name) the pods of the sandboxes that
 // are no longer ready.
 func (n *KubeNode) StoppedSandboxes(ctx context.Context) ([]string, error) {
-	_, stopped, done, err := n.stoppedSandboxes(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer done()
 	var names []string
-	for _, s := range stopped {
-		names = append(names, s.Metadata.GetNamespace()+"/"+s.Metadata.GetName())
-	}
-	return names, nil
+	err := n.withStoppedSandboxes(ctx, func(_ runtimeapi.RuntimeServiceClient, stopped []*runtimeapi.PodSandbox) error {
+		for _, s := range stopped {
+			names = append(names, s.Metadata.GetNamespace()+"/"+s.Metadata.GetName())
+		}
+		return nil
+	})
+	return names, err
 }
 
-func (n *KubeNode) stoppedSandboxes(ctx context.Context) (runtimeapi.RuntimeServiceClient, []*runtimeapi.PodSandbox, func(), error) {
+// withStoppedSandboxes lists the sandboxes that are no longer ready over
+// a CRI connection to the node's runtime, and hands both to use.
+func (n *KubeNode) withStoppedSandboxes(ctx context.Context, use func(runtimeapi.RuntimeServiceClient, []*runtimeapi.PodSandbox) error) error {
 	conn, err := grpc.NewClient("unix://"+n.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return nil, nil, nil, err
+		return err
 	}
+	defer conn.Close()
 	rt := runtimeapi.NewRuntimeServiceClient(conn)
 	list, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: &runtimeapi.PodSandboxFilter{
 		State: &runtimeapi.PodSandboxStateValue{State: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}}})
 	if err != nil {
-		_ = conn.Close()
-		return nil, nil, nil, fmt.Errorf("listing stopped pod sandboxes: %w", err)
+		return fmt.Errorf("listing stopped pod sandboxes: %w", err)
 	}
-	return rt, list.Items, func() { _ = conn.Close() }, nil
+	return use(rt, list.Items)
 }

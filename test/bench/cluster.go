@@ -124,12 +124,15 @@ type burstFigures struct {
 	// record: no time in the agent (their duration is the relay's own,
 	// left out of agentTime).
 	prepared int
-	// warnings counts the burst's pods' events beyond a plain start, by
+	// events counts the burst's pods' events beyond a plain start, by
 	// reason (a sandbox made again costs the runtime a second start), and
-	// warningText is one message of each reason.
-	warnings    map[string]int
-	warningText map[string]string
+	// eventText is one message of each reason.
+	events    map[string]int
+	eventText map[string]string
 }
+
+// pods is how many pods the burst started, both halves of a mixed one.
+func (b *burstFigures) pods() int { return len(b.startup) + len(b.without) }
 
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
 // cgroup (containerd, kubelet, runc, the CNI plugins they start), the
@@ -511,7 +514,7 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 	if err != nil {
 		return burstFigures{}, err
 	}
-	if f.warnings, f.warningText, err = podWarnings(ctx, one.Cluster, ps); err != nil {
+	if f.events, f.eventText, err = podEvents(ctx, one.Cluster, ps); err != nil {
 		return burstFigures{}, err
 	}
 	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
@@ -527,10 +530,10 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 // so for every pod in every arm.
 var routineEvents = map[string]bool{"Scheduled": true, "Pulled": true, "Created": true, "Started": true, "MissingClusterDNS": true}
 
-// podWarnings counts the events of pods beyond a plain start (warnings,
+// podEvents counts the events of pods beyond a plain start (warnings,
 // and such as SandboxChanged, a Normal event) by reason, with one
 // message of each reason.
-func podWarnings(ctx context.Context, c *testenv.Cluster, ps []*corev1.Pod) (map[string]int, map[string]string, error) {
+func podEvents(ctx context.Context, c *testenv.Cluster, ps []*corev1.Pod) (map[string]int, map[string]string, error) {
 	names := map[string]bool{}
 	for _, p := range ps {
 		names[p.Name] = true
@@ -749,11 +752,7 @@ func armOrder(k, round int) []int {
 	}
 	// first is 0, k-1, 1, k-2, ...: its successive differences are all
 	// distinct mod k, which is what balances the shifted rows.
-	rows := k
-	if k%2 == 1 {
-		rows = 2 * k
-	}
-	r := round % rows
+	r := round % designRounds(k)
 	order := make([]int, k)
 	for j := range order {
 		order[j] = (first[j] + r%k) % k
@@ -762,6 +761,15 @@ func armOrder(k, round int) []int {
 		slices.Reverse(order)
 	}
 	return order
+}
+
+// designRounds is how many rounds of k arms armOrder takes to balance
+// them: k rows, and as many again reversed when k is odd.
+func designRounds(k int) int {
+	if k%2 == 1 {
+		return 2 * k
+	}
+	return k
 }
 
 func parseArms(s string) []string {

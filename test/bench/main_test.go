@@ -129,10 +129,7 @@ func TestMixedBurstPods(t *testing.T) {
 // every arm once, and every arm follows every other arm equally often.
 func TestArmOrderBalancesPredecessors(t *testing.T) {
 	for k := 1; k <= 7; k++ {
-		rows := k
-		if k%2 == 1 {
-			rows = 2 * k
-		}
+		rows := designRounds(k)
 		follows := map[[2]int]int{}
 		for round := 0; round < rows; round++ {
 			order := armOrder(k, round)
@@ -167,12 +164,12 @@ func TestArmOrderBalancesPredecessors(t *testing.T) {
 	}
 }
 
-func TestWarningsByRound(t *testing.T) {
-	if got := warningsByRound([]burstFigures{{}, {}}); got != "" {
-		t.Fatalf("no warnings: %q", got)
+func TestEventsByRound(t *testing.T) {
+	if got := eventsByRound([]burstFigures{{}, {}}); got != "" {
+		t.Fatalf("no events: %q", got)
 	}
-	got := warningsByRound([]burstFigures{{}, {warnings: map[string]int{"FailedCreatePodSandBox": 3, "BackOff": 1},
-		warningText: map[string]string{"FailedCreatePodSandBox": "plugin type=\"istio-cni\" failed (add): boom", "BackOff": "back-off"}}})
+	got := eventsByRound([]burstFigures{{}, {events: map[string]int{"FailedCreatePodSandBox": 3, "BackOff": 1},
+		eventText: map[string]string{"FailedCreatePodSandBox": "plugin type=\"istio-cni\" failed (add): boom", "BackOff": "back-off"}}})
 	want := "the pods' events beyond a plain start, by round: - BackOff×1+FailedCreatePodSandBox×3\n" +
 		"           BackOff: back-off\n           FailedCreatePodSandBox: plugin type=\"istio-cni\" failed (add): boom"
 	if got != want {

@@ -74,7 +74,7 @@ func burstLast(b burstFigures) time.Duration {
 // and the agent's pod. The pods' own cgroups are left out: the busy pods
 // spin in them and take whatever CPU the start leaves.
 func burstStartCPU(b burstFigures) time.Duration {
-	n := len(b.startup) + len(b.without)
+	n := b.pods()
 	if n == 0 {
 		return 0
 	}

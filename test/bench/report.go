@@ -209,13 +209,8 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node with a node's cgroups (QoS tree, runtime in its own cgroup),\n", cfg.pods)
 	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm,\n",
 		r.busyPods, cfg.busyCPU, cmp.Or(cfg.agentCPU, "100m (chart default)"), cfg.rounds)
-	k := len(r.arms)
-	design := k
-	if k%2 == 1 {
-		design = 2 * k
-	}
 	balance := "every arm follows every other equally often"
-	if k > 1 && cfg.rounds%design != 0 {
+	if design := designRounds(len(r.arms)); len(r.arms) > 1 && cfg.rounds%design != 0 {
 		balance = fmt.Sprintf("balanced only over multiples of %d rounds", design)
 	}
 	fmt.Printf("arms in a Williams design's order by round (%s):\n", balance)
@@ -240,7 +235,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpu.containerd += b.cpu.containerd
 				cpu.cni += b.cpu.cni
 				cpu.kubelet += b.cpu.kubelet
-				n += len(b.startup) + len(b.without)
+				n += b.pods()
 			}
 			n = max(n, 1)
 			per := func(d time.Duration) float64 { return msf(d) / float64(n) }
@@ -254,7 +249,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpuByRound = append(cpuByRound, fmt.Sprintf("%.0f", msf(burstStartCPU(bs[i]))))
 			}
 			fmt.Printf("  %-8s start-up CPU per pod (runtime + agent) by round, ms: %s\n", "", strings.Join(cpuByRound, " "))
-			if w := warningsByRound(bs); w != "" {
+			if w := eventsByRound(bs); w != "" {
 				fmt.Printf("  %-8s %s\n", "", w)
 			}
 			if a.values != nil {
@@ -294,7 +289,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			var split []string
 			for i := range bs {
 				b := &bs[i]
-				n := float64(max(len(b.startup)+len(b.without), 1))
+				n := float64(max(b.pods(), 1))
 				c := b.cpu
 				split = append(split, fmt.Sprintf("%.0f/%.0f/%.0f/%.0f", msf(c.containerd)/n, msf(c.cni)/n, msf(c.kubelet)/n,
 					msf(c.runtime-c.containerd-c.cni-c.kubelet)/n))
@@ -417,21 +412,21 @@ func reportAmbient(r *results) {
 	}
 }
 
-// warningsByRound lists the bursts' pods' unusual events by round and
+// eventsByRound lists the bursts' pods' unusual events by round and
 // reason (a sandbox made twice is a second start's work in a round), and
 // one message of each reason; "" when there were none.
-func warningsByRound(bs []burstFigures) string {
+func eventsByRound(bs []burstFigures) string {
 	var rounds []string
 	text := map[string]string{}
 	found := false
 	for i := range bs {
 		b := &bs[i]
 		var parts []string
-		for _, reason := range slices.Sorted(maps.Keys(b.warnings)) {
-			parts = append(parts, fmt.Sprintf("%s×%d", reason, b.warnings[reason]))
+		for _, reason := range slices.Sorted(maps.Keys(b.events)) {
+			parts = append(parts, fmt.Sprintf("%s×%d", reason, b.events[reason]))
 			found = true
 			if _, ok := text[reason]; !ok {
-				text[reason] = b.warningText[reason]
+				text[reason] = b.eventText[reason]
 			}
 		}
 		rounds = append(rounds, cmp.Or(strings.Join(parts, "+"), "-"))

@@ -53,13 +53,7 @@ func TestPodRuns(t *testing.T) {
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {
 		t.Fatal(err)
 	}
-	never := corev1.PullNever
-	f := false
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "plain", Name: "server"},
-		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
-			Containers: []corev1.Container{{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}}}},
-	}
+	pod := servingPod("plain", "server")
 	if _, err := cluster.Client.CoreV1().Pods("plain").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -75,6 +69,17 @@ func TestPodRuns(t *testing.T) {
 			t.Fatalf("pod not running: %+v", p.Status)
 		}
 		time.Sleep(200 * time.Millisecond) // polling the API server, bounded
+	}
+}
+
+// servingPod is a plain pod on the test node whose one container
+// serves TCP on :8080, from the image already on the node.
+func servingPod(ns, name string) *corev1.Pod {
+	f := false
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
+			Containers: []corev1.Container{{Name: "app", Image: testenv.AppImage, ImagePullPolicy: corev1.PullNever, Args: []string{"serve", ":8080"}}}},
 	}
 }
 
@@ -155,16 +160,10 @@ func TestRemoveStoppedSandboxes(t *testing.T) {
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {
 		t.Fatal(err)
 	}
-	never := corev1.PullNever
-	f := false
 	// The kubelet's own GC may get there between the deletion and the
 	// look, once a minute: then again with another pod.
 	for attempt := range 3 {
-		pod := &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Namespace: "plain", Name: fmt.Sprintf("gc-%d", attempt)},
-			Spec: corev1.PodSpec{NodeName: testenv.NodeName, AutomountServiceAccountToken: &f,
-				Containers: []corev1.Container{{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"serve", ":8080"}}}},
-		}
+		pod := servingPod("plain", fmt.Sprintf("gc-%d", attempt))
 		ps := []*corev1.Pod{pod}
 		if _, err := testenv.StartPods(ctx, cluster, "plain", ps, time.Minute); err != nil {
 			t.Fatal(err)
