@@ -62,9 +62,17 @@ func StartPods(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, l
 
 // StartPodsByName is StartPods with each time under its pod's name.
 func StartPodsByName(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) (map[string]time.Duration, error) {
+	_, ready, err := StartPodsAt(ctx, c, ns, pods, limit)
+	return ready, err
+}
+
+// StartPodsAt is StartPodsByName that also gives, by pod name, when its
+// creation request was sent: on the host's clock, to set beside the times
+// its runtime stamps.
+func StartPodsAt(ctx context.Context, c *Cluster, ns string, pods []*corev1.Pod, limit time.Duration) (map[string]time.Time, map[string]time.Duration, error) {
 	w, err := c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer func() { w.Stop() }()
 	var mu sync.Mutex
@@ -86,7 +94,7 @@ func StartPodsByName(ctx context.Context, c *Cluster, ns string, pods []*corev1.
 	wg.Wait()
 	close(errs)
 	if err := <-errs; err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	ready := map[string]time.Duration{}
 	note := func(p *corev1.Pod) {
@@ -112,13 +120,13 @@ func StartPodsByName(ctx context.Context, c *Cluster, ns string, pods []*corev1.
 				// watch again.
 				list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 				if err != nil {
-					return nil, err
+					return nil, nil, err
 				}
 				for i := range list.Items {
 					note(&list.Items[i])
 				}
 				if w, err = c.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion}); err != nil {
-					return nil, err
+					return nil, nil, err
 				}
 				continue
 			}
@@ -126,10 +134,10 @@ func StartPodsByName(ctx context.Context, c *Cluster, ns string, pods []*corev1.
 				note(p)
 			}
 		case <-deadline:
-			return nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
+			return nil, nil, fmt.Errorf("%d of %d pods Ready within %s", len(ready), len(pods), limit)
 		}
 	}
-	return ready, nil
+	return created, ready, nil
 }
 
 // DeletePods deletes the pods with a one-second grace period and waits

@@ -155,6 +155,59 @@ func checkNodeCgroups(t *testing.T) {
 // until the kubelet's minute-periodic GC removes it (with one more CNI DEL
 // down the chain); RemoveStoppedSandboxes, which the bench runs between
 // bursts so that no burst pays for that GC, removes it at once.
+// TestRuntimeTimes checks the runtime's stamps the bench reads beside
+// Ready: each step after the one before, all between the creation request
+// and the watch seeing the pod Ready, for each of two pods (one of two
+// containers).
+func TestRuntimeTimes(t *testing.T) {
+	ctx := context.Background()
+	if err := testenv.EnsureNamespace(ctx, cluster.Client, "stamps"); err != nil {
+		t.Fatal(err)
+	}
+	two := servingPod("stamps", "two")
+	two.Spec.Containers = append(two.Spec.Containers, corev1.Container{Name: "second", Image: testenv.AppImage,
+		ImagePullPolicy: corev1.PullNever, Args: []string{"serve", ":8081"}})
+	ps := []*corev1.Pod{servingPod("stamps", "one"), two}
+	created, ready, err := testenv.StartPodsAt(ctx, cluster, "stamps", ps, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := time.Now()
+	defer func() {
+		if err := testenv.DeletePods(ctx, cluster, "stamps", ps, time.Minute); err != nil {
+			t.Error(err)
+		}
+	}()
+	times, err := node.RuntimeTimes(ctx, "stamps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(times) != 2 {
+		t.Fatalf("runtime times for %d pods, want 2: %v", len(times), times)
+	}
+	for _, p := range ps {
+		rt, ok := times[p.Name]
+		if !ok {
+			t.Fatalf("no runtime times for %s: %v", p.Name, times)
+		}
+		c := created[p.Name]
+		readyAt := c.Add(ready[p.Name])
+		steps := []struct {
+			name string
+			at   time.Time
+		}{{"created", c}, {"sandbox begun", rt.SandboxCreated}, {"containers created", rt.ContainersCreated},
+			{"started", rt.Started}, {"seen Ready", readyAt}, {"listed", seen}}
+		for i := 1; i < len(steps); i++ {
+			if steps[i].at.Before(steps[i-1].at) {
+				t.Errorf("%s: %s at %s, before %s at %s", p.Name, steps[i].name, steps[i].at.Format(time.RFC3339Nano),
+					steps[i-1].name, steps[i-1].at.Format(time.RFC3339Nano))
+			}
+		}
+		t.Logf("%s: sandbox set-up %s, created to started %s, to Ready %s", p.Name,
+			rt.ContainersCreated.Sub(rt.SandboxCreated), rt.Started.Sub(c), ready[p.Name])
+	}
+}
+
 func TestRemoveStoppedSandboxes(t *testing.T) {
 	ctx := context.Background()
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {
