@@ -16,6 +16,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
+	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/installloop"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
@@ -333,7 +334,14 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	p.cni = cniDone
 	a.mu.Lock()
 	a.health = append(a.health, cni.Health)
+	loop := a.loop
 	a.mu.Unlock()
+	loop.OnPlaced(func(conf []byte) {
+		if err := cni.ExpectConflist(conf, install.PluginType); err != nil {
+			a.log.Info("cannot tell from the CNI config file what config the runtime will hand the plugin; it is learnt from the first ADDs instead",
+				"error", err.Error())
+		}
+	})
 	if cfg.RepairEnabled && a.Clientset != nil {
 		if done := a.startRepair(ctx, cfg, pods); done != nil {
 			p.rest = append(p.rest, done)

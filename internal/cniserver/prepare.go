@@ -334,13 +334,23 @@ func (p *preparer) learn(stdin []byte) {
 	if err != nil || conf.AmbientEnabled {
 		return
 	}
+	p.adopt(c.Canonical, conf, false)
+}
+
+// adopt makes a config one that records are kept for, the newest, and
+// has every pending pod prepared under it. expected says the config was
+// not learnt from ADDs but read from the CNI config file (what the
+// runtime will hand the plugin): no ADD under it has prepared the most
+// common plan yet, so it is prepared now.
+func (p *preparer) adopt(canonical []byte, conf *plugin.Config, expected bool) {
 	p.mu.Lock()
-	if p.learntLocked(c.Canonical) {
-		// Learnt meanwhile, from another ADD.
+	if p.learntLocked(canonical) {
+		// Learnt meanwhile, from another ADD, or already expected.
 		p.mu.Unlock()
 		return
 	}
-	learnt := append([]learntConfig{{canonical: c.Canonical, conf: conf}}, p.learnt...)
+	lc := learntConfig{canonical: canonical, conf: conf}
+	learnt := append([]learntConfig{lc}, p.learnt...)
 	if len(learnt) > maxLearnt {
 		learnt = learnt[:maxLearnt]
 	}
@@ -353,7 +363,12 @@ func (p *preparer) learn(stdin []byte) {
 		p.log.Warn("cannot keep the learnt plugin configs for the next agent", "error", err.Error())
 	}
 	p.mu.Unlock()
-	p.log.Info("preparing the ADDs of pods not yet started under a plugin config the runtime uses", "configs", len(learnt))
+	if expected {
+		p.log.Info("preparing the ADDs of pods not yet started under the plugin config the runtime will read from the CNI config file", "configs", len(learnt))
+		p.warm([]learntConfig{lc})
+	} else {
+		p.log.Info("preparing the ADDs of pods not yet started under a plugin config the runtime uses", "configs", len(learnt))
+	}
 	for _, obj := range p.inf.GetIndexer().List() {
 		if pod, ok := obj.(*corev1.Pod); ok && pending(pod) {
 			p.enqueue(pod, false)

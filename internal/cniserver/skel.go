@@ -26,10 +26,15 @@ func checkAsSkel(req *cnirelay.Request) *types.Error {
 			return err
 		}
 	}
+	return checkConfig(req.Command, req.Stdin)
+}
+
+// checkConfig is checkAsSkel's part on the config, for command.
+func checkConfig(command string, stdin []byte) *types.Error {
 	var conf struct {
 		Name string `json:"name"`
 	}
-	if err := json.Unmarshal(req.Stdin, &conf); err != nil {
+	if err := json.Unmarshal(stdin, &conf); err != nil {
 		return types.NewError(types.ErrDecodingFailure, fmt.Sprintf("error unmarshall network config: %v", err), "")
 	}
 	if conf.Name == "" {
@@ -39,19 +44,19 @@ func checkAsSkel(req *cnirelay.Request) *types.Error {
 		return err
 	}
 	var decoder version.ConfigDecoder
-	switch req.Command {
+	switch command {
 	case "ADD", "DEL":
-		return reconcile(req.Stdin)
+		return reconcile(stdin)
 	case "CHECK", "GC", "STATUS":
-		configVersion, err := decoder.Decode(req.Stdin)
+		configVersion, err := decoder.Decode(stdin)
 		if err != nil {
 			return types.NewError(types.ErrDecodingFailure, err.Error(), "")
 		}
-		first := map[string]string{"CHECK": "0.4.0", "GC": "1.1.0", "STATUS": "1.1.0"}[req.Command]
+		first := map[string]string{"CHECK": "0.4.0", "GC": "1.1.0", "STATUS": "1.1.0"}[command]
 		if gtet, err := version.GreaterThanOrEqualTo(configVersion, first); err != nil {
 			return types.NewError(types.ErrDecodingFailure, err.Error(), "")
 		} else if !gtet {
-			return types.NewError(types.ErrIncompatibleCNIVersion, "config version does not allow "+req.Command, "")
+			return types.NewError(types.ErrIncompatibleCNIVersion, "config version does not allow "+command, "")
 		}
 		for _, pluginVersion := range version.All.SupportedVersions() {
 			gtet, err := version.GreaterThanOrEqualTo(pluginVersion, configVersion)
@@ -59,12 +64,12 @@ func checkAsSkel(req *cnirelay.Request) *types.Error {
 				return types.NewError(types.ErrDecodingFailure, err.Error(), "")
 			}
 			if gtet {
-				return reconcile(req.Stdin)
+				return reconcile(stdin)
 			}
 		}
-		return types.NewError(types.ErrIncompatibleCNIVersion, "plugin version does not allow "+req.Command, "")
+		return types.NewError(types.ErrIncompatibleCNIVersion, "plugin version does not allow "+command, "")
 	}
-	return types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", req.Command), "")
+	return types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", command), "")
 }
 
 // reconcile is skel's check that the plugin speaks the config's version.

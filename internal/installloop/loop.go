@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -95,6 +96,18 @@ type Loop struct {
 	// rewrites and backoff belong to Run's goroutine.
 	rewrites []time.Time
 	backoff  time.Duration
+	// placed, when set, is handed the CNI config file holding our entry
+	// after each pass that placed it or found it placed the first time.
+	placed func(conf []byte)
+}
+
+// OnPlaced has fn handed the content of the primary's config file each
+// time a pass puts our entry in it, and once at the start when it finds
+// it there, in chained mode; before Run.
+func (l *Loop) OnPlaced(fn func(conf []byte)) {
+	if l.cfg.Install.Chained {
+		l.placed = fn
+	}
 }
 
 // New returns a loop that is not ready until its first pass; it touches
@@ -177,7 +190,7 @@ func (l *Loop) Run(ctx context.Context) error {
 }
 
 func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
-	first := true
+	first, untold := true, false
 	var changedAt time.Time
 	again := false
 	resync := time.NewTicker(l.cfg.ResyncInterval)
@@ -194,6 +207,8 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 			ws.follow(filepath.Dir(f))
 		}
 		firstPass := first
+		// The entry as placed has not been handed to l.placed yet.
+		untold = untold || firstPass || wrote
 		var hold <-chan time.Time
 		if wrote && !first {
 			l.metrics.Reinsertions.Inc()
@@ -237,6 +252,12 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 				again = wrote
 			} else {
 				l.setReady("")
+				if l.placed != nil && untold {
+					if data, err := os.ReadFile(l.in.ConfFile(conf)); err == nil {
+						l.placed(data)
+						untold = false
+					}
+				}
 			}
 		}
 		// Wait for a change that matters, a failed pass's retry or the

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -159,6 +160,23 @@ func TestLoopPutsEntryBack(t *testing.T) {
 	if r := l.NotReady(); r != "starting" {
 		t.Fatalf("before Run: %q", r)
 	}
+	// Each placing of the entry is told, with the file as placed.
+	var mu sync.Mutex
+	var told []string
+	l.OnPlaced(func(conf []byte) {
+		mu.Lock()
+		told = append(told, string(conf))
+		mu.Unlock()
+	})
+	toldTimes := func(n int) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(told) != n {
+			return false
+		}
+		last := told[n-1]
+		return strings.Contains(last, `"ptp"`) && strings.Contains(last, `"istio-cni"`)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var runErr error
 	stopped := make(chan struct{})
@@ -171,6 +189,7 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		<-stopped
 	}()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	eventually(t, "the placed file told", func() bool { return toldTimes(1) })
 	if got := promtest.ToFloat64(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
 		t.Fatalf("installs after the first pass: %v", got)
 	}
@@ -186,6 +205,7 @@ func TestLoopPutsEntryBack(t *testing.T) {
 	})
 	eventually(t, "the re-insertion counted", func() bool { return promtest.ToFloat64(m.Reinsertions) == 1 })
 	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
+	eventually(t, "the file placed again told", func() bool { return toldTimes(2) })
 	cancel()
 	<-stopped
 	if runErr != nil {

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -15,7 +16,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -93,6 +96,9 @@ func sidecarPod(name, dialTo string) *corev1.Pod {
 	}
 }
 
+// chartRunDir is the chart's cniAgentRunDir, on the host.
+const chartRunDir = "/var/run/istio-cni"
+
 func chartOnNode(t *testing.T, backend string) {
 	ctx := context.Background()
 	// The race: a sidecar pod scheduled before the agent runs.
@@ -122,6 +128,11 @@ func chartOnNode(t *testing.T, backend string) {
 	// relay leaving a slow agent (the default wait) is
 	// TestAgentBehindRelayLeaves's, in test/e2e.
 	values["env"].(map[string]any)["CNI_AGENT_WAIT"] = "0"
+	// Configs an earlier agent on this node learnt would tell the new
+	// one what the file does (below).
+	if err := os.RemoveAll(filepath.Join(chartRunDir, prepared.DirName)); err != nil {
+		t.Fatal(err)
+	}
 	rel, err := testenv.InstallChart(cluster, values)
 	if err != nil {
 		t.Fatal(err)
@@ -156,8 +167,42 @@ func chartOnNode(t *testing.T, backend string) {
 		t.Fatalf("the plugin entry has native_nftables %v, want %v:\n%s", got, backend == "nftables", conf)
 	}
 
+	// The first pod after the agent's start: the agent read the config
+	// the runtime will hand the plugin from the file it wrote, so the
+	// pod's ADD is prepared before any ADD taught it. The saved configs
+	// of earlier agents were removed before the install, so that only
+	// the file can have told it. The pod's sandbox waits for a ConfigMap
+	// that is not there yet (the kubelet mounts volumes first), so the
+	// record is there, deterministically, before the ADD.
+	if ags := agentPods(t); len(ags) != 1 {
+		t.Fatalf("%d agent pods", len(ags))
+	} else {
+		waitLog(t, &ags[0], "install-cni", "the runtime will read from the CNI config file")
+	}
 	name := "sidecar-" + backend
-	if _, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, sidecarPod(name, testenv.RemoteV4+":80"), metav1.CreateOptions{}); err != nil {
+	first := sidecarPod(name, testenv.RemoteV4+":80")
+	hold := "hold-" + name
+	first.Spec.Volumes = []corev1.Volume{{Name: "hold", VolumeSource: corev1.VolumeSource{
+		ConfigMap: &corev1.ConfigMapVolumeSource{LocalObjectReference: corev1.LocalObjectReference{Name: hold}}}}}
+	created0, err := cluster.Client.CoreV1().Pods("mesh").Create(ctx, first, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expected, err := cniserver.ExpectedConfig(conf, install.PluginType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the held pod's prepared record under the config from the file", 30*time.Second, func() (bool, string) {
+		rec, err := prepared.Read(filepath.Join(chartRunDir, prepared.DirName), string(created0.UID))
+		if err != nil {
+			return false, err.Error()
+		}
+		if len(rec.Entries) != 1 || !bytes.Equal(rec.Entries[0].Config, expected) {
+			return false, fmt.Sprintf("record %+v", rec)
+		}
+		return true, ""
+	})
+	if _, err := cluster.Client.CoreV1().ConfigMaps("mesh").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: hold}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "sidecar pod Running after its validation", 90*time.Second, func() (bool, string) {
@@ -205,6 +250,9 @@ func chartOnNode(t *testing.T, backend string) {
 			// cgroup, sent them.
 			if !strings.Contains(line, "committed_by=plugin") {
 				t.Fatalf("the pod's rules were not sent by the relay: %s", line)
+			}
+			if !strings.Contains(line, "prepared=true") {
+				t.Fatalf("the pod's ADD was not served from its record: %s", line)
 			}
 			if cpu, err := testenv.LogDuration(line, "plugin_cpu"); err != nil || cpu <= 0 {
 				t.Fatalf("plugin_cpu %v (%v) in the agent's line, want the relay's positive CPU time: %s", cpu, err, line)

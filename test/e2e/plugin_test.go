@@ -53,6 +53,8 @@ type env struct {
 	// lookups and preparedAdds are the agent's metrics of the pods it
 	// looked up and the ADDs relays served from records.
 	lookups, preparedAdds *prometheus.CounterVec
+	// server is serveCNI's agent.
+	server *cniserver.Server
 }
 
 func newEnv(t *testing.T, pluginConf map[string]any) *env {
@@ -589,6 +591,7 @@ func (e *env) serveCNIWith(variant, committer string) {
 		cancel()
 		e.t.Fatal(err)
 	}
+	e.server = s
 	e.t.Cleanup(func() {
 		cancel()
 		<-done

@@ -103,6 +103,34 @@ func TestPreparedRecords(t *testing.T) {
 	})
 }
 
+// TestPreparedFromConflist: an agent told the conflist its entry is in
+// prepares pods' ADDs from the start under the config libcni will hand
+// the plugin, with no ADD to learn it from, and the first ADD of all is
+// served from its pod's record.
+func TestPreparedFromConflist(t *testing.T) {
+	e := newEnv(t, nil)
+	e.prepare = true
+	e.serveCNI("")
+	early := e.newPod(&testenv.PodSpec{Sidecar: true})
+	if err := e.server.ExpectConflist(e.node.Chained.Bytes, "istio-cni"); err != nil {
+		t.Fatal(err)
+	}
+	// The pods already waiting are prepared.
+	e.waitRecord(early)
+	// The first ADD: add fails unless the relay served it from the
+	// record, the agent looking nothing up.
+	sb := e.add(&testenv.PodSpec{Sidecar: true})
+	if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "ISTIO_REDIRECT") {
+		t.Fatalf("the pod served from its record has no redirection:\n%s", rules)
+	}
+	// A file the runtime would not hand the plugin from is refused, and
+	// prepares nothing new.
+	if err := e.server.ExpectConflist([]byte(`{"name":"net","cniVersion":"1.0.0","plugins":[{"type":"ptp"}]}`), "istio-cni"); err == nil ||
+		!strings.Contains(err.Error(), "no istio-cni entry") {
+		t.Fatalf("a conflist without the entry: %v", err)
+	}
+}
+
 func waitNoRecord(t *testing.T, dir, uid string) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
