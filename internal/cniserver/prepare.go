@@ -5,11 +5,13 @@ import (
 	"context"
 	"hash/fnv"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 
 	"github.com/containernetworking/cni/pkg/types"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 
@@ -88,8 +90,19 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 	}
 	_, err := p.inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		// A pod new to the node goes first: its sandbox is being made.
-		AddFunc:    func(obj any) { p.enqueue(obj, true) },
-		UpdateFunc: func(_, obj any) { p.enqueue(obj, false) },
+		AddFunc: func(obj any) { p.enqueue(obj, true) },
+		UpdateFunc: func(old, obj any) {
+			// The kubelet's status updates of a pod it is starting come
+			// as its sandbox is made, in a burst while the agent's
+			// container is shortest of CPU: a record they cannot change
+			// is not prepared again.
+			if o, ok := old.(*corev1.Pod); ok {
+				if n, ok := obj.(*corev1.Pod); ok && sameForADD(o, n) {
+					return
+				}
+			}
+			p.enqueue(obj, false)
+		},
 		DeleteFunc: func(obj any) {
 			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = t.Obj
@@ -210,7 +223,7 @@ func (p *preparer) next(newOnly bool) bool {
 		_ = p.dir.Remove(string(pod.UID))
 		return true
 	}
-	if np.ResourceVersion != pod.ResourceVersion {
+	if np.ResourceVersion != pod.ResourceVersion && !sameForADD(pod, np) {
 		delete(p.written, string(pod.UID))
 		_ = p.dir.Remove(string(pod.UID))
 		p.work.add(key, false)
@@ -219,6 +232,15 @@ func (p *preparer) next(newOnly bool) bool {
 	p.written[string(pod.UID)] = sum
 	p.log.Debug("pod's ADD prepared", "pod", key, "configs", len(rec.Entries))
 	return true
+}
+
+// sameForADD: two versions of a pod whose records would be the same,
+// both pending, with what an ADD reads of a pod (podcache.PodFromCore:
+// its labels, annotations and spec, as the cache trims them) unchanged.
+func sameForADD(a, b *corev1.Pod) bool {
+	return a.UID == b.UID && pending(a) && pending(b) &&
+		maps.Equal(a.Labels, b.Labels) && maps.Equal(a.Annotations, b.Annotations) &&
+		equality.Semantic.DeepEqual(a.Spec, b.Spec)
 }
 
 // forget removes the pod's record, if it has one.

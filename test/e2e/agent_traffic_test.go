@@ -72,8 +72,11 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	}
 
 	t.Run("pod-from-agent-cache", func(t *testing.T) {
-		// The agent runs the command itself: the pod comes from its cache,
-		// with no API request, and a UID mismatch goes to the API.
+		// The pod comes from the agent's informer, with no API request:
+		// its ADD served from the record the agent prepared (it has since
+		// its start, from the CNI config file it wrote), or, if the ADD
+		// came first, looked up in its cache. A UID mismatch goes to the
+		// API.
 		count := func(source string) int {
 			m := h.metric(`istio_cni_plugin_pod_lookups_total{source="` + source + `"}`)
 			if m == "" {
@@ -100,7 +103,18 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond) // polling an outside process
 		}
-		cache0, api0 := count("cache"), count("api")
+		served := func() int {
+			m := h.metric(`istio_cni_plugin_prepared_adds_total{result="ok"}`)
+			if m == "" {
+				return 0
+			}
+			n, err := strconv.Atoi(m[strings.LastIndex(m, " ")+1:])
+			if err != nil {
+				t.Fatalf("metric line %q: %v", m, err)
+			}
+			return n
+		}
+		cache0, api0, served0 := count("cache"), count("api"), served()
 		p, err := testenv.NewPod(testNS, name, string(k8sPod.UID), "cfromcache")
 		if err != nil {
 			t.Fatal(err)
@@ -113,8 +127,16 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		expectRedirect(t, p, "tcp4", "0.0.0.0:15001", ap(testenv.RemoteV4+":80"), func() (net.Conn, error) {
 			return testenv.Dial(p, "tcp4", testenv.RemoteV4+":80")
 		})
-		if c, a := count("cache"), count("api"); c != cache0+1 || a != api0 {
-			t.Fatalf("pod lookups cache %d->%d, api %d->%d; want one from the cache and none from the API", cache0, c, api0, a)
+		// The relay tells the agent of an ADD it served from a record
+		// without waiting for it.
+		deadline = time.Now().Add(10 * time.Second)
+		for count("cache")+served() == cache0+served0 && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond) // polling an outside process
+		}
+		cache1 := count("cache")
+		if a, s := count("api"), served(); cache1+s != cache0+served0+1 || a != api0 {
+			t.Fatalf("pod lookups cache %d->%d, api %d->%d, ADDs from records %d->%d; want one from the cache or a record and none from the API",
+				cache0, cache1, api0, a, served0, s)
 		}
 
 		// A sandbox for another pod of the same name (another UID) is not
@@ -128,8 +150,8 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 			t.Fatalf("ADD for a stale UID: %v", err)
 		}
 		defer func() { _ = cni.DelNetworkList(context.Background(), list, q.RT) }()
-		if c, a := count("cache"), count("api"); c != cache0+1 || a != api0+1 {
-			t.Fatalf("pod lookups cache %d->%d, api %d->%d; a UID mismatch must be read from the API", cache0, c, api0, a)
+		if c, a := count("cache"), count("api"); c != cache1 || a != api0+1 {
+			t.Fatalf("pod lookups cache %d->%d, api %d->%d; a UID mismatch must be read from the API", cache1, c, api0, a)
 		}
 	})
 

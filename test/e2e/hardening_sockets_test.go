@@ -373,7 +373,7 @@ func TestHardeningStatus(t *testing.T) {
 	// are still on disk.
 	entries, _ := os.ReadDir(n.RunDir)
 	for _, e := range entries {
-		if err := os.Remove(filepath.Join(n.RunDir, e.Name())); err != nil {
+		if err := os.RemoveAll(filepath.Join(n.RunDir, e.Name())); err != nil {
 			t.Fatal(err)
 		}
 	}
