@@ -12,6 +12,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -88,10 +89,16 @@ func APIServerBinary() (string, error) {
 	return p, nil
 }
 
-// freePorts returns n distinct loopback ports that were free a moment
-// ago. Every listener stays open until all are chosen: a port closed
-// before the next is asked for can come back as that next one.
+// freePorts returns n distinct ports that were free on every address a
+// moment ago, each taken at random below the kernel's ephemeral range:
+// a port from that range (what listening on port 0 gives) can be taken,
+// between the choice and the bind of the process it is for, by any
+// outgoing connection on the machine (tests run side by side, each with
+// an API server talking to its etcd). Every listener stays open until all
+// are chosen, so no port comes back twice.
 func freePorts(n int) ([]int, error) {
+	low := ephemeralLow()
+	first := max(low-12000, 1024)
 	ports := make([]int, 0, n)
 	var open []net.Listener
 	defer func() {
@@ -99,15 +106,32 @@ func freePorts(n int) ([]int, error) {
 			_ = l.Close()
 		}
 	}()
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for tries := 0; len(ports) < n; tries++ {
+		if tries > 1000 {
+			return nil, fmt.Errorf("no free port in %d-%d after %d tries", first, low-1, tries)
+		}
+		port := first + mrand.IntN(low-first)
+		l, err := net.Listen("tcp", ":"+strconv.Itoa(port))
 		if err != nil {
-			return nil, err
+			continue
 		}
 		open = append(open, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+		ports = append(ports, port)
 	}
 	return ports, nil
+}
+
+// ephemeralLow is the first port of the kernel's ephemeral range.
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil && v > 2048 {
+				return v
+			}
+		}
+	}
+	return 32768
 }
 
 func freePort() (int, error) {
