@@ -147,6 +147,9 @@ func (h *AgentHost) run(agentBin string, args, env []string) error {
 		return err
 	}
 	h.cmd.Stdout, h.cmd.Stderr = h.Log, h.Log
+	// A group of its own, which Kill kills whole, as a container's end
+	// kills every process in it.
+	h.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := h.cmd.Start(); err != nil {
 		return err
 	}
@@ -270,9 +273,30 @@ func (h *AgentHost) Signal(sig syscall.Signal) { _ = h.cmd.Process.Signal(sig) }
 // Kill kills the agent and waits for it.
 func (h *AgentHost) Kill() {
 	if h.cmd != nil && h.cmd.Process != nil {
-		_ = h.cmd.Process.Kill()
+		pgid := h.cmd.Process.Pid
+		_ = syscall.Kill(-pgid, syscall.SIGKILL)
 		<-h.done
+		// A child the agent was starting holds a copy of every fd until
+		// its exec closes them, the listening sockets included: killed
+		// with the group, it lets go of them only once it has exited. An
+		// agent started at once on the same ports would find them taken.
+		deadline := time.Now().Add(5 * time.Second)
+		for !h.portsFree() && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond) // polling the ports, bounded
+		}
 	}
+}
+
+// portsFree says whether the agent's ports can be listened on again.
+func (h *AgentHost) portsFree() bool {
+	for _, port := range []int{h.ReadyPort, h.MetricsPort} {
+		l, err := net.Listen("tcp", ":"+strconv.Itoa(port))
+		if err != nil {
+			return false
+		}
+		_ = l.Close()
+	}
+	return true
 }
 
 // ExitCode is the exit code of the agent once Done.
