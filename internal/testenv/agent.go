@@ -208,8 +208,7 @@ func (h *AgentHost) Stop(timeout time.Duration) (int, error) {
 	case <-h.done:
 		return h.cmd.ProcessState.ExitCode(), nil
 	case <-time.After(timeout):
-		_ = h.cmd.Process.Kill()
-		<-h.done
+		h.Kill()
 		return -1, fmt.Errorf("agent did not stop within %s", timeout)
 	}
 }

@@ -73,18 +73,24 @@ func (n *KubeNode) StoppedSandboxes(ctx context.Context) ([]string, error) {
 // withStoppedSandboxes lists the sandboxes that are no longer ready over
 // a CRI connection to the node's runtime, and hands both to use.
 func (n *KubeNode) withStoppedSandboxes(ctx context.Context, use func(runtimeapi.RuntimeServiceClient, []*runtimeapi.PodSandbox) error) error {
+	return n.withRuntime(func(rt runtimeapi.RuntimeServiceClient) error {
+		list, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: &runtimeapi.PodSandboxFilter{
+			State: &runtimeapi.PodSandboxStateValue{State: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}}})
+		if err != nil {
+			return fmt.Errorf("listing stopped pod sandboxes: %w", err)
+		}
+		return use(rt, list.Items)
+	})
+}
+
+// withRuntime hands use a CRI client of the node's runtime, closed after.
+func (n *KubeNode) withRuntime(use func(runtimeapi.RuntimeServiceClient) error) error {
 	conn, err := grpc.NewClient("unix://"+n.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	rt := runtimeapi.NewRuntimeServiceClient(conn)
-	list, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: &runtimeapi.PodSandboxFilter{
-		State: &runtimeapi.PodSandboxStateValue{State: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}}})
-	if err != nil {
-		return fmt.Errorf("listing stopped pod sandboxes: %w", err)
-	}
-	return use(rt, list.Items)
+	return use(runtimeapi.NewRuntimeServiceClient(conn))
 }
 
 // RuntimeTimes are a pod's steps as its runtime stamped them, on the
@@ -101,12 +107,16 @@ type RuntimeTimes struct {
 // RuntimeTimes gives, by pod name, the runtime's times of the running
 // pods of namespace ns whose sandbox is ready.
 func (n *KubeNode) RuntimeTimes(ctx context.Context, ns string) (map[string]RuntimeTimes, error) {
-	conn, err := grpc.NewClient("unix://"+n.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close()
-	rt := runtimeapi.NewRuntimeServiceClient(conn)
+	var out map[string]RuntimeTimes
+	err := n.withRuntime(func(rt runtimeapi.RuntimeServiceClient) error {
+		var err error
+		out, err = runtimeTimes(ctx, rt, ns)
+		return err
+	})
+	return out, err
+}
+
+func runtimeTimes(ctx context.Context, rt runtimeapi.RuntimeServiceClient, ns string) (map[string]RuntimeTimes, error) {
 	inNS := map[string]string{"io.kubernetes.pod.namespace": ns}
 	boxes, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: &runtimeapi.PodSandboxFilter{
 		State: &runtimeapi.PodSandboxStateValue{State: runtimeapi.PodSandboxState_SANDBOX_READY}, LabelSelector: inNS}})

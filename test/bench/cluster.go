@@ -221,7 +221,8 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 		for round := 0; round < cfg.rounds; round++ {
 			for _, i := range armOrder(len(res.arms), round) {
 				arm := res.arms[i]
-				f, err := armBurst(ctx, one, cfg, arm, fmt.Sprintf("%s-%d-%d", arm.name, size, round), round)
+				name := fmt.Sprintf("%s-%d-%d", arm.name, size, round)
+				f, err := armBurst(ctx, one, cfg, arm, name, round)
 				if err != nil {
 					return nil, fmt.Errorf("%s, %d pods on the node, round %d: %w", arm.name, size, round, err)
 				}
@@ -229,7 +230,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 				// As it goes, on stderr: a run that fails later keeps
 				// what it measured.
 				fmt.Fprintf(os.Stderr, "burst %s done: Ready p50 %.2f s, last %.2f s; started p50 %.2f s; set-up p50 %.2f s; start-up CPU %.0f ms/pod; ADDs from records %d, fallback %d\n",
-					fmt.Sprintf("%s-%d-%d", arm.name, size, round), burstP50(f).Seconds(), burstLast(f).Seconds(), pct(f.started, .5).Seconds(),
+					name, burstP50(f).Seconds(), burstLast(f).Seconds(), pct(f.started, .5).Seconds(),
 					pct(f.setup, .5).Seconds(), msf(burstStartCPU(f)), f.prepared, f.fallback)
 			}
 		}

@@ -338,10 +338,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				100*(ratioOf(pct(all, .5), pct(baseAll, .5))-1), 100*(ratioOf(pct(lasts, .5), pct(baseLasts, .5))-1))
 			// Each round ran both arms back to back: its ratio is free of
 			// the machine's drift between rounds.
-			for _, st := range []struct {
-				name string
-				f    func(burstFigures) time.Duration
-			}{{"p50", burstP50}, {"last pod", burstLast}} {
+			for _, st := range burstStatistics {
 				e := pairRounds(base, r.bursts[size][a.name], st.f, .9)
 				fmt.Printf("  %-8s %-8s round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; target within 5%%: %s (rounds %s)\n",
 					a.name, st.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05), percents(e.Ratios))
@@ -354,10 +351,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				all, lasts, _ := burstStats(ma)
 				fmt.Printf("  %-8s %s, all rounds pooled: p50 %+.1f%%, last pod %+.1f%%\n", a.name, m.short,
 					100*(ratioOf(pct(all, .5), pct(baseAll, .5))-1), 100*(ratioOf(pct(lasts, .5), pct(baseLasts, .5))-1))
-				for _, st := range []struct {
-					name string
-					f    func(burstFigures) time.Duration
-				}{{"p50", burstP50}, {"last pod", burstLast}} {
+				for _, st := range burstStatistics {
 					e := pairRounds(mb, ma, st.f, .9)
 					fmt.Printf("  %-8s %s, %s, round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s (rounds %s)\n",
 						a.name, m.short, st.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05), percents(e.Ratios))
@@ -384,6 +378,12 @@ func plainHalves(bs []burstFigures) []burstFigures {
 	}
 	return out
 }
+
+// burstStatistics are what the arms are compared on, round by round.
+var burstStatistics = []struct {
+	name string
+	f    func(burstFigures) time.Duration
+}{{"p50", burstP50}, {"last pod", burstLast}}
 
 // runtimeMeasures are the per-pod series the runtime's stamps give,
 // reported as creation to Ready is.

@@ -151,10 +151,6 @@ func checkNodeCgroups(t *testing.T) {
 	}
 }
 
-// TestRemoveStoppedSandboxes: a deleted pod's sandbox stays, stopped,
-// until the kubelet's minute-periodic GC removes it (with one more CNI DEL
-// down the chain); RemoveStoppedSandboxes, which the bench runs between
-// bursts so that no burst pays for that GC, removes it at once.
 // TestRuntimeTimes checks the runtime's stamps the bench reads beside
 // Ready: each step after the one before, all between the creation request
 // and the watch seeing the pod Ready, for each of two pods (one of two
@@ -208,6 +204,10 @@ func TestRuntimeTimes(t *testing.T) {
 	}
 }
 
+// TestRemoveStoppedSandboxes: a deleted pod's sandbox stays, stopped,
+// until the kubelet's minute-periodic GC removes it (with one more CNI DEL
+// down the chain); RemoveStoppedSandboxes, which the bench runs between
+// bursts so that no burst pays for that GC, removes it at once.
 func TestRemoveStoppedSandboxes(t *testing.T) {
 	ctx := context.Background()
 	if err := testenv.EnsureNamespace(ctx, cluster.Client, "plain"); err != nil {

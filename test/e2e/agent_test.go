@@ -108,6 +108,21 @@ func (h *host) metric(name string) string {
 	return ""
 }
 
+// metricCount is the value of the counter series name (0 before its
+// first count); a line that does not end in an integer fails t.
+func (h *host) metricCount(t *testing.T, name string) int {
+	t.Helper()
+	m := h.metric(name)
+	if m == "" {
+		return 0
+	}
+	n, err := strconv.Atoi(m[strings.LastIndex(m, " ")+1:])
+	if err != nil {
+		t.Fatalf("metric line %q: %v", m, err)
+	}
+	return n
+}
+
 // waitMetric polls the agent's metrics (an outside process) until name
 // has the value want.
 func (h *host) waitMetric(name, want string, timeout time.Duration) {

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -78,15 +77,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 		// came first, looked up in its cache. A UID mismatch goes to the
 		// API.
 		count := func(source string) int {
-			m := h.metric(`istio_cni_plugin_pod_lookups_total{source="` + source + `"}`)
-			if m == "" {
-				return 0
-			}
-			n, err := strconv.Atoi(m[strings.LastIndex(m, " ")+1:])
-			if err != nil {
-				t.Fatalf("metric line %q: %v", m, err)
-			}
-			return n
+			return h.metricCount(t, `istio_cni_plugin_pod_lookups_total{source="`+source+`"}`)
 		}
 		name := "from-cache"
 		k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
@@ -103,17 +94,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond) // polling an outside process
 		}
-		served := func() int {
-			m := h.metric(`istio_cni_plugin_prepared_adds_total{result="ok"}`)
-			if m == "" {
-				return 0
-			}
-			n, err := strconv.Atoi(m[strings.LastIndex(m, " ")+1:])
-			if err != nil {
-				t.Fatalf("metric line %q: %v", m, err)
-			}
-			return n
-		}
+		served := func() int { return h.metricCount(t, `istio_cni_plugin_prepared_adds_total{result="ok"}`) }
 		cache0, api0, served0 := count("cache"), count("api"), served()
 		p, err := testenv.NewPod(testNS, name, string(k8sPod.UID), "cfromcache")
 		if err != nil {

@@ -123,8 +123,8 @@ func TestPreparedFromConflist(t *testing.T) {
 	if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "ISTIO_REDIRECT") {
 		t.Fatalf("the pod served from its record has no redirection:\n%s", rules)
 	}
-	// A file the runtime would not hand the plugin from is refused, and
-	// prepares nothing new.
+	// A file the runtime would not hand the plugin from is refused,
+	// saying why.
 	if err := e.server.ExpectConflist([]byte(`{"name":"net","cniVersion":"1.0.0","plugins":[{"type":"ptp"}]}`), "istio-cni"); err == nil ||
 		!strings.Contains(err.Error(), "no istio-cni entry") {
 		t.Fatalf("a conflist without the entry: %v", err)
