@@ -243,6 +243,7 @@ func reportFlat(r *results) {
 	p50 := func(k string) time.Duration { return pct(r.samples[k], .5) }
 	p99 := func(k string) time.Duration { return pct(r.samples[k], .99) }
 	if len(r.samples[flatSeries(flatSizes[0], "iptables")+" ADD"]) == 0 {
+		reportFlatLists(r)
 		return
 	}
 	fmt.Println()
@@ -257,6 +258,10 @@ func reportFlat(r *results) {
 				ms(p50(k+" ADD")), ms(p99(k+" ADD")), ms(p50(k+" istio-cni ADD")), ms(p99(k+" istio-cni ADD")),
 				ratioOf(p50(k+" ADD"), base), ratioOf(p50(k+" istio-cni ADD"), baseOwn), flatTarget,
 				ms(p50(k+" agent CPU ADD")), ratioOf(p50(k+" agent CPU ADD"), baseCPU))
+			if n != flatSizes[0] {
+				// The primary's own growth (below) is not istio-cni's.
+				fmt.Printf("  %-8s %3d pods vs 1 pod, istio-cni's own process, %s\n", "", n, flatVerdict(r, first+" istio-cni ADD", k+" istio-cni ADD"))
+			}
 		}
 	}
 	primary := func(n int) time.Duration { return p50(flatSeries(n, "primary") + " ADD") }
@@ -265,6 +270,13 @@ func reportFlat(r *results) {
 		fmt.Printf(" %d pods %s (%.2fx)", n, ms(primary(n)), ratioOf(primary(n), primary(flatSizes[0])))
 	}
 	fmt.Println()
+	reportFlatLists(r)
+}
+
+// reportFlatLists prints the list series' 1,000/10 ratios through the
+// agent, each with its target.
+func reportFlatLists(r *results) {
+	p50 := func(k string) time.Duration { return pct(r.samples[k], .5) }
 	if len(r.samples["lists/agent/primary ADD"]) == 0 {
 		return
 	}
@@ -276,5 +288,14 @@ func reportFlat(r *results) {
 			return fmt.Sprintf("%.2f -> %.2f ms: %.2fx", msf(p50(lo+k)), msf(p50(hi+k)), ratioOf(p50(hi+k), p50(lo+k)))
 		}
 		fmt.Printf("  %-16s %s, target <= %.2fx; share %s; agent CPU %s\n", be.name, ratio(" istio-cni ADD"), flatTarget, ratio(" share"), ratio(" agent CPU ADD"))
+		fmt.Printf("  %-16s istio-cni's own process, %s\n", "", flatVerdict(r, lo+" istio-cni ADD", hi+" istio-cni ADD"))
 	}
+}
+
+// flatVerdict is a flatness ratio with its 90% interval over the rounds
+// and what that says of the target: the p50s of a few dozen ADDs move by
+// several percent between runs, as much as the target allows.
+func flatVerdict(r *results, lo, hi string) string {
+	e := p50Ratio(r.samples[lo], r.samples[hi], .9)
+	return fmt.Sprintf("p50 ratio %.2fx, 90%% interval [%.2fx, %.2fx] over %d rounds: %s", e.Median, e.Low, e.High, len(e.Ratios), e.within(flatTarget))
 }

@@ -131,6 +131,8 @@ func run(ctx context.Context, cfg config) error {
 			return err
 		}
 		reportLists(res)
+		fmt.Println()
+		reportFlatLists(res)
 		return nil
 	}
 	res, err := b.measure(ctx, cfg)

@@ -42,10 +42,45 @@ func pairRounds(base, arm []burstFigures, stat func(burstFigures) time.Duration,
 		}
 		meds[d] = median(sample)
 	}
-	slices.Sort(meds)
+	e.Low, e.High = bounds(meds, confidence)
+	return e
+}
+
+// bounds are the two-sided interval at confidence of bootstrap draws,
+// which it sorts.
+func bounds(draws []float64, confidence float64) (low, high float64) {
+	slices.Sort(draws)
 	tail := (1 - confidence) / 2
-	e.Low = meds[int(tail*float64(draws))]
-	e.High = meds[min(draws-1, int((1-tail)*float64(draws)))]
+	return draws[int(tail*float64(len(draws)))], draws[min(len(draws)-1, int((1-tail)*float64(len(draws))))]
+}
+
+// p50Ratio is how much larger hi's p50 is than lo's, for the flatness
+// targets: the ratio of the two p50s and a bootstrap interval around it.
+// The i-th samples of lo and hi were measured in the same round, back to
+// back, so rounds are what is resampled: a round's drift moves both.
+// Ratios holds each round's own ratio, for the record.
+func p50Ratio(lo, hi []time.Duration, confidence float64) pairedEstimate {
+	var e pairedEstimate
+	n := min(len(lo), len(hi))
+	if n == 0 || pct(lo[:n], .5) <= 0 {
+		return e
+	}
+	for i := 0; i < n; i++ {
+		e.Ratios = append(e.Ratios, ratioOf(hi[i], lo[i]))
+	}
+	e.Median = ratioOf(pct(hi[:n], .5), pct(lo[:n], .5))
+	r := rand.New(rand.NewPCG(1, 2))
+	const draws = 4000
+	ratios := make([]float64, draws)
+	slo, shi := make([]time.Duration, n), make([]time.Duration, n)
+	for d := range ratios {
+		for i := range slo {
+			j := r.IntN(n)
+			slo[i], shi[i] = lo[j], hi[j]
+		}
+		ratios[d] = ratioOf(pct(shi, .5), pct(slo, .5))
+	}
+	e.Low, e.High = bounds(ratios, confidence)
 	return e
 }
 

@@ -60,3 +60,37 @@ func TestBurstStartCPU(t *testing.T) {
 		t.Fatalf("the agent's CPU counts: %+v", e)
 	}
 }
+
+// TestP50Ratio: the ratio of the p50s, with an interval from resampling
+// rounds, so a drift shared by both series within a round does not widen
+// it; a ratio that differs from round to round settles nothing.
+func TestP50Ratio(t *testing.T) {
+	ms := time.Millisecond
+	var lo, hi, noisy []time.Duration
+	for i := 0; i < 40; i++ {
+		d := time.Duration(3+i%7) * ms
+		lo = append(lo, d)
+		hi = append(hi, d*104/100)
+		noisy = append(noisy, d*time.Duration(80+i%9*10)/100)
+	}
+	e := p50Ratio(lo, hi, .9)
+	if e.Median < 1.039 || e.Median > 1.041 || e.Low > e.Median || e.High < e.Median || len(e.Ratios) != 40 {
+		t.Fatalf("4%% larger in every round: %+v", e)
+	}
+	if got := e.within(1.10); got != "met" {
+		t.Fatalf("4%% larger against 10%%: %s (%+v)", got, e)
+	}
+	if got := e.within(1.02); got != "missed" {
+		t.Fatalf("4%% larger against 2%%: %s", got)
+	}
+	if got := p50Ratio(lo, noisy, .9).within(1.10); got != "not settled" {
+		t.Fatalf("rounds from 0.8x to 1.6x: %s (%+v)", got, p50Ratio(lo, noisy, .9))
+	}
+	// A series cut short (a failed round) is compared on the rounds both have.
+	if e := p50Ratio(lo, hi[:10], .9); len(e.Ratios) != 10 {
+		t.Fatalf("short series: %d rounds", len(e.Ratios))
+	}
+	if e := p50Ratio(nil, hi, .9); e.within(1.10) != "no rounds" {
+		t.Fatalf("no rounds: %+v", e)
+	}
+}
