@@ -62,6 +62,14 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 				return false, "the runtime's FORCE_IPTABLES_BINARY=" + v, nil
 			}
 		}
+		// Two ADDs of one namespace at once (a runtime's retry, a test's
+		// hundred) must not both find it fresh and both send: the second
+		// transaction would be refused. The namespace's own inode is the
+		// lock, as it is the xtables lock of the iptables processes the
+		// agent and the fallback run in it; the next relay then finds our
+		// tables and asks the agent. Held until the rules are in, or the
+		// relay turns to the agent.
+		defer lockNetns(netns)()
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {
 			facts, err := nsfacts.ReadFacts()
@@ -111,6 +119,37 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 	return true, "", err
 }
 
+// lockNetns takes an exclusive flock on the namespace's inode and returns
+// its release. A namespace that cannot be locked (a file system without
+// flock) is served as before, unlocked.
+func lockNetns(netns *os.File) (unlock func()) {
+	for {
+		err := unix.Flock(int(netns.Fd()), unix.LOCK_EX)
+		if err == nil {
+			return func() { _ = unix.Flock(int(netns.Fd()), unix.LOCK_UN) }
+		}
+		if !errors.Is(err, unix.EINTR) {
+			return func() {}
+		}
+	}
+}
+
+// serveDel answers a DEL as the agent would, without it, when it can: in
+// sidecar mode a pod's rules go with its network namespace, so the
+// agent's DEL checks the config and arguments and does nothing. A config
+// the agent keeps (prepared.Dir.Knows: it passed those checks, and is not
+// ambient mode's) with arguments that pass the plugin's checks needs no
+// round trip to an agent that may be short of CPU in a burst of pod
+// starts and stops. The agent is told, without waiting, for its log and
+// metrics; anything else goes to it as before.
+func (r *Relay) serveDel(a *Args, conf *prepared.Config, runDir string, start time.Time) bool {
+	if !plainArgs(a) || !prepared.Dir(filepath.Join(runDir, prepared.DirName)).Knows(conf.Canonical) {
+		return false
+	}
+	r.notify(runDir, a, &Done{}, start)
+	return true
+}
+
 // sendHere sends a transaction from the calling thread, which is in the
 // pod's namespace.
 func (r *Relay) sendHere(txn *nlsteps.Txn) error {
@@ -127,7 +166,7 @@ func (r *Relay) getenv(k string) string {
 	return os.Getenv(k)
 }
 
-// notify tells the agent how the ADD went, for its log and metrics,
+// notify tells the agent how the ADD (or DEL) went, for its log and metrics,
 // without waiting for it: a socket that takes no more connections, or no
 // agent, loses the line and nothing else.
 func (r *Relay) notify(runDir string, a *Args, d *Done, start time.Time) {

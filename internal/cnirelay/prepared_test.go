@@ -3,13 +3,16 @@ package cnirelay
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
@@ -185,4 +188,171 @@ func TestServePrepared(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestServeDel: a DEL under a config the agent keeps, with arguments the
+// plugin takes, is answered by the relay alone (no output, no error) and
+// the agent only hears of it, without a descriptor; a DEL under any other
+// config, with arguments the plugin would check, or with no configs kept,
+// goes to the agent as before, which answers it.
+func TestServeDel(t *testing.T) {
+	const args = "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
+	for _, c := range []struct {
+		name      string
+		args      string
+		other     bool // the DEL's config is not the kept one
+		noConfigs bool
+		wantLocal bool
+	}{
+		{name: "a kept config", wantLocal: true},
+		{name: "another config", other: true},
+		{name: "no configs kept", noConfigs: true},
+		{name: "unknown CNI_ARGS keys", args: args + ";FOO=1"},
+		{name: "unknown CNI_ARGS keys ignored", args: "IgnoreUnknown=1;" + args + ";FOO=1", wantLocal: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			reply := []byte(nil) // the notice gets no answer
+			if !c.wantLocal {
+				reply = answer(t, Response{})
+			}
+			a := startAgent(t, reply)
+			kept := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `"}`
+			learnt, err := prepared.ParseConfig([]byte(kept))
+			if err != nil {
+				t.Fatal(err)
+			}
+			d := prepared.Dir(filepath.Join(a.runDir, prepared.DirName))
+			if err := d.Reset(); err != nil {
+				t.Fatal(err)
+			}
+			if !c.noConfigs {
+				if err := d.SaveConfigs([][]byte{learnt.Canonical}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// The runtime passes the ADD's result on to DEL.
+			stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir +
+				`","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`
+			if c.other {
+				stdin = `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","exclude_namespaces":["x"],"cni_agent_run_dir":"` + a.runDir + `"}`
+			}
+			dargs := c.args
+			if dargs == "" {
+				dargs = args
+			}
+			var out bytes.Buffer
+			r := &Relay{Fallback: "/nonexistent", Stdout: &out, Stderr: io.Discard, Timeout: 5 * time.Second}
+			err = r.Run(&Args{Command: "DEL", ContainerID: "c1", Netns: "/var/run/netns/gone", IfName: "eth0", Args: dargs, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
+			if err != nil || out.Len() != 0 {
+				t.Fatalf("DEL: error %v, output %q", err, out.String())
+			}
+			got := <-a.got
+			if got.err != nil {
+				t.Fatalf("the agent could not read what the relay sent: %v", got.err)
+			}
+			if got.req.Command != "DEL" || got.req.Args != dargs || got.req.ContainerID != "c1" || got.gotFD {
+				t.Fatalf("the agent heard %+v (descriptor %t)", got.req, got.gotFD)
+			}
+			if local := got.req.Done != nil; local != c.wantLocal {
+				t.Fatalf("answered by the relay alone: %t, want %t (the agent heard %+v)", local, c.wantLocal, got.req)
+			}
+		})
+	}
+}
+
+// TestServePreparedLocksNamespace: a relay serving from a record holds the
+// namespace's flock while it finds the namespace fresh and sends, so two
+// ADDs of one namespace at once do not both send a fresh namespace's
+// rules: held by another (here the test, as an iptables process would hold
+// it as its xtables lock), the relay waits for it before sending.
+func TestServePreparedLocksNamespace(t *testing.T) {
+	const uid = "0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
+	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.2/24","interface":0}]}`
+	n := testutil.NewNS(t)
+	testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
+	testutil.RunIn(t, n, "ip", "addr", "add", "10.1.0.2/24", "dev", "eth0", "nodad")
+	a := startAgent(t, nil)
+	stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `","prevResult":` + prev + `}`
+	conf, err := prepared.ParseConfig([]byte(stdin))
+	if err != nil {
+		t.Fatal(err)
+	}
+	txn, err := (&nlsteps.Txn{Summary: "v4"}).MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := prepared.Dir(filepath.Join(a.runDir, prepared.DirName))
+	if err := dir.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if err := dir.Put(&prepared.Record{Namespace: "ns", Name: "p", UID: uid, Entries: []prepared.Entry{
+		{Config: conf.Canonical, Mode: "REDIRECT", Kind: nsfacts.KindNFTables, Txn4: txn, Txn46: txn}}}); err != nil {
+		t.Fatal(err)
+	}
+	held, err := os.Open(n.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	if err := unix.Flock(int(held.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(held.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	sent := make(chan struct{}, 1)
+	r := &Relay{Fallback: "/nonexistent", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second,
+		SendHere: func(*nlsteps.Txn) error { sent <- struct{}{}; return nil }}
+	done := make(chan error, 1)
+	go func() {
+		done <- r.Run(&Args{Command: "ADD", ContainerID: "c1", Netns: n.Path(), IfName: "eth0",
+			Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
+	}()
+	// The kernel lists the relay as waiting for the namespace's lock.
+	waiting := fmt.Sprintf("-> FLOCK  ADVISORY  WRITE %d ", os.Getpid())
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		b, err := os.ReadFile("/proc/locks")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if blockedOn(string(b), waiting, st.Ino) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the relay never waited for the namespace's lock:\n%s", b)
+		}
+		time.Sleep(time.Millisecond) // polling the kernel's lock table, bounded
+	}
+	select {
+	case <-sent:
+		t.Fatal("the relay sent while another held the namespace's lock")
+	default:
+	}
+	if err := unix.Flock(int(held.Fd()), unix.LOCK_UN); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-sent:
+	default:
+		t.Fatal("the relay did not send once the lock was free")
+	}
+	if got := <-a.got; got.req.Done == nil {
+		t.Fatalf("the agent heard %+v, want the account of an ADD served from the record", got.req)
+	}
+}
+
+// blockedOn reports whether /proc/locks lists a waiter line starting with
+// prefix on inode ino.
+func blockedOn(locks, prefix string, ino uint64) bool {
+	for _, l := range strings.Split(locks, "\n") {
+		if i := strings.Index(l, prefix); i >= 0 && strings.Contains(l[i+len(prefix):], fmt.Sprintf(":%d ", ino)) {
+			return true
+		}
+	}
+	return false
 }

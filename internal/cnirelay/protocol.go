@@ -57,9 +57,9 @@ type Request struct {
 	// JSON.
 	Framed bool `json:"framed,omitempty"`
 	// Done, when set, says the relay served this ADD from the record the
-	// agent prepared for the pod (internal/prepared), and how it went.
-	// The agent logs and counts it and answers nothing; the relay does
-	// not wait for it to.
+	// agent prepared for the pod (internal/prepared), and how it went, or
+	// (Command DEL) that it answered this DEL itself. The agent logs and
+	// counts it and answers nothing; the relay does not wait for it to.
 	Done *Done `json:"done,omitempty"`
 	// Unprepared says why the relay did not serve this ADD from the
 	// pod's prepared record though there was one, for the agent's log.

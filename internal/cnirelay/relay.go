@@ -106,6 +106,9 @@ func (r *Relay) Run(a *Args) error {
 			return NewError(ErrInvalidNetNS, fmt.Sprintf("cannot open the pod's network namespace %s: %v", a.Netns, err), "")
 		}
 	}
+	if cerr == nil && a.Command == "DEL" && r.serveDel(a, conf, runDir, start) {
+		return nil
+	}
 	unprepared, leaveAfter := "", time.Duration(0)
 	if cerr == nil && a.Command == "ADD" && netns != nil && !r.NoSteps {
 		served, why, err := r.servePrepared(start, a, conf, runDir, netns)

@@ -420,9 +420,25 @@ func (p *preparer) level() slog.Level {
 	return lv
 }
 
-// noteDone logs and counts an ADD a relay served from a record, as the
-// agent logs and counts the ADDs it serves.
+// noteDone logs and counts an ADD a relay served from a record, or a DEL
+// it answered itself, as the agent logs and counts the commands it serves.
 func (s *Server) noteDone(req *cnirelay.Request) {
+	lv := slog.LevelInfo
+	if s.prep != nil {
+		lv = s.prep.level()
+	}
+	log := logging.Over(s.Log.Handler())
+	log.SetLevel(lv)
+	l := log.With("cmd", req.Command, "pod", cnirelay.PodOf(req.Args), "containerID", req.ContainerID)
+	if req.Command == "DEL" {
+		// A DEL the relay answered itself (cnirelay.Relay.serveDel), as
+		// the plugin would have.
+		if s.Commands != nil {
+			s.Commands.WithLabelValues("DEL", "ok").Inc()
+		}
+		l.Debug("pod deleted; its rules go with its network namespace", "served_by", "plugin")
+		return
+	}
 	d := req.Done
 	result := "ok"
 	if d.Error != "" {
@@ -434,13 +450,6 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 	if s.PreparedAdds != nil {
 		s.PreparedAdds.WithLabelValues(result).Inc()
 	}
-	lv := slog.LevelInfo
-	if s.prep != nil {
-		lv = s.prep.level()
-	}
-	log := logging.Over(s.Log.Handler())
-	log.SetLevel(lv)
-	l := log.With("cmd", "ADD", "pod", cnirelay.PodOf(req.Args), "containerID", req.ContainerID)
 	switch {
 	case d.Error != "":
 		l.Error("programming redirect rules failed", "error", d.Error, "committed_by", "plugin", "prepared", true)

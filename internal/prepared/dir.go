@@ -1,6 +1,7 @@
 package prepared
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -92,10 +93,11 @@ func (d Dir) SaveConfigs(configs [][]byte) error {
 }
 
 // LoadConfigs returns the configs SaveConfigs kept, none when there are
-// none or they do not read.
+// none or they do not read. Relays read them too (Knows), so not through a
+// link and not from anything but a regular file.
 func (d Dir) LoadConfigs() [][]byte {
-	b, err := os.ReadFile(filepath.Join(string(d), configsName))
-	if err != nil || len(b) > MaxRecord || !strings.HasPrefix(string(b), configsMagic) {
+	b, err := readFile(filepath.Join(string(d), configsName), MaxRecord, "the learnt configs")
+	if err != nil || !strings.HasPrefix(string(b), configsMagic) {
 		return nil
 	}
 	b = b[len(configsMagic):]
@@ -109,6 +111,18 @@ func (d Dir) LoadConfigs() [][]byte {
 		b = b[4+n:]
 	}
 	return out
+}
+
+// Knows reports whether canonical is one of the configs the agent keeps
+// (SaveConfigs): a config that passed the checks the plugin puts its
+// config to, in sidecar mode (the agent keeps no ambient config).
+func (d Dir) Knows(canonical []byte) bool {
+	for _, c := range d.LoadConfigs() {
+		if bytes.Equal(c, canonical) {
+			return true
+		}
+	}
+	return false
 }
 
 // Put writes a record whole or not at all: a relay reads either the

@@ -229,11 +229,31 @@ func TestConfigsOutliveReset(t *testing.T) {
 	if _, err := Read(dir, sample().UID); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("a record outlived Reset: %v", err)
 	}
+	if !d.Knows(want[1]) || d.Knows([]byte(`{"c":3}`)) || d.Knows(nil) {
+		t.Fatal("Knows does not tell the saved configs from others")
+	}
 	if err := os.WriteFile(filepath.Join(dir, configsName), []byte(configsMagic+"\x00\x00\x00\x09{}"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if got := d.LoadConfigs(); got != nil {
+	if got := d.LoadConfigs(); got != nil || d.Knows([]byte("{}")) {
 		t.Fatalf("a configs file cut short read as %q", got)
+	}
+	// Relays read the file too: never through a link.
+	other := filepath.Join(t.TempDir(), "configs")
+	if err := os.Rename(filepath.Join(dir, configsName), other); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SaveConfigs(want); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(dir, configsName), other); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(other, filepath.Join(dir, configsName)); err != nil {
+		t.Fatal(err)
+	}
+	if got := d.LoadConfigs(); got != nil || d.Knows(want[0]) {
+		t.Fatalf("configs read through a link: %q", got)
 	}
 }
 

@@ -51,8 +51,10 @@ type env struct {
 	// the binding, and asserts the relay served the ADD from it.
 	prepare bool
 	// lookups and preparedAdds are the agent's metrics of the pods it
-	// looked up and the ADDs relays served from records.
-	lookups, preparedAdds *prometheus.CounterVec
+	// looked up and the ADDs relays served from records; commands and
+	// latency those of the commands it counted and those it served.
+	lookups, preparedAdds, commands *prometheus.CounterVec
+	latency                         *prometheus.HistogramVec
 	// server is serveCNI's agent.
 	server *cniserver.Server
 }
@@ -583,9 +585,9 @@ func (e *env) serveCNIWith(variant, committer string) {
 		},
 		PreparedDir: filepath.Join(e.node.RunDir, prepared.DirName), Prepare: e.prepare,
 	}
-	_, _, e.lookups = cniserver.NewMetrics()
+	e.commands, e.latency, e.lookups = cniserver.NewMetrics()
 	e.preparedAdds = cniserver.NewPreparedMetric()
-	s.Lookups, s.PreparedAdds = e.lookups, e.preparedAdds
+	s.Commands, s.Latency, s.Lookups, s.PreparedAdds = e.commands, e.latency, e.lookups, e.preparedAdds
 	done, err := s.Serve(ctx, filepath.Join(e.node.RunDir, cnirelay.SocketName), 5*time.Second)
 	if err != nil {
 		cancel()

@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
@@ -106,7 +109,8 @@ func TestPreparedRecords(t *testing.T) {
 // TestPreparedFromConflist: an agent told the conflist its entry is in
 // prepares pods' ADDs from the start under the config libcni will hand
 // the plugin, with no ADD to learn it from, and the first ADD of all is
-// served from its pod's record.
+// served from its pod's record. The pod's DEL, under that config, is
+// answered by the relay alone: the agent counts it and served none.
 func TestPreparedFromConflist(t *testing.T) {
 	e := newEnv(t, nil)
 	e.prepare = true
@@ -122,6 +126,21 @@ func TestPreparedFromConflist(t *testing.T) {
 	sb := e.add(&testenv.PodSpec{Sidecar: true})
 	if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "ISTIO_REDIRECT") {
 		t.Fatalf("the pod served from its record has no redirection:\n%s", rules)
+	}
+	if err := e.node.Del(context.Background(), e.node.Chained, sb.pod); err != nil {
+		t.Fatalf("DEL: %v", err)
+	}
+	// The relay tells the agent without waiting for it.
+	deadline := time.Now().Add(10 * time.Second)
+	for promtest.ToFloat64(e.commands.WithLabelValues("DEL", "ok")) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the agent never heard of the DEL")
+		}
+		time.Sleep(time.Millisecond) // polling another goroutine's counter, bounded
+	}
+	var m dto.Metric
+	if err := e.latency.WithLabelValues("DEL").(prometheus.Histogram).Write(&m); err != nil || m.GetHistogram().GetSampleCount() != 0 {
+		t.Fatalf("the agent served %d DELs itself (%v), want the relay to answer under a config the agent keeps", m.GetHistogram().GetSampleCount(), err)
 	}
 	// A file the runtime would not hand the plugin from is refused,
 	// saying why.
