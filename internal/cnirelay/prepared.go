@@ -65,10 +65,10 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		// Two ADDs of one namespace at once (a runtime's retry, a test's
 		// hundred) must not both find it fresh and both send: the second
 		// transaction would be refused. The namespace's own inode is the
-		// lock, as it is the xtables lock of the iptables processes the
-		// agent and the fallback run in it; the next relay then finds our
-		// tables and asks the agent. Held until the rules are in, or the
-		// relay turns to the agent.
+		// lock every writer of a pod's rules holds (the agent and the
+		// fallback too: plugin.Add); the next relay then finds our tables
+		// and asks the agent. Held until the rules are in, or the relay
+		// turns to the agent.
 		defer lockNetns(netns)()
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {

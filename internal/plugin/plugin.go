@@ -18,6 +18,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
@@ -352,6 +353,14 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var inPlace string
 	var stored *nlsteps.Txn
 	var notStored string
+	// Every writer of a pod's rules holds the namespace's flock from
+	// reading the namespace to its rules being in: the agent (until the
+	// relay it hands them to reports), the fallback, and a relay serving
+	// the pod from its record (cnirelay). So two ADDs of one namespace at
+	// once (a runtime's retry) never both find it fresh and both send a
+	// fresh namespace's rules; the second finds ours. The agent's own
+	// mutex serialises only its own work.
+	defer lockNamespace(args.Netns)()
 	if p.StoredPlans && p.Commit == nil {
 		plan, stored, notStored = p.storedPlan(req, args.Netns, d.Params)
 	}
@@ -437,6 +446,29 @@ func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Para
 
 // sendStored sends the requests the agent stored for the pod's plan from
 // inside the pod's namespace, as a relay sends a record's.
+// lockNamespace takes an exclusive flock on the network namespace at
+// path (on its nsfs inode, whatever path names it) and returns its
+// release; a namespace that cannot be opened or locked is left unlocked,
+// as before such locks.
+func lockNamespace(path string) (unlock func()) {
+	f, err := os.Open(path) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
+	if err != nil {
+		return func() {}
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		_ = f.Close()
+		return func() {}
+	}
+	// Closing the file releases the lock.
+	return func() { _ = f.Close() }
+}
+
 func sendStored(netnsPath string, txn *nlsteps.Txn) (time.Duration, error) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {

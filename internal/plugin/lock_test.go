@@ -1,0 +1,94 @@
+package plugin
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// lockRules is fakeRules noting whether the namespace's lock is held
+// when the rules are applied in place.
+type lockRules struct {
+	fakeRules
+	held      func() bool
+	heldApply bool
+	appliedIn string
+}
+
+func (r *lockRules) Apply(path string, plan *ruleset.Plan) (podnet.Report, error) {
+	r.heldApply, r.appliedIn = r.held(), path
+	return r.fakeRules.Apply(path, plan)
+}
+
+// TestAddHoldsNamespaceLock: an ADD holds an exclusive flock on the pod's
+// namespace file from reading it to its rules being in, whether it
+// applies them in place (the fallback, or the agent for a namespace that
+// cannot take prepared rules) or hands them to the relay (the agent, until
+// the relay reports); a relay serving another ADD of the namespace from
+// its record takes the same lock. It is free again once the ADD returns.
+func TestAddHoldsNamespaceLock(t *testing.T) {
+	for _, commit := range []bool{false, true} {
+		name := "in place"
+		if commit {
+			name = "handed to the relay"
+		}
+		t.Run(name, func(t *testing.T) {
+			// Any file stands for the namespace's: the lock is its inode's.
+			path := filepath.Join(t.TempDir(), "netns")
+			if err := os.WriteFile(path, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			held := func() bool {
+				f, err := os.Open(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+				if err == nil {
+					return false
+				}
+				if !errors.Is(err, unix.EWOULDBLOCK) {
+					t.Fatal(err)
+				}
+				return true
+			}
+			rules := &lockRules{held: held}
+			var out bytes.Buffer
+			src := &fakeSource{pod: injected(nil)}
+			p := &Plugin{Log: logging.New(io.Discard), Stdout: &out, Rules: rules,
+				NewSource: func(*Config, string) (podinfo.Source, error) { return src, nil }}
+			heldCommit := false
+			if commit {
+				p.Commit = func(_ *nlsteps.Txn, result []byte) (nlsteps.Outcome, error) {
+					heldCommit = held()
+					_, err := out.Write(result)
+					return nlsteps.Outcome{}, err
+				}
+			}
+			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: path, IfName: "eth0",
+				Args: cniArgs("default", "web"), StdinData: ambientConf(false, "")})
+			checkAdd(t, err, &out, nil)
+			switch {
+			case commit && !heldCommit:
+				t.Fatal("the relay committed the rules without the namespace's lock held")
+			case !commit && (rules.appliedIn != path || !rules.heldApply):
+				t.Fatalf("applied in %q with the lock held %t, want in %s, held", rules.appliedIn, rules.heldApply, path)
+			case held():
+				t.Fatal("the namespace's lock outlived the ADD")
+			}
+		})
+	}
+}
