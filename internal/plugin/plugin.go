@@ -444,12 +444,10 @@ func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Para
 	return plan, txn, ""
 }
 
-// sendStored sends the requests the agent stored for the pod's plan from
-// inside the pod's namespace, as a relay sends a record's.
 // lockNamespace takes an exclusive flock on the network namespace at
 // path (on its nsfs inode, whatever path names it) and returns its
-// release; a namespace that cannot be opened or locked is left unlocked,
-// as before such locks.
+// release. A namespace that cannot be opened or locked is left unlocked:
+// the ADD goes on as it would without the lock.
 func lockNamespace(path string) (unlock func()) {
 	f, err := os.Open(path) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {
@@ -469,6 +467,8 @@ func lockNamespace(path string) (unlock func()) {
 	return func() { _ = f.Close() }
 }
 
+// sendStored sends the requests the agent stored for the pod's plan from
+// inside the pod's namespace, as a relay sends a record's.
 func sendStored(netnsPath string, txn *nlsteps.Txn) (time.Duration, error) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {
