@@ -10,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
@@ -57,6 +59,7 @@ func BenchmarkRelay(b *testing.B) {
 	sp := benchAgent(ctx, b)
 	sp.PreparedDir, sp.Prepare = filepath.Join(prepDir, prepared.DirName), true
 	sp.PreparedAdds = cniserver.NewPreparedMetric()
+	sp.Commands, sp.Latency, _ = cniserver.NewMetrics()
 	donePrep, err := sp.Serve(ctx, filepath.Join(prepDir, "cni.sock"), time.Second)
 	if err != nil {
 		b.Fatal(err)
@@ -75,6 +78,9 @@ func BenchmarkRelay(b *testing.B) {
 		{"ADD/iptables/prepared", "ADD", "iptables", benchPodArgs, prepDir},
 		{"ADD/nftables/prepared", "ADD", "nftables", benchPodArgs, prepDir},
 		{"ADD/nftables/lists/prepared", "ADD", "nftables", benchListsPodArgs, prepDir},
+		// A DEL under a config that agent keeps: the relay answers it
+		// and only tells the agent.
+		{"DEL/prepared", "DEL", "iptables", benchPodArgs, prepDir},
 	} {
 		conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":%q,"native_nftables":%t,
 			"prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.1.0.2/24","gateway":"10.1.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}}`,
@@ -102,7 +108,7 @@ func BenchmarkRelay(b *testing.B) {
 			}
 			return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), agentCPU
 		}
-		fromRecords := c.runDir == prepDir
+		fromRecords := c.runDir == prepDir && c.command == "ADD"
 		if fromRecords {
 			// The agent learns the config from two ADDs it serves, then
 			// prepares the pods.
@@ -114,6 +120,7 @@ func BenchmarkRelay(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			var relayCPU, agentCPU time.Duration
 			served := promtest.ToFloat64(sp.PreparedAdds.WithLabelValues("ok"))
+			dels := promtest.ToFloat64(sp.Commands.WithLabelValues("DEL", "ok"))
 			b.StopTimer()
 			for i := 0; i < b.N; i++ {
 				r, a := run(b)
@@ -131,6 +138,21 @@ func BenchmarkRelay(b *testing.B) {
 						b.Fatalf("%v of %d ADDs served from the pod's record", promtest.ToFloat64(sp.PreparedAdds.WithLabelValues("ok"))-served, b.N)
 					}
 					time.Sleep(time.Millisecond) // polling the agent's goroutines, untimed
+				}
+			}
+			if c.runDir == prepDir && c.command == "DEL" {
+				// Every DEL was answered by the relay, which told the agent;
+				// the agent served none itself.
+				deadline := time.Now().Add(10 * time.Second)
+				for promtest.ToFloat64(sp.Commands.WithLabelValues("DEL", "ok"))-dels < float64(b.N) {
+					if time.Now().After(deadline) {
+						b.Fatalf("the agent heard of %v of %d DELs", promtest.ToFloat64(sp.Commands.WithLabelValues("DEL", "ok"))-dels, b.N)
+					}
+					time.Sleep(time.Millisecond) // polling the agent's goroutines, untimed
+				}
+				var m dto.Metric
+				if err := sp.Latency.WithLabelValues("DEL").(prometheus.Histogram).Write(&m); err != nil || m.GetHistogram().GetSampleCount() != 0 {
+					b.Fatalf("the agent served %d DELs itself (%v)", m.GetHistogram().GetSampleCount(), err)
 				}
 			}
 		})
