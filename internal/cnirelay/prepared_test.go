@@ -263,8 +263,9 @@ func TestServeDel(t *testing.T) {
 // TestServePreparedLocksNamespace: a relay serving from a record holds the
 // namespace's flock while it finds the namespace fresh and sends, so two
 // ADDs of one namespace at once do not both send a fresh namespace's
-// rules: held by another (here the test, as an iptables process would hold
-// it as its xtables lock), the relay waits for it before sending.
+// rules: held by another (here the test, as the agent or the fallback
+// holds it while writing the pod's rules), the relay waits for it before
+// sending.
 func TestServePreparedLocksNamespace(t *testing.T) {
 	const uid = "0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
 	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.2/24","interface":0}]}`
