@@ -15,6 +15,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
@@ -64,12 +65,15 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		}
 		// Two ADDs of one namespace at once (a runtime's retry, a test's
 		// hundred) must not both find it fresh and both send: the second
-		// transaction would be refused. The namespace's own inode is the
-		// lock every writer of a pod's rules holds (the agent and the
-		// fallback too: plugin.Add); the next relay then finds our tables
-		// and asks the agent. Held until the rules are in, or the relay
-		// turns to the agent.
-		defer lockNetns(netns)()
+		// transaction would be refused. Every writer of a pod's rules
+		// holds the namespace's writers' lock (the agent and the fallback
+		// too: plugin.Add); the next relay then finds our tables and asks
+		// the agent. Held until the rules are in, or the relay turns to
+		// the agent; a lock that cannot be taken leaves the ADD as it was
+		// before the lock.
+		if unlock, err := nslock.LockWriters(runDir, netns); err == nil {
+			defer unlock()
+		}
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {
 			facts, err := nsfacts.ReadFacts()
@@ -117,21 +121,6 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 	_, err = r.Stdout.Write(conf.PrevResult)
 	r.notify(runDir, a, done, start)
 	return true, "", err
-}
-
-// lockNetns takes an exclusive flock on the namespace's inode and returns
-// its release. A namespace that cannot be locked (a file system without
-// flock) is served as before, unlocked.
-func lockNetns(netns *os.File) (unlock func()) {
-	for {
-		err := unix.Flock(int(netns.Fd()), unix.LOCK_EX)
-		if err == nil {
-			return func() { _ = unix.Flock(int(netns.Fd()), unix.LOCK_UN) }
-		}
-		if !errors.Is(err, unix.EINTR) {
-			return func() {}
-		}
-	}
 }
 
 // serveDel answers a DEL as the agent would, without it, when it can: in

@@ -16,6 +16,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -261,18 +262,19 @@ func TestServeDel(t *testing.T) {
 }
 
 // TestServePreparedLocksNamespace: a relay serving from a record holds the
-// namespace's flock while it finds the namespace fresh and sends, so two
-// ADDs of one namespace at once do not both send a fresh namespace's
-// rules: held by another (here the test, as the agent or the fallback
-// holds it while writing the pod's rules), the relay waits for it before
-// sending.
+// namespace's writers' lock while it finds the namespace fresh and sends,
+// so two ADDs of one namespace at once do not both send a fresh
+// namespace's rules: held by another (here the test, as the agent or the
+// fallback holds it while writing the pod's rules), the relay waits for it
+// before sending. A process of the pod holding the namespace's own file
+// (which it can open) stalls nothing.
 func TestServePreparedLocksNamespace(t *testing.T) {
 	const uid = "0f4c1c2e-1d9a-4e53-9d61-5b1f2f3a4b5c"
 	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.2/24","interface":0}]}`
 	n := testutil.NewNS(t)
 	testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
 	testutil.RunIn(t, n, "ip", "addr", "add", "10.1.0.2/24", "dev", "eth0", "nodad")
-	a := startAgent(t, nil)
+	a := startAgent(t, nil, nil)
 	stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `","prevResult":` + prev + `}`
 	conf, err := prepared.ParseConfig([]byte(stdin))
 	if err != nil {
@@ -290,26 +292,61 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 		{Config: conf.Canonical, Mode: "REDIRECT", Kind: nsfacts.KindNFTables, Txn4: txn, Txn46: txn}}}); err != nil {
 		t.Fatal(err)
 	}
-	held, err := os.Open(n.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer held.Close()
-	if err := unix.Flock(int(held.Fd()), unix.LOCK_EX); err != nil {
-		t.Fatal(err)
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(held.Fd()), &st); err != nil {
-		t.Fatal(err)
-	}
 	sent := make(chan struct{}, 1)
 	r := &Relay{Fallback: "/nonexistent", Stdout: io.Discard, Stderr: io.Discard, Timeout: 5 * time.Second,
 		SendHere: func(*nlsteps.Txn) error { sent <- struct{}{}; return nil }}
-	done := make(chan error, 1)
-	go func() {
-		done <- r.Run(&Args{Command: "ADD", ContainerID: "c1", Netns: n.Path(), IfName: "eth0",
-			Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
-	}()
+	add := func() chan error {
+		done := make(chan error, 1)
+		go func() {
+			done <- r.Run(&Args{Command: "ADD", ContainerID: "c1", Netns: n.Path(), IfName: "eth0",
+				Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=" + uid, Path: "/opt/cni/bin", Stdin: []byte(stdin)})
+		}()
+		return done
+	}
+	served := func(done chan error) {
+		t.Helper()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("the ADD did not end")
+		}
+		select {
+		case <-sent:
+		default:
+			t.Fatal("the relay did not send")
+		}
+		if got := <-a.got; got.req.Done == nil {
+			t.Fatalf("the agent heard %+v, want the account of an ADD served from the record", got.req)
+		}
+	}
+
+	// The pod's own file, locked as a process of the pod could.
+	podHeld, err := os.Open(n.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Flock(int(podHeld.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	served(add())
+	_ = podHeld.Close()
+
+	unlock, err := nslock.LockWriters(a.runDir, openNS(t, n.Path()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	locks, err := filepath.Glob(filepath.Join(a.runDir, nslock.WritersDir, "*.lock"))
+	if err != nil || len(locks) != 1 {
+		t.Fatalf("lock files %v (%v), want the namespace's one", locks, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(locks[0], &st); err != nil {
+		t.Fatal(err)
+	}
+	done := add()
 	// The kernel lists the relay as waiting for the namespace's lock.
 	waiting := fmt.Sprintf("-> FLOCK  ADVISORY  WRITE %d ", os.Getpid())
 	deadline := time.Now().Add(10 * time.Second)
@@ -331,20 +368,19 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 		t.Fatal("the relay sent while another held the namespace's lock")
 	default:
 	}
-	if err := unix.Flock(int(held.Fd()), unix.LOCK_UN); err != nil {
+	unlock()
+	served(done)
+}
+
+// openNS opens the namespace at path, closed with the test.
+func openNS(t *testing.T, path string) *os.File {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-sent:
-	default:
-		t.Fatal("the relay did not send once the lock was free")
-	}
-	if got := <-a.got; got.req.Done == nil {
-		t.Fatalf("the agent heard %+v, want the account of an ADD served from the record", got.req)
-	}
+	t.Cleanup(func() { _ = f.Close() })
+	return f
 }
 
 // blockedOn reports whether /proc/locks lists a waiter line starting with

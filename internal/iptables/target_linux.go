@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 
@@ -13,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 )
 
 // podTarget is the pod namespace the iptables commands of one call act
@@ -221,28 +221,12 @@ func xtablesLock(netNS ns.NetNS) (*os.File, error) {
 	if err := unix.Fstat(int(netNS.Fd()), &st); err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(lockDir, 0o700); err != nil {
-		return nil, fmt.Errorf("xtables lock dir: %w", err)
-	}
-	// A directory made by someone else is not ours to trust.
-	var dst unix.Stat_t
-	if err := unix.Lstat(lockDir, &dst); err != nil {
-		return nil, err
-	}
-	if dst.Mode&unix.S_IFMT != unix.S_IFDIR || dst.Uid != uint32(os.Geteuid()) || dst.Mode&0o077 != 0 {
-		return nil, fmt.Errorf("xtables lock dir %s is not a directory private to uid %d", lockDir, os.Geteuid())
-	}
-	//nolint:gosec // G302: readable by all on purpose, see the Chmod below.
-	f, err := os.OpenFile(filepath.Join(lockDir, fmt.Sprintf("%02d.lock", st.Ino%lockBuckets)), os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return nil, err
-	}
 	// Readable by all: iptables in a user-namespaced pod's user namespace
 	// reopens it through /proc/self/fd, as a uid that is not root's. No
 	// path reaches it but through the root-only directory.
-	if err := f.Chmod(0o644); err != nil {
-		_ = f.Close()
-		return nil, err
+	f, err := nslock.PrivateFile(lockDir, fmt.Sprintf("%02d.lock", st.Ino%lockBuckets), 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("xtables lock: %w", err)
 	}
 	return f, nil
 }

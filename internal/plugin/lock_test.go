@@ -13,6 +13,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -32,12 +33,13 @@ func (r *lockRules) Apply(path string, plan *ruleset.Plan) (podnet.Report, error
 	return r.fakeRules.Apply(path, plan)
 }
 
-// TestAddHoldsNamespaceLock: an ADD holds an exclusive flock on the pod's
-// namespace file from reading it to its rules being in, whether it
-// applies them in place (the fallback, or the agent for a namespace that
-// cannot take prepared rules) or hands them to the relay (the agent, until
-// the relay reports); a relay serving another ADD of the namespace from
-// its record takes the same lock. It is free again once the ADD returns.
+// TestAddHoldsNamespaceLock: an ADD holds the namespace's writers' lock
+// (nslock.LockWriters, under the config's run dir) from reading the
+// namespace to its rules being in, whether it applies them in place (the
+// fallback, or the agent for a namespace that cannot take prepared rules)
+// or hands them to the relay (the agent, until the relay reports); a relay
+// serving another ADD of the namespace from its record takes the same
+// lock. It is free again once the ADD returns.
 func TestAddHoldsNamespaceLock(t *testing.T) {
 	for _, commit := range []bool{false, true} {
 		name := "in place"
@@ -50,8 +52,16 @@ func TestAddHoldsNamespaceLock(t *testing.T) {
 			if err := os.WriteFile(path, nil, 0o600); err != nil {
 				t.Fatal(err)
 			}
+			runDir := t.TempDir()
 			held := func() bool {
-				f, err := os.Open(path)
+				locks, err := filepath.Glob(filepath.Join(runDir, nslock.WritersDir, "*.lock"))
+				if err != nil || len(locks) > 1 {
+					t.Fatalf("lock files %v (%v), want at most the namespace's one", locks, err)
+				}
+				if len(locks) == 0 {
+					return false
+				}
+				f, err := os.Open(locks[0])
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -79,7 +89,7 @@ func TestAddHoldsNamespaceLock(t *testing.T) {
 				}
 			}
 			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: path, IfName: "eth0",
-				Args: cniArgs("default", "web"), StdinData: ambientConf(false, "")})
+				Args: cniArgs("default", "web"), StdinData: ambientConf(false, `"cni_agent_run_dir":"`+runDir+`"`)})
 			checkAdd(t, err, &out, nil)
 			switch {
 			case commit && !heldCommit:

@@ -18,10 +18,10 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
-	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
@@ -353,14 +353,14 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var inPlace string
 	var stored *nlsteps.Txn
 	var notStored string
-	// Every writer of a pod's rules holds the namespace's flock from
-	// reading the namespace to its rules being in: the agent (until the
-	// relay it hands them to reports), the fallback, and a relay serving
-	// the pod from its record (cnirelay). So two ADDs of one namespace at
-	// once (a runtime's retry) never both find it fresh and both send a
-	// fresh namespace's rules; the second finds ours. The agent's own
-	// mutex serialises only its own work.
-	defer lockNamespace(args.Netns)()
+	// Every writer of a pod's rules holds the namespace's writers' lock
+	// from reading the namespace to its rules being in: the agent (until
+	// the relay it hands them to reports), the fallback, and a relay
+	// serving the pod from its record (cnirelay). So two ADDs of one
+	// namespace at once (a runtime's retry) never both find it fresh and
+	// both send a fresh namespace's rules; the second finds ours. The
+	// agent's own mutex serialises only its own work.
+	defer lockWriters(req.conf.CNIAgentRunDir, args.Netns)()
 	if p.StoredPlans && p.Commit == nil {
 		plan, stored, notStored = p.storedPlan(req, args.Netns, d.Params)
 	}
@@ -444,27 +444,21 @@ func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Para
 	return plan, txn, ""
 }
 
-// lockNamespace takes an exclusive flock on the network namespace at
-// path (on its nsfs inode, whatever path names it) and returns its
-// release. A namespace that cannot be opened or locked is left unlocked:
-// the ADD goes on as it would without the lock.
-func lockNamespace(path string) (unlock func()) {
-	f, err := os.Open(path) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
+// lockWriters takes the writers' lock of the namespace at netnsPath
+// (nslock.LockWriters) and returns its release. A namespace that cannot
+// be opened or locked is left unlocked: the ADD goes on as it would
+// without the lock.
+func lockWriters(runDir, netnsPath string) (unlock func()) {
+	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {
 		return func() {}
 	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
+	defer netns.Close()
+	unlock, err = nslock.LockWriters(runDir, netns)
 	if err != nil {
-		_ = f.Close()
 		return func() {}
 	}
-	// Closing the file releases the lock.
-	return func() { _ = f.Close() }
+	return unlock
 }
 
 // sendStored sends the requests the agent stored for the pod's plan from
