@@ -4,10 +4,13 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -103,16 +106,40 @@ func (b *bench) podsOnNode(ctx context.Context, cfg flatConfig) (*samples, error
 			// commands; its informer's and repair controller's work on them
 			// is done before the next pods are timed.
 			b.agentSettles()
+			// On stderr, the timed pods' span on CLOCK_MONOTONIC, for
+			// perf report --time over a perf record -a -k mono of the run.
+			var t0, t1 unix.Timespec
+			_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t0)
 			for j := 0; j < cfg.pods; j++ {
 				for _, se := range b.flatBackends() {
 					if err := b.flatPod(ctx, s, flatSeries(size, se.name), se.list); err != nil {
 						return nil, err
 					}
 				}
+				if err := b.processFloor(ctx, s, size); err != nil {
+					return nil, err
+				}
 			}
+			_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t1)
+			fmt.Fprintf(os.Stderr, "flat round %d, %d pods: CLOCK_MONOTONIC %d.%06d,%d.%06d\n", r, size, t0.Sec, t0.Nsec/1000, t1.Sec, t1.Nsec/1000)
 		}
 	}
 	return s, b.agentServedAll()
+}
+
+// processFloor times a relay that only starts and answers (VERSION), as
+// libcni runs a plugin, beside the ADDs just timed: the floor any
+// plugin's process pays on this node (its exec, the Go runtime's start,
+// its exit), which may grow with the node's pods whatever the plugin
+// does. (The own process less this floor, pod by pod, was too noisy on
+// the development VM to settle anything: 90% intervals 0.5x-1.3x.)
+func (b *bench) processFloor(ctx context.Context, s *samples, size int) error {
+	start := time.Now()
+	if _, err := b.exec.DefaultExec.ExecPlugin(ctx, filepath.Join(b.node.BinDir, "istio-cni"), nil, []string{"CNI_COMMAND=VERSION"}); err != nil {
+		return fmt.Errorf("VERSION: %w", err)
+	}
+	s.record(flatSeries(size, "VERSION"), time.Since(start))
+	return nil
 }
 
 // agentServedAll fails when the agent refused any relay: that relay ran
@@ -143,6 +170,11 @@ func (b *bench) flatPod(ctx context.Context, s *samples, name string, list *libc
 	defer pod.Close()
 	if err := b.addDel(ctx, s, name, list, pod); err != nil {
 		return err
+	}
+	if list != b.node.Primary {
+		if err := b.recordRelay(s, name, pod); err != nil {
+			return err
+		}
 	}
 	return b.deletePodObject(ctx, pod.Name)
 }
@@ -258,11 +290,34 @@ func reportFlat(r *results) {
 				ms(p50(k+" ADD")), ms(p99(k+" ADD")), ms(p50(k+" istio-cni ADD")), ms(p99(k+" istio-cni ADD")),
 				ratioOf(p50(k+" ADD"), base), ratioOf(p50(k+" istio-cni ADD"), baseOwn), flatTarget,
 				ms(p50(k+" agent CPU ADD")), ratioOf(p50(k+" agent CPU ADD"), baseCPU))
+			if len(r.samples[k+" duration"]) > 0 {
+				// Where the relay's time goes: its run from main to its
+				// answer (the rest of its process is exec, the Go
+				// runtime's start and exit), the send into the pod's
+				// namespace, and its CPU.
+				fmt.Printf("  %-8s %3d pods, the relay: run %s (%.2fx), send %s (%.2fx), CPU %s (%.2fx)\n", "", n,
+					ms(p50(k+" duration")), ratioOf(p50(k+" duration"), p50(first+" duration")),
+					ms(p50(k+" apply")), ratioOf(p50(k+" apply"), p50(first+" apply")),
+					ms(p50(k+" plugin_cpu")), ratioOf(p50(k+" plugin_cpu"), p50(first+" plugin_cpu")))
+			}
 			if n != flatSizes[0] {
 				// The primary's own growth (below) is not istio-cni's.
 				fmt.Printf("  %-8s %3d pods vs 1 pod, istio-cni's own process, %s\n", "", n, flatVerdict(r, first+" istio-cni ADD", k+" istio-cni ADD"))
+				if len(r.samples[k+" duration"]) > 0 {
+					// The relay's own code, without the process's start
+					// and exit, which any plugin's process pays.
+					fmt.Printf("  %-8s %3d pods vs 1 pod, the relay's run, %s\n", "", n, flatVerdict(r, first+" duration", k+" duration"))
+				}
 			}
 		}
+	}
+	if len(r.samples[flatSeries(flatSizes[0], "VERSION")]) > 0 {
+		base := p50(flatSeries(flatSizes[0], "VERSION"))
+		fmt.Printf("  the process floor, istio-cni answering VERSION, p50:")
+		for _, n := range flatSizes {
+			fmt.Printf(" %d pods %s (%.2fx)", n, ms(p50(flatSeries(n, "VERSION"))), ratioOf(p50(flatSeries(n, "VERSION")), base))
+		}
+		fmt.Println()
 	}
 	primary := func(n int) time.Duration { return p50(flatSeries(n, "primary") + " ADD") }
 	fmt.Printf("  the primary plugin alone (ptp, host-local), ADD p50:")
@@ -289,13 +344,17 @@ func reportFlatLists(r *results) {
 		}
 		fmt.Printf("  %-16s %s, target <= %.2fx; share %s; agent CPU %s\n", be.name, ratio(" istio-cni ADD"), flatTarget, ratio(" share"), ratio(" agent CPU ADD"))
 		fmt.Printf("  %-16s istio-cni's own process, %s\n", "", flatVerdict(r, lo+" istio-cni ADD", hi+" istio-cni ADD"))
+		if len(r.samples[lo+" duration"]) > 0 && len(r.samples[hi+" duration"]) > 0 {
+			fmt.Printf("  %-16s the relay's run, %s; its send %s\n", "", flatVerdict(r, lo+" duration", hi+" duration"), ratio(" apply"))
+		}
 	}
 }
 
-// flatVerdict is a flatness ratio with its 90% interval over the rounds
-// and what that says of the target: the p50s of a few dozen ADDs move by
-// several percent between runs, as much as the target allows.
+// flatVerdict is a flatness ratio with its 90% interval over pairs of
+// ADDs timed in the same round, and what that says of the target: the
+// p50s of a few dozen ADDs move by several percent between runs, as much
+// as the target allows.
 func flatVerdict(r *results, lo, hi string) string {
 	e := p50Ratio(r.samples[lo], r.samples[hi], .9)
-	return fmt.Sprintf("p50 ratio %.2fx, 90%% interval [%.2fx, %.2fx] over %d rounds: %s", e.Median, e.Low, e.High, len(e.Ratios), e.within(flatTarget))
+	return fmt.Sprintf("p50 ratio %.2fx, 90%% interval [%.2fx, %.2fx] over %d pairs: %s", e.Median, e.Low, e.High, len(e.Ratios), e.within(flatTarget))
 }

@@ -101,9 +101,11 @@ func seedLegacy(pod *testenv.Pod) error {
 }
 
 // relayFigures are what the agent logs of an ADD the relay committed: the
-// relay's send, its CPU, and the agent's lookup and planning (none for an
-// ADD the relay served from the pod's prepared record).
-var relayFigures = []string{"apply", "plugin_cpu", "lookup", "plan"}
+// relay's send, its CPU, the agent's lookup and planning (none for an
+// ADD the relay served from the pod's prepared record), and the relay's
+// run from its main to its answer (only for a prepared ADD: otherwise
+// it is the agent's time).
+var relayFigures = []string{"apply", "plugin_cpu", "lookup", "plan", "duration"}
 
 // recordRelay records, for an ADD through the agent that the relay
 // committed, the figures the agent logged of it; nothing for an ADD the
@@ -135,7 +137,8 @@ func (b *bench) recordRelay(s *samples, series string, pod *testenv.Pod) error {
 	}
 	if strings.Contains(line, `"committed_by":"plugin"`) {
 		for _, key := range relayFigures {
-			if !strings.Contains(line, `"`+key+`":`) && strings.Contains(line, `"prepared":true`) {
+			prepared := strings.Contains(line, `"prepared":true`)
+			if !strings.Contains(line, `"`+key+`":`) && prepared || key == "duration" && !prepared {
 				continue
 			}
 			d, err := testenv.LogDuration(line, key)
