@@ -500,15 +500,12 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 	if err != nil {
 		return burstFigures{}, err
 	}
-	// On stderr, the burst's span on CLOCK_MONOTONIC, which `perf record
-	// -k mono` stamps samples with: perf report --time can then split a
+	// On stderr, the burst's span, so that perf report --time can split a
 	// whole run's profile by burst.
-	var t0, t1 unix.Timespec
-	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t0)
+	span := monoSpan()
 	created, byPod, err := testenv.StartPodsAt(ctx, one.Cluster, "bench", ps, 5*time.Minute)
-	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t1)
 	if len(ps) > 0 {
-		fmt.Fprintf(os.Stderr, "burst %s: CLOCK_MONOTONIC %d.%06d,%d.%06d\n", ps[0].Name, t0.Sec, t0.Nsec/1000, t1.Sec, t1.Nsec/1000)
+		span("burst " + ps[0].Name)
 	}
 	if err != nil {
 		return burstFigures{}, err
@@ -817,4 +814,18 @@ func parseArms(s string) []string {
 		}
 	}
 	return out
+}
+
+// monoSpan starts a span on CLOCK_MONOTONIC, the clock `perf record -k
+// mono` stamps samples with. The function it returns ends the span and
+// writes "label: CLOCK_MONOTONIC start,end" to stderr, in the form perf
+// report --time takes.
+func monoSpan() (end func(label string)) {
+	var t0 unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t0)
+	return func(label string) {
+		var t1 unix.Timespec
+		_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t1)
+		fmt.Fprintf(os.Stderr, "%s: CLOCK_MONOTONIC %d.%06d,%d.%06d\n", label, t0.Sec, t0.Nsec/1000, t1.Sec, t1.Nsec/1000)
+	}
 }

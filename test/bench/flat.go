@@ -4,13 +4,11 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -106,10 +104,9 @@ func (b *bench) podsOnNode(ctx context.Context, cfg flatConfig) (*samples, error
 			// commands; its informer's and repair controller's work on them
 			// is done before the next pods are timed.
 			b.agentSettles()
-			// On stderr, the timed pods' span on CLOCK_MONOTONIC, for
-			// perf report --time over a perf record -a -k mono of the run.
-			var t0, t1 unix.Timespec
-			_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t0)
+			// On stderr, the timed pods' span, for perf report --time
+			// over a perf record -a -k mono of the run.
+			span := monoSpan()
 			for j := 0; j < cfg.pods; j++ {
 				for _, se := range b.flatBackends() {
 					if err := b.flatPod(ctx, s, flatSeries(size, se.name), se.list); err != nil {
@@ -120,8 +117,7 @@ func (b *bench) podsOnNode(ctx context.Context, cfg flatConfig) (*samples, error
 					return nil, err
 				}
 			}
-			_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t1)
-			fmt.Fprintf(os.Stderr, "flat round %d, %d pods: CLOCK_MONOTONIC %d.%06d,%d.%06d\n", r, size, t0.Sec, t0.Nsec/1000, t1.Sec, t1.Nsec/1000)
+			span(fmt.Sprintf("flat round %d, %d pods", r, size))
 		}
 	}
 	return s, b.agentServedAll()

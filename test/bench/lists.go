@@ -138,7 +138,7 @@ func (b *bench) recordRelay(s *samples, series string, pod *testenv.Pod) error {
 	if strings.Contains(line, `"committed_by":"plugin"`) {
 		for _, key := range relayFigures {
 			prepared := strings.Contains(line, `"prepared":true`)
-			if !strings.Contains(line, `"`+key+`":`) && prepared || key == "duration" && !prepared {
+			if (prepared && !strings.Contains(line, `"`+key+`":`)) || (!prepared && key == "duration") {
 				continue
 			}
 			d, err := testenv.LogDuration(line, key)
