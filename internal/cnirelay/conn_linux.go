@@ -66,7 +66,9 @@ var errWaitedFirst = errors.New("no answer within the first wait")
 // the rest then has timeout, as the connection was dialled with.
 func (c *agentConn) readAll(limit int, first, timeout time.Duration) ([]byte, error) {
 	buf := make([]byte, 0, 16<<10)
+	var firstBy time.Time
 	if first > 0 {
+		firstBy = time.Now().Add(first)
 		tv := unix.NsecToTimeval(first.Nanoseconds())
 		_ = unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 	}
@@ -76,6 +78,16 @@ func (c *agentConn) readAll(limit int, first, timeout time.Duration) ([]byte, er
 		}
 		n, err := unix.Read(c.fd, buf[len(buf):cap(buf)])
 		if errors.Is(err, unix.EINTR) {
+			if first > 0 {
+				// A read a signal cut short starts its timeout again:
+				// the first wait goes on for what is left of it only.
+				left := time.Until(firstBy)
+				if left <= 0 {
+					return nil, errWaitedFirst
+				}
+				tv := unix.NsecToTimeval(left.Nanoseconds())
+				_ = unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+			}
 			continue
 		}
 		if first > 0 && errors.Is(err, unix.EAGAIN) && len(buf) == 0 {

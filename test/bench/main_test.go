@@ -176,3 +176,24 @@ func TestEventsByRound(t *testing.T) {
 		t.Fatalf("got\n%s\nwant\n%s", got, want)
 	}
 }
+
+// TestCPUJiffies: the machine's busy jiffies are part of its total, and
+// both only grow.
+func TestCPUJiffies(t *testing.T) {
+	busy, total, err := cpuJiffies()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if total == 0 || busy > total {
+		t.Fatalf("busy %d of %d jiffies", busy, total)
+	}
+	for total2 := total; total2 == total; {
+		var busy2 uint64
+		if busy2, total2, err = cpuJiffies(); err != nil {
+			t.Fatal(err)
+		}
+		if busy2 < busy || total2 < total {
+			t.Fatalf("went back: busy %d -> %d, total %d -> %d", busy, busy2, total, total2)
+		}
+	}
+}
