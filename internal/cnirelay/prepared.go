@@ -76,7 +76,7 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		}
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {
-			facts, err := nsfacts.ReadFacts()
+			facts, err := nsfacts.ReadFactsFor(e.Kind, e.IPSets)
 			if err != nil {
 				why = "reading the namespace: " + err.Error()
 			} else if why = facts.Unfit(e.Kind, e.IPSets); why == "" && !nsfacts.HasGlobalAddr(facts.Addrs) {

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
 
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
@@ -151,5 +152,102 @@ func TestReadFactsAgreesWithTheLibrary(t *testing.T) {
 	testutil.RunIn(t, n, "ip", "rule", "add", "fwmark", "1337", "lookup", "133")
 	if !facts().TProxyRule {
 		t.Fatal("the IPv4 TPROXY rule not seen")
+	}
+}
+
+// TestReadFactsForAnswersAsReadFacts: the relay reads only what its
+// prepared rules' kind needs (nsfacts.ReadFactsFor), and Unfit answers
+// over those facts as over all of them, in a namespace that gains, one by
+// one, each thing that keeps some rules out. Native nftables rules do not
+// look for ipsets or legacy tables, so those stay unread.
+func TestReadFactsForAnswersAsReadFacts(t *testing.T) {
+	testutil.RequireTools(t, "iptables-legacy", "iptables-nft", "nft")
+	n := testutil.NewNS(t)
+	read := func(fn func() (nsfacts.Facts, error)) nsfacts.Facts {
+		t.Helper()
+		var f nsfacts.Facts
+		if err := n.Do(func(ns.NetNS) error {
+			var err error
+			f, err = fn()
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	steps := []struct {
+		what string
+		add  func()
+		// The reasons Unfit gives iptables-nft rules without and with
+		// ipsets, and nftables rules.
+		iptables, iptablesSets, nftables string
+	}{
+		{"nothing", func() {}, "", "", ""},
+		{"an ipset", func() {
+			if err := n.Do(func(ns.NetNS) error {
+				return netlink.IpsetCreate("someones", "hash:net", netlink.IpsetCreateOptions{})
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}, "", "the namespace holds ipsets", ""},
+		{"iptables-nft's nat table", func() { testutil.RunIn(t, n, "iptables-nft", "-t", "nat", "-N", "SOMEONES") },
+			"the namespace has iptables rules already", "the namespace holds ipsets", ""},
+		{"a legacy table", func() { testutil.RunIn(t, n, "iptables-legacy", "-t", "nat", "-N", "SOMEONES") },
+			"the namespace has legacy iptables tables", "the namespace has legacy iptables tables", ""},
+		{"our nftables table", func() { testutil.RunIn(t, n, "nft", "add", "table", "inet", "istio-proxy-nat") },
+			"the namespace has legacy iptables tables", "the namespace has legacy iptables tables", "the namespace has tables of ours already"},
+	}
+	for _, st := range steps {
+		st.add()
+		all := read(nsfacts.ReadFacts)
+		for _, c := range []struct {
+			kind   string
+			ipsets bool
+			want   string
+		}{{nsfacts.KindIPTablesNFT, false, st.iptables}, {nsfacts.KindIPTablesNFT, true, st.iptablesSets}, {nsfacts.KindNFTables, false, st.nftables}, {nsfacts.KindNFTables, true, st.nftables}} {
+			some := read(func() (nsfacts.Facts, error) { return nsfacts.ReadFactsFor(c.kind, c.ipsets) })
+			if got, over := some.Unfit(c.kind, c.ipsets), all.Unfit(c.kind, c.ipsets); got != c.want || over != c.want {
+				t.Errorf("with %s, %s rules (ipsets %t): %q over what the kind needs, %q over all, want %q", st.what, c.kind, c.ipsets, got, over, c.want)
+			}
+			if !slices.Equal(some.Addrs, all.Addrs) || !slices.Equal(some.Tables, all.Tables) {
+				t.Errorf("with %s, %s rules: addresses or tables differ: %+v, all: %+v", st.what, c.kind, some, all)
+			}
+			if c.kind == nsfacts.KindNFTables && (some.IPSets || some.LegacyTables) {
+				t.Errorf("with %s, nftables rules read what they do not need: %+v", st.what, some)
+			}
+		}
+	}
+}
+
+// BenchmarkReadFacts: what reading a pod's namespace costs the relay
+// before it sends prepared rules, per kind, against reading all of it.
+func BenchmarkReadFacts(b *testing.B) {
+	testutil.RequireRoot(b)
+	n, err := testutils.NewNS()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = testutil.RemoveNS(n) }()
+	for _, c := range []struct {
+		name string
+		read func() (nsfacts.Facts, error)
+	}{
+		{"all", nsfacts.ReadFacts},
+		{"nftables", func() (nsfacts.Facts, error) { return nsfacts.ReadFactsFor(nsfacts.KindNFTables, false) }},
+		{"iptables", func() (nsfacts.Facts, error) { return nsfacts.ReadFactsFor(nsfacts.KindIPTablesNFT, false) }},
+		{"iptables-ipsets", func() (nsfacts.Facts, error) { return nsfacts.ReadFactsFor(nsfacts.KindIPTablesNFT, true) }},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			if err := n.Do(func(ns.NetNS) error {
+				for i := 0; i < b.N; i++ {
+					if _, err := c.read(); err != nil {
+						return err
+					}
+				}
+				return nil
+			}); err != nil {
+				b.Fatal(err)
+			}
+		})
 	}
 }
