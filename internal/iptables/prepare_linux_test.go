@@ -23,6 +23,7 @@ import (
 // routing the rules need, and our ipsets with their entries.
 func nsState(t *testing.T, n ns.NetNS) string {
 	t.Helper()
+	testutil.WaitLocalRoutes(t, n)
 	var b strings.Builder
 	strip := regexp.MustCompile(`(?m)^#.*\n`)
 	for _, cmd := range [][]string{

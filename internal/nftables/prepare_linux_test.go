@@ -21,6 +21,7 @@ import (
 // operator lists it: the nftables ruleset and the routing the rules need.
 func nsState(t *testing.T, n ns.NetNS) string {
 	t.Helper()
+	testutil.WaitLocalRoutes(t, n)
 	var b strings.Builder
 	handles := regexp.MustCompile(` # handle \d+`)
 	for _, cmd := range [][]string{

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -73,4 +74,34 @@ func TryRunIn(n ns.NetNS, args ...string) (string, error) {
 		return "", fmt.Errorf("%s: %w: %s", strings.Join(args, " "), err, out)
 	}
 	return string(out), nil
+}
+
+// WaitLocalRoutes waits until every IPv6 address on lo has its local
+// route: the kernel adds that route from its DAD worker, even on lo,
+// where DAD itself is skipped, so a listing right after the address was
+// added may lack it. A listing of a namespace to compare with another waits
+// for it first.
+func WaitLocalRoutes(t *testing.T, n ns.NetNS) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var missing []string
+		routes := RunIn(t, n, "ip", "-6", "route", "show", "table", "local")
+		for _, f := range strings.Fields(RunIn(t, n, "ip", "-6", "-o", "addr", "show", "dev", "lo")) {
+			addr, _, ok := strings.Cut(f, "/")
+			if !ok || !strings.Contains(addr, ":") {
+				continue
+			}
+			if !strings.Contains("\n"+routes, "\nlocal "+addr+" ") {
+				missing = append(missing, addr)
+			}
+		}
+		if len(missing) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no local route for %v on lo after 5s:\n%s", missing, routes)
+		}
+		time.Sleep(time.Millisecond) // polling the kernel's worker, untimed
+	}
 }
