@@ -34,7 +34,7 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 	if uid == "" {
 		return false, "", nil
 	}
-	rec, err := prepared.Read(filepath.Join(runDir, prepared.DirName), uid)
+	rec, err := prepared.ReadMapped(filepath.Join(runDir, prepared.DirName), uid)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		return false, "", nil

@@ -27,7 +27,8 @@ import (
 // round trip to the agent; ADD adds the agent's decision and preparation
 // and the relay's send into a fresh namespace. Besides wall time it
 // reports the relay process's CPU and the agent's (this process's) per
-// command: the bench's sequential own-share figure, without the primary
+// command, and the relay's minor page faults (every page its process
+// touches, which its exit tears down again): the bench's sequential own-share figure, without the primary
 // plugin, the API server and libcni around it.
 func BenchmarkRelay(b *testing.B) {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -85,6 +86,7 @@ func BenchmarkRelay(b *testing.B) {
 		conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":%q,"native_nftables":%t,
 			"prevResult":{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"interface":0,"address":"10.1.0.2/24","gateway":"10.1.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}}`,
 			c.runDir, c.backend == "nftables")
+		var minflt int64
 		run := func(b *testing.B) (relayCPU, agentCPU time.Duration) {
 			podNS, f := cniserver.BenchNamespace(b)
 			_ = f.Close()
@@ -103,6 +105,7 @@ func BenchmarkRelay(b *testing.B) {
 				b.Fatalf("%s: %v: %s", c.command, err, out.String())
 			}
 			ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+			minflt += ru.Minflt
 			if err := testutil.RemoveNS(podNS); err != nil {
 				b.Fatal(err)
 			}
@@ -122,12 +125,14 @@ func BenchmarkRelay(b *testing.B) {
 			served := promtest.ToFloat64(sp.PreparedAdds.WithLabelValues("ok"))
 			dels := promtest.ToFloat64(sp.Commands.WithLabelValues("DEL", "ok"))
 			b.StopTimer()
+			minflt = 0
 			for i := 0; i < b.N; i++ {
 				r, a := run(b)
 				relayCPU += r
 				agentCPU += a
 			}
 			b.ReportMetric(float64(relayCPU.Microseconds())/float64(b.N), "relay-cpu-us/op")
+			b.ReportMetric(float64(minflt)/float64(b.N), "minflt/op")
 			b.ReportMetric(float64(agentCPU.Microseconds())/float64(b.N), "agent-cpu-us/op")
 			if fromRecords {
 				// Every ADD was served from the record: the agent heard

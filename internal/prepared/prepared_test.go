@@ -120,6 +120,57 @@ func TestDir(t *testing.T) {
 	}
 }
 
+// TestReadMapped: a mapped record reads as Read reads it; the agent's
+// next Put of the pod (a rename over it) and its removal leave the mapped
+// one as it was; what is missing, not a regular file or empty is refused
+// as Read refuses it.
+func TestReadMapped(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), DirName)
+	d := Dir(dir)
+	if err := d.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	r := sample()
+	if err := d.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ReadMapped(dir, r.UID)
+	if err != nil || !reflect.DeepEqual(got, r) {
+		t.Fatalf("ReadMapped: %+v, %v; want %+v", got, err, r)
+	}
+	next := sample()
+	next.Entries[1].Txn4 = []byte("FOUR, prepared again")
+	if err := d.Put(next); err != nil {
+		t.Fatal(err)
+	}
+	if again, err := ReadMapped(dir, r.UID); err != nil || !reflect.DeepEqual(again, next) {
+		t.Fatalf("after the next Put: %+v, %v", again, err)
+	}
+	if err := d.Remove(r.UID); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, r) {
+		t.Fatalf("the mapped record changed under its reader: %+v", got)
+	}
+	if _, err := ReadMapped(dir, r.UID); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a removed record: %v", err)
+	}
+	if err := os.Mkdir(Path(dir, "a-dir"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(Path(dir, "empty"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, uid := range []string{"a-dir", "empty", "../x"} {
+		if _, err := ReadMapped(dir, uid); err == nil || errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("ReadMapped(%q): %v, want it refused", uid, err)
+		}
+		if _, err := Read(dir, uid); err == nil || errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("Read(%q): %v, want it refused", uid, err)
+		}
+	}
+}
+
 // TestParseConfig: the canonical form is the config without its
 // prevResult, the same whatever the previous result, and different for
 // any other difference; the fields the relay needs are read; what is not
