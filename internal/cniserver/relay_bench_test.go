@@ -28,8 +28,9 @@ import (
 // and the relay's send into a fresh namespace. Besides wall time it
 // reports the relay process's CPU and the agent's (this process's) per
 // command, and the relay's minor page faults (every page its process
-// touches, which its exit tears down again): the bench's sequential own-share figure, without the primary
-// plugin, the API server and libcni around it.
+// touches, which its exit tears down again): the bench's sequential
+// own-share figure, without the primary plugin, the API server and
+// libcni around it.
 func BenchmarkRelay(b *testing.B) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

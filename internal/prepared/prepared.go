@@ -227,51 +227,54 @@ func read(dir, uid string, readFile func(path string, limit int64, what string) 
 	return r, nil
 }
 
-// mapFile maps the file at path read-only, as readFile checks it; an
+// mapFile maps the file at path read-only, when openRegular takes it; an
 // empty file is no bytes.
 func mapFile(path string, limit int64, what string) ([]byte, error) {
-	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	f, size, err := openRegular(path, limit, what)
 	if err != nil {
-		return nil, &fs.PathError{Op: "open", Path: path, Err: err}
+		return nil, err
 	}
-	defer syscall.Close(fd)
-	var st syscall.Stat_t
-	if err := syscall.Fstat(fd, &st); err != nil {
-		return nil, &fs.PathError{Op: "stat", Path: path, Err: err}
-	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size > limit {
-		return nil, fmt.Errorf("%s is not %s", path, what)
-	}
-	if st.Size == 0 {
+	defer f.Close()
+	if size == 0 {
 		return nil, nil
 	}
-	data, err := syscall.Mmap(fd, 0, int(st.Size), syscall.PROT_READ, syscall.MAP_SHARED)
+	data, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ, syscall.MAP_SHARED)
 	if err != nil {
 		return nil, &fs.PathError{Op: "mmap", Path: path, Err: err}
 	}
 	return data, nil
 }
 
-// readFile reads the file at path whole, when it is a regular file of at
-// most limit bytes (what names what it should be, for the error). Not
-// through a link, and not stuck on a FIFO: root alone writes the
-// directory, but its files are only ever regular ones.
+// readFile reads the file at path whole, when openRegular takes it.
 func readFile(path string, limit int64, what string) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0) //nolint:gosec // G304: a file in the run dir the plugin's config names
+	f, size, err := openRegular(path, limit, what)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if !fi.Mode().IsRegular() || fi.Size() > limit {
-		return nil, fmt.Errorf("%s is not %s", path, what)
-	}
-	data := make([]byte, fi.Size())
+	data := make([]byte, size)
 	if _, err := io.ReadFull(f, data); err != nil {
 		return nil, err
 	}
 	return data, nil
+}
+
+// openRegular opens the file at path for reading, with its size, when it
+// is a regular file of at most limit bytes (what names what it should
+// be, for the error). Not through a link, and not stuck on a FIFO: root
+// alone writes the directory, but its files are only ever regular ones.
+func openRegular(path string, limit int64, what string) (*os.File, int64, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0) //nolint:gosec // G304: a file in the run dir the plugin's config names
+	if err != nil {
+		return nil, 0, err
+	}
+	fi, err := f.Stat()
+	if err == nil && (!fi.Mode().IsRegular() || fi.Size() > limit) {
+		err = fmt.Errorf("%s is not %s", path, what)
+	}
+	if err != nil {
+		_ = f.Close()
+		return nil, 0, err
+	}
+	return f, fi.Size(), nil
 }

@@ -68,9 +68,9 @@ func FuzzRecord(f *testing.F) {
 	})
 }
 
-// TestDir: records are written whole and read by UID; a UID that could
-// name a path elsewhere names no record; Reset empties the directory.
-func TestDir(t *testing.T) {
+// sampleDir is a fresh records' directory holding sample()'s record.
+func sampleDir(t *testing.T) (string, Dir, *Record) {
+	t.Helper()
 	dir := filepath.Join(t.TempDir(), DirName)
 	d := Dir(dir)
 	if err := d.Reset(); err != nil {
@@ -80,6 +80,13 @@ func TestDir(t *testing.T) {
 	if err := d.Put(r); err != nil {
 		t.Fatal(err)
 	}
+	return dir, d, r
+}
+
+// TestDir: records are written whole and read by UID; a UID that could
+// name a path elsewhere names no record; Reset empties the directory.
+func TestDir(t *testing.T) {
+	dir, d, r := sampleDir(t)
 	fi, err := os.Stat(Path(dir, r.UID))
 	if err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("record %v, %v; want mode 0600", fi, err)
@@ -125,15 +132,7 @@ func TestDir(t *testing.T) {
 // one as it was; what is missing, not a regular file or empty is refused
 // as Read refuses it.
 func TestReadMapped(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), DirName)
-	d := Dir(dir)
-	if err := d.Reset(); err != nil {
-		t.Fatal(err)
-	}
-	r := sample()
-	if err := d.Put(r); err != nil {
-		t.Fatal(err)
-	}
+	dir, d, r := sampleDir(t)
 	got, err := ReadMapped(dir, r.UID)
 	if err != nil || !reflect.DeepEqual(got, r) {
 		t.Fatalf("ReadMapped: %+v, %v; want %+v", got, err, r)
