@@ -44,11 +44,15 @@ func listAnnotations(n int) map[string]string {
 // lists times ADD and DEL of sidecar pods carrying the lists, for
 // every length and backend, pod by pod interleaved with the primary
 // plugin alone, n rounds, so machine noise falls on all series alike.
-// path names how the plugin runs ("no agent": the fallback; "agent").
-func (b *bench) lists(ctx context.Context, n int, path string) (*samples, error) {
+// path names how the plugin runs ("no agent": the fallback; "agent");
+// lengths are the list lengths timed, listLengths when none.
+func (b *bench) lists(ctx context.Context, n int, path string, lengths ...int) (*samples, error) {
+	if len(lengths) == 0 {
+		lengths = listLengths
+	}
 	s := newSamples()
 	for i := 0; i < n; i++ {
-		if err := b.listsRound(ctx, s, path); err != nil {
+		if err := b.listsRound(ctx, s, path, lengths); err != nil {
 			return nil, err
 		}
 	}
@@ -57,12 +61,12 @@ func (b *bench) lists(ctx context.Context, n int, path string) (*samples, error)
 
 // listsRound is one primary pod, then one pod per list length and
 // backend.
-func (b *bench) listsRound(ctx context.Context, s *samples, path string) error {
+func (b *bench) listsRound(ctx context.Context, s *samples, path string, lengths []int) error {
 	if err := b.pod(ctx, s, "lists/"+path+"/primary", b.node.Primary); err != nil {
 		return err
 	}
 	primary := s.last("lists/" + path + "/primary ADD")
-	for _, n := range listLengths {
+	for _, n := range lengths {
 		for _, be := range listBackends {
 			list := b.node.Chained
 			if be.nft {

@@ -250,6 +250,10 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 		return nil, err
 	}
 	res.add(s)
+	if s, err = b.flatLists(ctx, cfg.flat); err != nil {
+		return nil, err
+	}
+	res.add(s)
 	if s, err = b.podsOnNode(ctx, cfg.flat); err != nil {
 		return nil, err
 	}
