@@ -76,6 +76,7 @@ const (
 const (
 	FlagRequest = 0x1
 	FlagAck     = 0x4
+	FlagEcho    = 0x8
 	FlagReplace = 0x100
 	FlagExcl    = 0x200
 	FlagCreate  = 0x400

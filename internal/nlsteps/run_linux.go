@@ -96,7 +96,11 @@ func frame(s *Step) (buf []byte, waits map[uint32]bool, batchSeq uint32) {
 		n = min(n, len(msgs))
 		start := len(buf)
 		buf = append(buf, msgs[:n]...)
-		flags := binary.NativeEndian.Uint16(buf[start+6:]) &^ FlagAck
+		// No echo: nothing here reads one, and the kernel would dump
+		// every echoed message back at commit (google/nftables asks for
+		// each rule's, for its handle: half the commit's time for a
+		// pod's rules).
+		flags := binary.NativeEndian.Uint16(buf[start+6:]) &^ (FlagAck | FlagEcho)
 		if !s.Batch || i == s.Len()-1 {
 			flags |= FlagAck
 			waits[seq] = true
