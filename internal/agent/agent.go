@@ -247,7 +247,18 @@ func (a *Agent) Run(ctx context.Context) error {
 	if amb != nil {
 		amb.uninstall(a)
 	}
-	return loop.Cleanup()
+	if err := loop.Cleanup(); err != nil {
+		return err
+	}
+	// The pods' records, the stored plans and the configs learnt serve
+	// only the relay just removed; on the node's tmpfs they would stay
+	// until a reboot (hundreds of KiB to MiBs on a full node). Kept when
+	// the clean-up stopped: the relay is still there to use them.
+	dir := filepath.Join(cfg.Loop.Install.RunDir, prepared.DirName)
+	if err := os.RemoveAll(dir); err != nil {
+		a.log.Warn("could not remove the prepared records", "dir", dir, "error", err.Error())
+	}
+	return nil
 }
 
 // start starts every part but the install loop, in the order that lets

@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/install"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -284,6 +285,12 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 
 	t.Run("uninstall-removes-entry-then-kubeconfig-then-binary", func(t *testing.T) {
 		h.waitReadyz(200, 20*time.Second)
+		// The agent prepares ahead (the default): its directory is there
+		// to be removed.
+		records := filepath.Join(h.RunDir, prepared.DirName)
+		if _, err := os.Stat(records); err != nil {
+			t.Fatalf("before uninstall: %v", err)
+		}
 		if code := h.stop(syscall.SIGTERM); code != 0 {
 			t.Fatalf("exit code %d", code)
 		}
@@ -296,7 +303,7 @@ func TestAgentInstallGuardRemove(t *testing.T) {
 		if !bytes.Equal(ab, ob) {
 			t.Fatalf("primary config not restored:\n%s", after)
 		}
-		for _, p := range []string{kc, filepath.Join(h.BinDir, "istio-cni")} {
+		for _, p := range []string{kc, filepath.Join(h.BinDir, "istio-cni"), records} {
 			if _, err := os.Stat(p); !os.IsNotExist(err) {
 				t.Fatalf("%s left after uninstall", p)
 			}
@@ -342,7 +349,9 @@ func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 	if n, last := entryCount(t, calico); n != 1 || !last {
 		t.Fatal("entry removed during an upgrade")
 	}
-	for _, p := range []string{filepath.Join(h.RunDir, "istio-cni-kubeconfig"), filepath.Join(h.BinDir, "istio-cni")} {
+	// The prepared records too: the relay serves pods from them until the
+	// new agent starts.
+	for _, p := range []string{filepath.Join(h.RunDir, "istio-cni-kubeconfig"), filepath.Join(h.BinDir, "istio-cni"), filepath.Join(h.RunDir, prepared.DirName)} {
 		if _, err := os.Stat(p); err != nil {
 			t.Fatalf("%s removed during an upgrade", p)
 		}
