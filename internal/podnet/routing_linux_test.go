@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
 
 	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
@@ -222,12 +221,7 @@ func TestReadFactsForAnswersAsReadFacts(t *testing.T) {
 // BenchmarkReadFacts: what reading a pod's namespace costs the relay
 // before it sends prepared rules, per kind, against reading all of it.
 func BenchmarkReadFacts(b *testing.B) {
-	testutil.RequireRoot(b)
-	n, err := testutils.NewNS()
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer func() { _ = testutil.RemoveNS(n) }()
+	n := testutil.NewNS(b)
 	for _, c := range []struct {
 		name string
 		read func() (nsfacts.Facts, error)

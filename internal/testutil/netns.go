@@ -18,7 +18,7 @@ import (
 
 // NewNS creates a network namespace with lo up (as a runtime leaves a pod
 // namespace), removed when the test ends.
-func NewNS(t *testing.T) ns.NetNS {
+func NewNS(t testing.TB) ns.NetNS {
 	t.Helper()
 	RequireRoot(t)
 	RequireTools(t, "ip")

@@ -177,7 +177,13 @@ func (b *bench) agentServedAll() error {
 // flatPod is pod for this series: its object goes too once its sandbox
 // is gone, so that timed pods do not add up on the node.
 func (b *bench) flatPod(ctx context.Context, s *samples, name string, list *libcni.NetworkConfigList) error {
-	pod, err := b.prepare(ctx)
+	return b.timedPod(ctx, s, name, list, nil, false)
+}
+
+// timedPod is flatPod for a pod with annotations, whose namespace holds
+// a legacy iptables table when legacy is set.
+func (b *bench) timedPod(ctx context.Context, s *samples, name string, list *libcni.NetworkConfigList, ann map[string]string, legacy bool) error {
+	pod, err := b.preparePod(ctx, ann, legacy)
 	if err != nil {
 		return err
 	}

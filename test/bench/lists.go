@@ -78,22 +78,10 @@ func (b *bench) listsRound(ctx context.Context, s *samples, path string, lengths
 			if be.nft {
 				list = b.chainedNFT
 			}
-			pod, err := b.preparePod(ctx, listAnnotations(n), be.legacy)
-			if err != nil {
-				return err
-			}
-			err = b.addDel(ctx, s, listSeries(path, n, be), list, pod)
-			pod.Close()
-			if err != nil {
-				return err
-			}
-			if err := b.recordRelay(s, listSeries(path, n, be), pod); err != nil {
+			if err := b.timedPod(ctx, s, listSeries(path, n, be), list, listAnnotations(n), be.legacy); err != nil {
 				return err
 			}
 			s.record(listSeries(path, n, be)+" share", s.last(listSeries(path, n, be)+" ADD")-primary)
-			if err := b.deletePodObject(ctx, pod.Name); err != nil {
-				return err
-			}
 		}
 	}
 	return nil
