@@ -31,21 +31,22 @@ const adtBatch = 1000
 
 // ipsetClient speaks the kernel's ipset protocol (the one the ipset
 // command uses) over netlink in the calling thread's network namespace,
-// which the socket is bound to when it is made.
+// which the socket is bound to when it is made. Its attributes are
+// encoded and decoded with mdlayher/netlink; the socket is a blocking
+// one (nlsteps.Conn), since its callers hold a locked thread in a pod's
+// namespace.
 type ipsetClient struct {
-	c *netlink.Conn
+	c *nlsteps.Conn
 	// rec, when set, takes the requests that change sets instead of the
 	// kernel, for a relay to send (recordingIPSet).
 	rec *nlsteps.Step
 }
 
 func dialIPSet() (*ipsetClient, error) {
-	c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
+	c, err := nlsteps.Dial(unix.NETLINK_NETFILTER)
 	if err != nil {
 		return nil, fmt.Errorf("opening ipset netlink: %w", err)
 	}
-	// The kernel's own words for a refusal, where it has them.
-	_ = c.SetOption(netlink.ExtendedAcknowledge, true)
 	return &ipsetClient{c: c}, nil
 }
 
@@ -70,7 +71,7 @@ func ipsetType(s *ruleset.IPSet) string {
 
 // request sends one ipset command and returns the kernel's replies; what
 // names it where it is recorded.
-func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, what string, attrs func(*netlink.AttributeEncoder)) ([]netlink.Message, error) {
+func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, what string, attrs func(*netlink.AttributeEncoder)) ([]nlsteps.Message, error) {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint8(nl.IPSET_ATTR_PROTOCOL, nl.IPSET_PROTOCOL)
 	attrs(ae)
@@ -87,23 +88,19 @@ func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, what string, a
 		c.rec.Add(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data, what)
 		return nil, nil
 	}
-	msgs, err := c.c.Execute(netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | cmd), Flags: netlink.Request | flags},
-		Data:   data,
-	})
+	msgs, err := c.c.Request(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data)
 	return msgs, ipsetError(err)
 }
 
 // ipsetError gives ipset's own error numbers (4096 and up) their words.
 func ipsetError(err error) error {
-	var errno unix.Errno
-	if err == nil || !errors.As(err, &errno) || int(errno) < nl.IPSET_ERR_PRIVATE {
+	var r *nlsteps.Refusal
+	if err == nil || !errors.As(err, &r) || int(r.Errno) < nl.IPSET_ERR_PRIVATE {
 		return err
 	}
-	msg := nl.IPSetError(uintptr(errno)).Error()
-	var op *netlink.OpError
-	if errors.As(err, &op) && op.Message != "" {
-		msg += ": " + op.Message
+	msg := nl.IPSetError(uintptr(r.Errno)).Error()
+	if r.Msg != "" {
+		msg += ": " + r.Msg
 	}
 	return fmt.Errorf("ipset: %s", msg)
 }
@@ -134,10 +131,10 @@ func (c *ipsetClient) revision(name string, family uint8) (uint8, error) {
 		return 0, err
 	}
 	for _, m := range msgs {
-		if len(m.Data) < 4 {
+		if len(m.Body) < 4 {
 			continue
 		}
-		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		ad, err := netlink.NewAttributeDecoder(m.Body[4:])
 		if err != nil {
 			return 0, err
 		}
@@ -167,6 +164,14 @@ func be32(v uint32) []byte { return binary.BigEndian.AppendUint32(nil, v) }
 
 // create makes the set and fills it.
 func (c *ipsetClient) create(s *ruleset.IPSet) error {
+	if err := c.make(s); err != nil {
+		return err
+	}
+	return c.fill(s)
+}
+
+// make makes the set, empty.
+func (c *ipsetClient) make(s *ruleset.IPSet) error {
 	rev, err := c.revision(ipsetType(s), ipsetFamily(s))
 	if err != nil {
 		return err
@@ -190,10 +195,7 @@ func (c *ipsetClient) create(s *ruleset.IPSet) error {
 			return nil
 		})
 	})
-	if err != nil {
-		return err
-	}
-	return c.fill(s)
+	return err
 }
 
 // fill adds the set's entries, adtBatch per message.
@@ -334,10 +336,10 @@ func (c *ipsetClient) list() (map[string]*ruleset.IPSet, error) {
 	out := map[string]*ruleset.IPSet{}
 	ports := map[string][]uint16{}
 	for _, m := range msgs {
-		if len(m.Data) < 4 {
+		if len(m.Body) < 4 {
 			continue
 		}
-		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		ad, err := netlink.NewAttributeDecoder(m.Body[4:])
 		if err != nil {
 			return nil, err
 		}

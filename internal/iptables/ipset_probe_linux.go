@@ -105,10 +105,10 @@ func (c *ipsetClient) addrs(name string) (map[netip.Addr]string, error) {
 	}
 	out := map[netip.Addr]string{}
 	for _, m := range msgs {
-		if len(m.Data) < 4 {
+		if len(m.Body) < 4 {
 			continue
 		}
-		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		ad, err := netlink.NewAttributeDecoder(m.Body[4:])
 		if err != nil {
 			return nil, err
 		}

@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"net/netip"
 	"sort"
 	"strings"
 	"testing"
@@ -248,5 +249,30 @@ func TestInspectShowsSets(t *testing.T) {
 	}
 	if !strings.Contains(text, "40 entries") {
 		t.Fatalf("no sizes in the inspection:\n%s", text)
+	}
+}
+
+// TestIPSetRefusalsInWords: the kernel's ipset refusals (its own
+// numbers, 4096 and up) reach the pod's error in ipset's words with the
+// set and the setting named, and a refused fill leaves no set behind.
+func TestIPSetRefusalsInWords(t *testing.T) {
+	testutil.RequireRoot(t)
+	n := newNS(t)
+	plan := listPlan(t, testenv.Lists{N: 40}.ExcludeAnnotations(""), false)
+	var nets *ruleset.IPSet
+	for _, s := range plan.IPSets() {
+		if s.Kind == ruleset.SetNets {
+			nets = s
+		}
+	}
+	// A prefix of length 0, which hash:net refuses, at the end of the
+	// list: the set is made, then its fill refused.
+	nets.Nets = append(nets.Nets, netip.MustParsePrefix("0.0.0.0/0"))
+	_, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), plan)
+	if err == nil || !strings.Contains(err.Error(), nets.Name) || !strings.Contains(err.Error(), nets.Origin) || !strings.Contains(err.Error(), "ipset: ") || strings.Contains(err.Error(), "errno") {
+		t.Fatalf("a refused entry: want ipset's words naming %s and %s, got %v", nets.Name, nets.Origin, err)
+	}
+	if s := setsIn(t, n); len(s) > 0 {
+		t.Fatalf("sets left after a refused fill: %v", names(s))
 	}
 }

@@ -252,17 +252,16 @@ func (c *ipsetClient) recreate(plan *ruleset.Plan) (create, undo *nlsteps.Step, 
 
 // names lists the namespace's ipsets in the kernel's order.
 func (c *ipsetClient) names() ([]string, error) {
-	msgs, err := c.c.Execute(netlink.Message{Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_IPSET<<8 | nl.IPSET_CMD_LIST),
-		Flags: netlink.Request | netlink.Dump}, Data: nsfacts.IPSetNamesRequest()})
+	msgs, err := c.c.Request(unix.NFNL_SUBSYS_IPSET<<8|nl.IPSET_CMD_LIST, unix.NLM_F_DUMP, nsfacts.IPSetNamesRequest())
 	if err != nil {
 		return nil, fmt.Errorf("listing ipsets: %w", err)
 	}
 	var out []string
 	for _, m := range msgs {
-		if len(m.Data) < nlsteps.NfGenLen {
+		if len(m.Body) < nlsteps.NfGenLen {
 			continue
 		}
-		attrs, _ := nlsteps.ParseAttrs(m.Data[nlsteps.NfGenLen:])
+		attrs, _ := nlsteps.ParseAttrs(m.Body[nlsteps.NfGenLen:])
 		for _, at := range attrs {
 			if at.Type == nl.IPSET_ATTR_SETNAME {
 				if n := cString(at.Data); len(out) == 0 || out[len(out)-1] != n {

@@ -106,8 +106,11 @@ func (ss *setSync) ensure(plan *ruleset.Plan) error {
 		var err error
 		switch {
 		case h == nil:
-			if err = ss.client.create(w); err == nil {
+			// Counted as made before its fill, which the kernel can
+			// refuse: the undo destroys it too.
+			if err = ss.client.make(w); err == nil {
 				ss.created = append(ss.created, w.Name)
+				err = ss.client.fill(w)
 			}
 		case !h.SameContents(w):
 			err = ss.client.flushAndFill(w)

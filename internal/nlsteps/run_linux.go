@@ -200,21 +200,7 @@ func (s *Step) refusal(refused []string) error {
 // kernelWords is an error answer's errno, with the kernel's extended
 // message when it gave one.
 func kernelWords(body []byte, errno int32) string {
-	msg := unix.Errno(errno).Error()
-	// nlmsgerr: errno, then the request's header (the payload capped),
-	// then the extended attributes.
-	if len(body) < 4+HeaderLen {
-		return msg
-	}
-	attrs, _ := ParseAttrs(body[4+HeaderLen:])
-	for _, a := range attrs {
-		if a.Type == unix.NLMSGERR_ATTR_MSG {
-			if m := strings.TrimRight(string(a.Data), "\x00"); m != "" {
-				msg += " (" + m + ")"
-			}
-		}
-	}
-	return msg
+	return refusal(Message{Type: unix.NLMSG_ERROR, Body: body}, errno).Error()
 }
 
 // RunIn runs the transaction from the calling goroutine's thread inside
