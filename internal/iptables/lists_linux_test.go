@@ -2,6 +2,7 @@ package iptables
 
 import (
 	"net/netip"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -259,20 +260,31 @@ func TestIPSetRefusalsInWords(t *testing.T) {
 	testutil.RequireRoot(t)
 	n := newNS(t)
 	plan := listPlan(t, testenv.Lists{N: 40}.ExcludeAnnotations(""), false)
+	// The same plan but for a prefix of length 0, which hash:net
+	// refuses, at the end of its CIDR list: the set is made, then its
+	// fill refused. Plans are shared (built once per pod shape), so this
+	// one is a copy.
+	bad := *plan
+	v4 := *plan.V4
+	bad.V4 = &v4
+	v4.IPSets = slices.Clone(v4.IPSets)
 	var nets *ruleset.IPSet
-	for _, s := range plan.IPSets() {
+	for i, s := range v4.IPSets {
 		if s.Kind == ruleset.SetNets {
-			nets = s
+			c := *s
+			c.Nets = append(slices.Clone(s.Nets), netip.MustParsePrefix("0.0.0.0/0"))
+			v4.IPSets[i], nets = &c, &c
 		}
 	}
-	// A prefix of length 0, which hash:net refuses, at the end of the
-	// list: the set is made, then its fill refused.
-	nets.Nets = append(nets.Nets, netip.MustParsePrefix("0.0.0.0/0"))
-	_, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), plan)
+	_, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), &bad)
 	if err == nil || !strings.Contains(err.Error(), nets.Name) || !strings.Contains(err.Error(), nets.Origin) || !strings.Contains(err.Error(), "ipset: ") || strings.Contains(err.Error(), "errno") {
 		t.Fatalf("a refused entry: want ipset's words naming %s and %s, got %v", nets.Name, nets.Origin, err)
 	}
 	if s := setsIn(t, n); len(s) > 0 {
 		t.Fatalf("sets left after a refused fill: %v", names(s))
+	}
+	// The plan it was copied from goes in whole.
+	if _, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), plan); err != nil {
+		t.Fatal(err)
 	}
 }
