@@ -79,6 +79,7 @@ func BenchmarkRelay(b *testing.B) {
 		// The relay serves the ADD from the pod's record.
 		{"ADD/iptables/prepared", "ADD", "iptables", benchPodArgs, prepDir},
 		{"ADD/nftables/prepared", "ADD", "nftables", benchPodArgs, prepDir},
+		{"ADD/iptables/lists/prepared", "ADD", "iptables", benchListsPodArgs, prepDir},
 		{"ADD/nftables/lists/prepared", "ADD", "nftables", benchListsPodArgs, prepDir},
 		// A DEL under a config that agent keeps: the relay answers it
 		// and only tells the agent.
