@@ -20,6 +20,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/origdst"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -423,8 +424,15 @@ func TestTraffic(t *testing.T) {
 // pod's address in the probe set, checking each reads back as written.
 func (w *world) enrol(t *testing.T, host bool) {
 	t.Helper()
-	if _, err := w.backend.pod.ApplyAmbient(w.pod.Path(), w.podParams); err != nil {
+	rep, err := w.backend.pod.ApplyAmbient(w.pod.Path(), w.podParams)
+	if err != nil {
 		t.Fatal(err)
+	}
+	// A fresh namespace takes prepared requests, but from legacy
+	// iptables, which no netlink request writes: the traffic below is
+	// theirs.
+	if prepared := rep.Families[0].Note == podnet.NotePrepared; prepared != (w.backend.name != "iptables-legacy") {
+		t.Fatalf("enrolling a fresh namespace with %s: %s", w.backend.name, rep)
 	}
 	if err := w.backend.pod.CheckAmbient(w.pod.Path(), w.podParams); err != nil {
 		t.Fatal(err)

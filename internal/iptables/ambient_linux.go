@@ -1,6 +1,8 @@
 package iptables
 
 import (
+	"time"
+
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -10,8 +12,28 @@ import (
 // iptables-restore per family, none when the rules are already there.
 // Rules of other components are left alone, and so is the sidecar
 // TPROXY routing.
+//
+// A namespace iptables-nft would write fresh tables into (an enrolling
+// pod's) gets them as requests prepared once per plan and sent from
+// inside it: what iptables-nft-restore costs there, a process start and
+// its reads, made up most of an enrolled pod's rules time (3.6 ms, against
+// well under one prepared).
 func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podnet.Report, error) {
+	start := time.Now()
 	plan := ruleset.BuildAmbient(p)
+	if facts, why, err := a.Examine(netnsPath); err == nil && why == "" {
+		// Not stored for the fallback, which serves no ambient pod.
+		if txn, _, err := a.prepareFresh(facts, plan, ""); err == nil && txn != nil {
+			if sent, err := podnet.SendAmbient(netnsPath, txn, p.IPv6); sent {
+				// Reported as an apply in place reports a fresh namespace.
+				v6 := map[bool]string{false: "none", true: "applied"}[p.IPv6]
+				rep := podnet.Report{Families: []podnet.FamilyReport{
+					{Family: ruleset.IPv4, Variant: VariantNFT, Action: "applied", Duration: time.Since(start), Note: podnet.NotePrepared},
+					{Family: ruleset.IPv6, Variant: VariantNFT, Action: v6, Note: podnet.NotePrepared}}}
+				return rep, err
+			}
+		}
+	}
 	var rep podnet.Report
 	err := a.inPod(netnsPath, func(t *podTarget) error {
 		var err error

@@ -10,6 +10,7 @@ import (
 
 	"github.com/containernetworking/plugins/pkg/ns"
 
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
@@ -305,5 +306,66 @@ func TestAmbientUserNamespacedPod(t *testing.T) {
 				t.Fatal("the rules are still there after the removal")
 			}
 		})
+	}
+}
+
+// TestAmbientPreparedMatchesInPlace: an enrolling pod's fresh namespace
+// gets ambient mode's rules as prepared requests, which leave exactly
+// what an apply in place leaves (iptables-nft-save alike, routing alike);
+// CHECK passes and a second apply writes nothing. A namespace with
+// another component's nat table already is applied in place.
+func TestAmbientPreparedMatchesInPlace(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-nft-restore", "ip6tables-nft-restore", "ip")
+	const foreign = "-A OUTPUT -p tcp -m tcp --dport 9999 -j RETURN"
+	for _, v6 := range []bool{false, true} {
+		for _, c := range testplan.AmbientCases {
+			name := c.Name
+			if v6 {
+				name += "/v6"
+			}
+			t.Run(name, func(t *testing.T) {
+				a := &Applier{Force: VariantNFT}
+				p := c.Params
+				p.IPv6 = v6
+				fresh, used := newNS(t), newNS(t)
+				if err := used.Do(func(ns.NetNS) error {
+					return exec.Command("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+				}); err != nil {
+					t.Fatal(err)
+				}
+				rep, err := a.ApplyAmbient(fresh.Path(), p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if rep.Families[0].Note != podnet.NotePrepared || actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[v6] {
+					t.Fatalf("a fresh namespace: %s, want prepared requests", rep)
+				}
+				if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared {
+					t.Fatalf("a namespace with a nat table: %s, %v; want an apply in place", rep, err)
+				}
+				ours := func(n ns.NetNS) string {
+					var out []string
+					for _, l := range strings.Split(saveAll(t, n, VariantNFT), "\n") {
+						if !strings.HasPrefix(l, "#") && l != foreign {
+							out = append(out, l)
+						}
+					}
+					return strings.Join(out, "\n")
+				}
+				if got, want := ours(fresh), ours(used); got != want {
+					t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
+				}
+				if got, want := ipRules(t, fresh), ipRules(t, used); got != want || !strings.Contains(got, "lookup 100") {
+					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
+				}
+				if err := a.CheckAmbient(fresh.Path(), p); err != nil {
+					t.Fatalf("check after a prepared apply: %v", err)
+				}
+				if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+					t.Fatalf("second apply: %s, %v", rep, err)
+				}
+			})
+		}
 	}
 }

@@ -71,6 +71,12 @@ func (a *Applier) unfit(f nsfacts.Facts) string {
 // PrepareFresh returns the requests for a namespace Examine found fit: the
 // plan's, prepared once and then taken from the cache.
 func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	return a.prepareFresh(facts, plan, a.planDir)
+}
+
+// prepareFresh is PrepareFresh storing what it prepares in planDir, none
+// when "".
+func (a *Applier) prepareFresh(facts nsfacts.Facts, plan *ruleset.Plan, planDir string) (*nlsteps.Txn, string, error) {
 	if a.Force == VariantLegacy {
 		return nil, legacyForced, nil
 	}
@@ -84,8 +90,8 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 	if err != nil {
 		return nil, "", err
 	}
-	if a.planDir != "" && txn.Oversize == 0 {
-		a.storePlan(key, txn, hit)
+	if planDir != "" && txn.Oversize == 0 {
+		storePlan(planDir, key, txn, hit)
 	}
 	return fitFor(facts, txn)
 }
@@ -94,12 +100,12 @@ func (a *Applier) PrepareFresh(facts nsfacts.Facts, plan *ruleset.Plan) (*nlstep
 // plan not stored only leaves a fallback to run iptables-restore itself.
 // A plan the cache held is written again if its file is gone (a write
 // that failed, a directory emptied since): a stat per prepared pod.
-func (a *Applier) storePlan(key string, txn *nlsteps.Txn, cached bool) {
-	if cached && prepared.HasPlan(a.planDir, key) {
+func storePlan(dir, key string, txn *nlsteps.Txn, cached bool) {
+	if cached && prepared.HasPlan(dir, key) {
 		return
 	}
 	if b, err := txn.MarshalBinary(); err == nil {
-		_ = prepared.Dir(a.planDir).PutPlan(key, b)
+		_ = prepared.Dir(dir).PutPlan(key, b)
 	}
 }
 

@@ -4,12 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
+	"github.com/istio-cni-go/istio-cni/internal/nsfacts"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -18,13 +21,54 @@ import (
 // mode's tables for p and its policy routing: our old tables deleted and
 // the new ones added in one transaction, nothing done when they already
 // match. Other tables are left alone.
+//
+// A namespace with none of ambient mode's tables (an enrolling pod's)
+// gets them as requests prepared once per plan and sent from inside it,
+// without the library: its round trips, and the echo of every rule it
+// asks for, made up most of an enrolled pod's rules time (3.7 ms in place,
+// against well under one prepared).
 func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podnet.Report, error) {
 	start := time.Now()
-	rs, err := BuildAmbient(ruleset.BuildAmbient(p))
+	plan := ruleset.BuildAmbient(p)
+	if rep, sent, err := sendAmbient(netnsPath, plan, p.IPv6, start); sent {
+		return rep, err
+	}
+	rs, err := BuildAmbient(plan)
 	if err != nil {
 		return podnet.Report{}, err
 	}
 	return a.syncAmbient(netnsPath, rs, start, func() error { return podnet.SyncAmbientRouting(true, p.IPv6) })
+}
+
+// sendAmbient applies the plan as prepared requests when the namespace
+// has none of ambient mode's tables; sent is false when it was not done
+// (the caller applies in place).
+func sendAmbient(netnsPath string, plan *ruleset.Plan, v6 bool, start time.Time) (rep podnet.Report, sent bool, err error) {
+	facts, err := nsfacts.ReadFactsIn(netnsPath)
+	if err != nil || facts.NoNFTables {
+		return rep, false, nil
+	}
+	for _, t := range facts.Tables {
+		if t.Family == unix.NFPROTO_INET && strings.HasPrefix(t.Name, AmbientTablePrefix) {
+			return rep, false, nil
+		}
+	}
+	txn, _, err := preparedTxns.Get("ambient "+plan.Fingerprint(), func() (*nlsteps.Txn, error) {
+		rs, err := BuildAmbient(plan)
+		if err != nil {
+			return nil, err
+		}
+		return compileRuleset(rs, nil)
+	})
+	if err != nil {
+		return rep, false, nil
+	}
+	if sent, err = podnet.SendAmbient(netnsPath, txn, v6); !sent {
+		return rep, false, nil
+	}
+	rep.Families = append(rep.Families, podnet.FamilyReport{Family: ruleset.IPv4, Variant: VariantName, Action: "applied",
+		Duration: time.Since(start), Note: podnet.NotePrepared})
+	return rep, true, err
 }
 
 // RemoveAmbient deletes ambient mode's tables and policy routing.

@@ -9,6 +9,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 	"github.com/istio-cni-go/istio-cni/internal/testutil/testplan"
@@ -186,5 +187,59 @@ func TestHostProbeLifecycle(t *testing.T) {
 	}
 	if err := a.RemoveHost(n.Path()); err != nil {
 		t.Fatalf("second remove: %v", err)
+	}
+}
+
+// TestAmbientPreparedMatchesInPlace: an enrolling pod's fresh namespace
+// gets ambient mode's tables as prepared requests, which leave exactly
+// what an apply in place leaves (nft list ruleset alike, routing alike);
+// CHECK passes and a second apply writes nothing. A namespace holding a
+// table of ambient mode's already is applied in place.
+func TestAmbientPreparedMatchesInPlace(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "nft", "ip")
+	for _, v6 := range []bool{false, true} {
+		for _, c := range testplan.AmbientCases {
+			name := c.Name
+			if v6 {
+				name += "/v6"
+			}
+			t.Run(name, func(t *testing.T) {
+				a := &Applier{}
+				p := c.Params
+				p.IPv6 = v6
+				fresh, used := newNS(t), newNS(t)
+				if err := used.Do(func(ns.NetNS) error {
+					conn, err := nftables.New()
+					if err != nil {
+						return err
+					}
+					conn.AddTable(&nftables.Table{Name: AmbientTablePrefix + "nat", Family: nftables.TableFamilyINet})
+					return conn.Flush()
+				}); err != nil {
+					t.Fatal(err)
+				}
+				rep, err := a.ApplyAmbient(fresh.Path(), p)
+				if err != nil || rep.Families[0].Note != podnet.NotePrepared || rep.Families[0].Action != "applied" {
+					t.Fatalf("a fresh namespace: %s, %v; want prepared requests", rep, err)
+				}
+				if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared || rep.Families[0].Action != "replaced" {
+					t.Fatalf("a namespace with a table of ours: %s, %v; want it replaced in place", rep, err)
+				}
+				if got, want := inNS(t, fresh, "nft", "list", "ruleset"), inNS(t, used, "nft", "list", "ruleset"); got != want || !strings.Contains(got, AmbientTablePrefix) {
+					t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
+				}
+				routing := "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; true"
+				if got, want := inNS(t, fresh, "sh", "-c", routing), inNS(t, used, "sh", "-c", routing); got != want || !strings.Contains(got, "lookup 100") {
+					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
+				}
+				if err := a.CheckAmbient(fresh.Path(), p); err != nil {
+					t.Fatalf("check after a prepared apply: %v", err)
+				}
+				if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+					t.Fatalf("second apply: %s, %v", rep, err)
+				}
+			})
+		}
 	}
 }

@@ -56,6 +56,12 @@ func compile(plan *ruleset.Plan) (*nlsteps.Txn, error) {
 	if err != nil {
 		return nil, err
 	}
+	return compileRuleset(rs, podnet.RoutingSteps(plan))
+}
+
+// compileRuleset records what program and Flush would send for rs into a
+// namespace with none of its tables, followed by routing.
+func compileRuleset(rs *Ruleset, routing []nlsteps.Step) (*nlsteps.Txn, error) {
 	step := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
 	rules := 0
 	record := func(req []netlink.Message) ([]netlink.Message, error) {
@@ -95,7 +101,7 @@ func compile(plan *ruleset.Plan) (*nlsteps.Txn, error) {
 	if step.Len() > 0 {
 		txn.Steps = append(txn.Steps, step)
 	}
-	txn.Steps = append(txn.Steps, podnet.RoutingSteps(plan)...)
+	txn.Steps = append(txn.Steps, routing...)
 	if err := txn.Validate(); err != nil {
 		return nil, errors.Join(errors.New("recording the transaction"), err)
 	}

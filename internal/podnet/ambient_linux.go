@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -160,4 +161,27 @@ func AmbientRoutingMismatch(v6 bool) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// SendAmbient gives the namespace at netnsPath an enrolled pod's rules as
+// prepared requests (txn, for a namespace with none of our tables),
+// sent from this thread inside it, then ambient mode's policy routing.
+// sent is false, with nothing applied, when the kernel refused the
+// requests (a table of ours made meanwhile, a kernel that wants what the
+// preparation did not foresee): the caller then applies in place, which
+// handles what is there and names a refusal in its own words.
+func SendAmbient(netnsPath string, txn *nlsteps.Txn, v6 bool) (sent bool, err error) {
+	f, err := os.Open(netnsPath) //nolint:gosec // G304: the agent's descriptor of the pod's namespace, entered only if it is one
+	if err != nil {
+		return false, fmt.Errorf("opening the pod's network namespace: %w", err)
+	}
+	defer f.Close()
+	err = nlsteps.InNetNS(f, func() error {
+		if nlsteps.Run(txn) != nil {
+			return nil
+		}
+		sent = true
+		return SyncAmbientRouting(true, v6)
+	})
+	return sent, err
 }

@@ -24,6 +24,10 @@ type FamilyReport struct {
 	Note string
 }
 
+// NotePrepared is a FamilyReport's note when the rules went in as
+// requests prepared for a fresh namespace, not applied in place.
+const NotePrepared = "prepared"
+
 // Report describes one Apply or Remove.
 type Report struct {
 	Families []FamilyReport
