@@ -88,21 +88,8 @@ func (c *ipsetClient) request(cmd int, flags netlink.HeaderFlags, what string, a
 		c.rec.Add(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data, what)
 		return nil, nil
 	}
-	msgs, err := c.c.Request(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data)
-	return msgs, ipsetError(err)
-}
-
-// ipsetError gives ipset's own error numbers (4096 and up) their words.
-func ipsetError(err error) error {
-	var r *nlsteps.Refusal
-	if err == nil || !errors.As(err, &r) || int(r.Errno) < nl.IPSET_ERR_PRIVATE {
-		return err
-	}
-	msg := nl.IPSetError(uintptr(r.Errno)).Error()
-	if r.Msg != "" {
-		msg += ": " + r.Msg
-	}
-	return fmt.Errorf("ipset: %s", msg)
+	// A refusal reads in ipset's words (nlsteps.Refusal).
+	return c.c.Request(uint16(unix.NFNL_SUBSYS_IPSET<<8|cmd), uint16(flags), data)
 }
 
 // typeKey names a set type for one family.
@@ -289,10 +276,7 @@ func (c *ipsetClient) destroy(name string) error {
 		ae.String(nl.IPSET_ATTR_SETNAME, name)
 	})
 	var errno unix.Errno
-	if err != nil && errors.As(err, &errno) && errno == unix.EBUSY {
-		return errSetInUse
-	}
-	if err != nil && strings.Contains(err.Error(), nl.IPSetError(nl.IPSET_ERR_BUSY).Error()) {
+	if err != nil && errors.As(err, &errno) && (errno == unix.EBUSY || errno == nl.IPSET_ERR_BUSY) {
 		return errSetInUse
 	}
 	return err

@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"errors"
 	"net/netip"
 	"slices"
 	"sort"
@@ -286,5 +287,32 @@ func TestIPSetRefusalsInWords(t *testing.T) {
 	// The plan it was copied from goes in whole.
 	if _, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), plan); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestDestroyReferencedSet: a set our rules still match against is not
+// destroyed, and the kernel's refusal (ipset's own number) is told apart
+// from a failure, so a stale set in use is left for the next call.
+func TestDestroyReferencedSet(t *testing.T) {
+	testutil.RequireRoot(t)
+	n := newNS(t)
+	plan := listPlan(t, testenv.Lists{N: 40}.ExcludeAnnotations(""), false)
+	if _, err := (&Applier{Force: VariantLegacy}).Apply(n.Path(), plan); err != nil {
+		t.Fatal(err)
+	}
+	name := plan.IPSets()[0].Name
+	err := n.Do(func(ns.NetNS) error {
+		c, err := dialIPSet()
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		return c.destroy(name)
+	})
+	if !errors.Is(err, errSetInUse) {
+		t.Fatalf("destroying %s while rules match against it: %v", name, err)
+	}
+	if s := setsIn(t, n); s[name] == nil {
+		t.Fatalf("%s is gone", name)
 	}
 }

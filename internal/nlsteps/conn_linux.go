@@ -42,13 +42,60 @@ type Refusal struct {
 	Errno unix.Errno
 	// Msg is the kernel's extended words, "" when it gave none.
 	Msg string
+	// IPSet says the request was ipset's, whose own error numbers (4096
+	// and up) mean nothing to the C library.
+	IPSet bool
 }
 
 func (r *Refusal) Error() string {
-	if r.Msg == "" {
-		return r.Errno.Error()
+	s := r.Errno.Error()
+	if r.IPSet && r.Errno > ipsetErrPrivate {
+		s = "ipset: " + ipsetWords(r.Errno)
 	}
-	return r.Errno.Error() + " (" + r.Msg + ")"
+	if r.Msg != "" {
+		s += " (" + r.Msg + ")"
+	}
+	return s
+}
+
+// ipset's own error numbers (linux/netfilter/ipset/ip_set.h): the
+// generic ones follow ipsetErrPrivate in order; those of one set type
+// start at ipsetErrTypeSpecific.
+const (
+	ipsetErrPrivate      = 4096
+	ipsetErrTypeSpecific = 4352
+)
+
+var ipsetErrors = []string{
+	"the kernel speaks another ipset protocol",
+	"the kernel has no such set type",
+	"the namespace holds as many sets as it may",
+	"the set is in use",
+	"the second set exists",
+	"the sets are of different types",
+	"a set of that name exists",
+	"invalid prefix length",
+	"invalid netmask",
+	"invalid address family",
+	"the set has no timeouts",
+	"the set is referenced",
+	"an IPv4 address was expected",
+	"an IPv6 address was expected",
+	"the set has no counters",
+	"the set has no comments",
+	"invalid mark mask",
+	"the set has no skbinfo",
+	"a bitmask and a netmask together",
+}
+
+func ipsetWords(e unix.Errno) string {
+	switch i := int(e) - ipsetErrPrivate - 1; {
+	case int(e) >= ipsetErrTypeSpecific:
+		return fmt.Sprintf("error %d of the set's type (a hash set full, an entry outside a bitmap's range)", int(e))
+	case i >= 0 && i < len(ipsetErrors):
+		return ipsetErrors[i]
+	}
+	return fmt.Sprintf("error %d", int(e))
 }
 
 // Unwrap lets errors.Is match the errno.
@@ -144,6 +191,7 @@ func refusal(m Message, errno int32) *Refusal {
 	if m.Type != unix.NLMSG_ERROR || len(m.Body) < 4+HeaderLen {
 		return r
 	}
+	r.IPSet = binary.NativeEndian.Uint16(m.Body[4+4:])>>8 == unix.NFNL_SUBSYS_IPSET
 	attrs, _ := ParseAttrs(m.Body[4+HeaderLen:])
 	for _, a := range attrs {
 		if a.Type == unix.NLMSGERR_ATTR_MSG {
