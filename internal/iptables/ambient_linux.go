@@ -3,6 +3,9 @@ package iptables
 import (
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -24,7 +27,15 @@ func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podne
 	if facts, why, err := a.Examine(netnsPath); err == nil && why == "" {
 		// Not stored for the fallback, which serves no ambient pod.
 		if txn, _, err := a.prepareFresh(facts, plan, ""); err == nil && txn != nil {
-			if sent, err := podnet.SendAmbient(netnsPath, txn, p.IPv6); sent {
+			// A sidecar's routing steps (its IPv6 passthrough address)
+			// are not ambient mode's, which SendAmbient sets itself.
+			rules := &nlsteps.Txn{Undo: txn.Undo, Summary: txn.Summary}
+			for _, st := range txn.Steps {
+				if st.Proto != unix.NETLINK_ROUTE {
+					rules.Steps = append(rules.Steps, st)
+				}
+			}
+			if sent, err := podnet.SendAmbient(netnsPath, rules, p.IPv6); sent {
 				// Reported as an apply in place reports a fresh namespace.
 				v6 := map[bool]string{false: "none", true: "applied"}[p.IPv6]
 				rep := podnet.Report{Families: []podnet.FamilyReport{

@@ -359,6 +359,10 @@ func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 				if got, want := ipRules(t, fresh), ipRules(t, used); got != want || !strings.Contains(got, "lookup 100") {
 					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
 				}
+				lo := func(n ns.NetNS) string { return testutil.RunIn(t, n, "ip", "-o", "addr", "show", "dev", "lo") }
+				if got, want := lo(fresh), lo(used); got != want {
+					t.Fatalf("lo's addresses, prepared:\n%s\nin place:\n%s", got, want)
+				}
 				if err := a.CheckAmbient(fresh.Path(), p); err != nil {
 					t.Fatalf("check after a prepared apply: %v", err)
 				}

@@ -229,7 +229,7 @@ func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 				if got, want := inNS(t, fresh, "nft", "list", "ruleset"), inNS(t, used, "nft", "list", "ruleset"); got != want || !strings.Contains(got, AmbientTablePrefix) {
 					t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
 				}
-				routing := "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; true"
+				routing := "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; ip -o addr show dev lo; true"
 				if got, want := inNS(t, fresh, "sh", "-c", routing), inNS(t, used, "sh", "-c", routing); got != want || !strings.Contains(got, "lookup 100") {
 					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
 				}
