@@ -38,72 +38,64 @@ func TestAmbientApplyEveryCase(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "iptables-legacy-restore", "iptables-nft-restore", "ip6tables-legacy-restore", "ip6tables-nft-restore", "ip")
 	for _, variant := range []string{VariantLegacy, VariantNFT} {
-		for _, v6 := range []bool{false, true} {
-			for _, c := range testplan.AmbientCases {
-				name := variant + "/" + c.Name
-				if v6 {
-					name += "/v6"
+		t.Run(variant, func(t *testing.T) {
+			testplan.EachAmbientCase(t, func(t *testing.T, p ruleset.AmbientParams) {
+				n := newNS(t)
+				a := &Applier{Force: variant}
+				if err := n.Do(func(ns.NetNS) error {
+					return exec.Command("iptables-"+variant, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+				}); err != nil {
+					t.Fatal(err)
 				}
-				t.Run(name, func(t *testing.T) {
-					n := newNS(t)
-					a := &Applier{Force: variant}
-					if err := n.Do(func(ns.NetNS) error {
-						return exec.Command("iptables-"+variant, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
-					}); err != nil {
-						t.Fatal(err)
+				rep, err := a.ApplyAmbient(n.Path(), p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[p.IPv6] {
+					t.Fatalf("first apply: %s", rep)
+				}
+				if err := a.CheckAmbient(n.Path(), p); err != nil {
+					t.Fatalf("check after apply: %v\nkernel has:\n%s", err, saveAll(t, n, variant))
+				}
+				rules := ipRules(t, n)
+				if !strings.Contains(rules, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") || !strings.Contains(rules, "local default dev lo") {
+					t.Fatalf("policy routing missing:\n%s", rules)
+				}
+				rep, err = a.ApplyAmbient(n.Path(), p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, f := range rep.Families {
+					if f.Action != "unchanged" && f.Action != "none" {
+						t.Fatalf("second apply was not a no-op: %s", rep)
 					}
-					p := c.Params
-					p.IPv6 = v6
-					rep, err := a.ApplyAmbient(n.Path(), p)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[v6] {
-						t.Fatalf("first apply: %s", rep)
-					}
-					if err := a.CheckAmbient(n.Path(), p); err != nil {
-						t.Fatalf("check after apply: %v\nkernel has:\n%s", err, saveAll(t, n, variant))
-					}
-					rules := ipRules(t, n)
-					if !strings.Contains(rules, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") || !strings.Contains(rules, "local default dev lo") {
-						t.Fatalf("policy routing missing:\n%s", rules)
-					}
-					rep, err = a.ApplyAmbient(n.Path(), p)
-					if err != nil {
-						t.Fatal(err)
-					}
-					for _, f := range rep.Families {
-						if f.Action != "unchanged" && f.Action != "none" {
-							t.Fatalf("second apply was not a no-op: %s", rep)
-						}
-					}
-					if got := ipRules(t, n); got != rules {
-						t.Fatalf("second apply changed the routing:\n%s\nwas:\n%s", got, rules)
-					}
-					other := p
-					other.DNSCapture = !p.DNSCapture
-					if err := a.CheckAmbient(n.Path(), other); err == nil {
-						t.Fatal("check passed against other DNS capture")
-					}
-					if _, err := a.RemoveAmbient(n.Path()); err != nil {
-						t.Fatalf("remove: %v", err)
-					}
-					got := saveAll(t, n, variant)
-					if strings.Contains(got, "ISTIO_") || strings.Contains(got, "0x539") || strings.Contains(got, "0x111") {
-						t.Fatalf("rules left after remove:\n%s", got)
-					}
-					if !strings.Contains(got, "--dport 9999 -j RETURN") {
-						t.Fatalf("another component's rule lost:\n%s", got)
-					}
-					if r := ipRules(t, n); strings.Contains(r, "0x111") || strings.Contains(r, "local default") {
-						t.Fatalf("routing left after remove:\n%s", r)
-					}
-					if _, err := a.RemoveAmbient(n.Path()); err != nil {
-						t.Fatalf("second remove: %v", err)
-					}
-				})
-			}
-		}
+				}
+				if got := ipRules(t, n); got != rules {
+					t.Fatalf("second apply changed the routing:\n%s\nwas:\n%s", got, rules)
+				}
+				other := p
+				other.DNSCapture = !p.DNSCapture
+				if err := a.CheckAmbient(n.Path(), other); err == nil {
+					t.Fatal("check passed against other DNS capture")
+				}
+				if _, err := a.RemoveAmbient(n.Path()); err != nil {
+					t.Fatalf("remove: %v", err)
+				}
+				got := saveAll(t, n, variant)
+				if strings.Contains(got, "ISTIO_") || strings.Contains(got, "0x539") || strings.Contains(got, "0x111") {
+					t.Fatalf("rules left after remove:\n%s", got)
+				}
+				if !strings.Contains(got, "--dport 9999 -j RETURN") {
+					t.Fatalf("another component's rule lost:\n%s", got)
+				}
+				if r := ipRules(t, n); strings.Contains(r, "0x111") || strings.Contains(r, "local default") {
+					t.Fatalf("routing left after remove:\n%s", r)
+				}
+				if _, err := a.RemoveAmbient(n.Path()); err != nil {
+					t.Fatalf("second remove: %v", err)
+				}
+			})
+		})
 	}
 }
 
@@ -318,58 +310,48 @@ func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "iptables-nft-restore", "ip6tables-nft-restore", "ip")
 	const foreign = "-A OUTPUT -p tcp -m tcp --dport 9999 -j RETURN"
-	for _, v6 := range []bool{false, true} {
-		for _, c := range testplan.AmbientCases {
-			name := c.Name
-			if v6 {
-				name += "/v6"
-			}
-			t.Run(name, func(t *testing.T) {
-				a := &Applier{Force: VariantNFT}
-				p := c.Params
-				p.IPv6 = v6
-				fresh, used := newNS(t), newNS(t)
-				if err := used.Do(func(ns.NetNS) error {
-					return exec.Command("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
-				}); err != nil {
-					t.Fatal(err)
-				}
-				rep, err := a.ApplyAmbient(fresh.Path(), p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if rep.Families[0].Note != podnet.NotePrepared || actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[v6] {
-					t.Fatalf("a fresh namespace: %s, want prepared requests", rep)
-				}
-				if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared {
-					t.Fatalf("a namespace with a nat table: %s, %v; want an apply in place", rep, err)
-				}
-				ours := func(n ns.NetNS) string {
-					var out []string
-					for _, l := range strings.Split(saveAll(t, n, VariantNFT), "\n") {
-						if !strings.HasPrefix(l, "#") && l != foreign {
-							out = append(out, l)
-						}
-					}
-					return strings.Join(out, "\n")
-				}
-				if got, want := ours(fresh), ours(used); got != want {
-					t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
-				}
-				if got, want := ipRules(t, fresh), ipRules(t, used); got != want || !strings.Contains(got, "lookup 100") {
-					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
-				}
-				lo := func(n ns.NetNS) string { return testutil.RunIn(t, n, "ip", "-o", "addr", "show", "dev", "lo") }
-				if got, want := lo(fresh), lo(used); got != want {
-					t.Fatalf("lo's addresses, prepared:\n%s\nin place:\n%s", got, want)
-				}
-				if err := a.CheckAmbient(fresh.Path(), p); err != nil {
-					t.Fatalf("check after a prepared apply: %v", err)
-				}
-				if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
-					t.Fatalf("second apply: %s, %v", rep, err)
-				}
-			})
+	testplan.EachAmbientCase(t, func(t *testing.T, p ruleset.AmbientParams) {
+		a := &Applier{Force: VariantNFT}
+		fresh, used := newNS(t), newNS(t)
+		if err := used.Do(func(ns.NetNS) error {
+			return exec.Command("iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+		}); err != nil {
+			t.Fatal(err)
 		}
-	}
+		rep, err := a.ApplyAmbient(fresh.Path(), p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rep.Families[0].Note != podnet.NotePrepared || actions(rep) != "applied,"+map[bool]string{false: "none", true: "applied"}[p.IPv6] {
+			t.Fatalf("a fresh namespace: %s, want prepared requests", rep)
+		}
+		if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared {
+			t.Fatalf("a namespace with a nat table: %s, %v; want an apply in place", rep, err)
+		}
+		ours := func(n ns.NetNS) string {
+			var out []string
+			for _, l := range strings.Split(saveAll(t, n, VariantNFT), "\n") {
+				if !strings.HasPrefix(l, "#") && l != foreign {
+					out = append(out, l)
+				}
+			}
+			return strings.Join(out, "\n")
+		}
+		if got, want := ours(fresh), ours(used); got != want {
+			t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
+		}
+		if got, want := ipRules(t, fresh), ipRules(t, used); got != want || !strings.Contains(got, "lookup 100") {
+			t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
+		}
+		lo := func(n ns.NetNS) string { return testutil.RunIn(t, n, "ip", "-o", "addr", "show", "dev", "lo") }
+		if got, want := lo(fresh), lo(used); got != want {
+			t.Fatalf("lo's addresses, prepared:\n%s\nin place:\n%s", got, want)
+		}
+		if err := a.CheckAmbient(fresh.Path(), p); err != nil {
+			t.Fatalf("check after a prepared apply: %v", err)
+		}
+		if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+			t.Fatalf("second apply: %s, %v", rep, err)
+		}
+	})
 }

@@ -43,67 +43,57 @@ func addForeignTable(t *testing.T, n ns.NetNS) {
 func TestAmbientApplyEveryCase(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "ip")
-	for _, v6 := range []bool{false, true} {
-		for _, c := range testplan.AmbientCases {
-			name := c.Name
-			if v6 {
-				name += "/v6"
-			}
-			t.Run(name, func(t *testing.T) {
-				n := newNS(t)
-				addForeignTable(t, n)
-				a := &Applier{}
-				p := c.Params
-				p.IPv6 = v6
-				rep, err := a.ApplyAmbient(n.Path(), p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if rep.Families[0].Action != "applied" {
-					t.Fatalf("first apply: %s", rep)
-				}
-				if err := a.CheckAmbient(n.Path(), p); err != nil {
-					t.Fatalf("check after apply: %v", err)
-				}
-				if rep, err = a.ApplyAmbient(n.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
-					t.Fatalf("second apply: %s, %v", rep, err)
-				}
-				other := p
-				other.BypassInbound = !p.BypassInbound
-				if err := a.CheckAmbient(n.Path(), other); err == nil {
-					t.Fatal("check passed against other inbound capture")
-				}
-				if rep, err = a.ApplyAmbient(n.Path(), other); err != nil || rep.Families[0].Action != "replaced" {
-					t.Fatalf("changed settings: %s, %v", rep, err)
-				}
-				want := []string{"istio-ambient-mangle", "istio-ambient-nat", "someone-else"}
-				if p.DNSCapture {
-					want = append(want, "istio-ambient-raw")
-				}
-				got := tablesIn(t, n)
-				slices.Sort(got)
-				slices.Sort(want)
-				if !slices.Equal(got, want) {
-					t.Fatalf("tables %v, want %v", got, want)
-				}
-				if r := inNS(t, n, "ip", "rule"); !strings.Contains(r, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") {
-					t.Fatalf("policy rule missing:\n%s", r)
-				}
-				if rep, err = a.RemoveAmbient(n.Path()); err != nil || rep.Families[0].Action != "removed" {
-					t.Fatalf("remove: %s, %v", rep, err)
-				}
-				if got := tablesIn(t, n); !slices.Equal(got, []string{"someone-else"}) {
-					t.Fatalf("tables after remove: %v", got)
-				}
-				if r := inNS(t, n, "ip", "rule"); strings.Contains(r, "0x111") {
-					t.Fatalf("policy rule left:\n%s", r)
-				}
-				if err := a.CheckAmbient(n.Path(), p); err == nil {
-					t.Fatal("check passed after remove")
-				}
-			})
+	testplan.EachAmbientCase(t, func(t *testing.T, p ruleset.AmbientParams) {
+		n := newNS(t)
+		addForeignTable(t, n)
+		a := &Applier{}
+		rep, err := a.ApplyAmbient(n.Path(), p)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
+		if rep.Families[0].Action != "applied" {
+			t.Fatalf("first apply: %s", rep)
+		}
+		if err := a.CheckAmbient(n.Path(), p); err != nil {
+			t.Fatalf("check after apply: %v", err)
+		}
+		if rep, err = a.ApplyAmbient(n.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+			t.Fatalf("second apply: %s, %v", rep, err)
+		}
+		other := p
+		other.BypassInbound = !p.BypassInbound
+		if err := a.CheckAmbient(n.Path(), other); err == nil {
+			t.Fatal("check passed against other inbound capture")
+		}
+		if rep, err = a.ApplyAmbient(n.Path(), other); err != nil || rep.Families[0].Action != "replaced" {
+			t.Fatalf("changed settings: %s, %v", rep, err)
+		}
+		want := []string{"istio-ambient-mangle", "istio-ambient-nat", "someone-else"}
+		if p.DNSCapture {
+			want = append(want, "istio-ambient-raw")
+		}
+		got := tablesIn(t, n)
+		slices.Sort(got)
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Fatalf("tables %v, want %v", got, want)
+		}
+		if r := inNS(t, n, "ip", "rule"); !strings.Contains(r, "32764:\tfrom all fwmark 0x111/0xfff lookup 100") {
+			t.Fatalf("policy rule missing:\n%s", r)
+		}
+		if rep, err = a.RemoveAmbient(n.Path()); err != nil || rep.Families[0].Action != "removed" {
+			t.Fatalf("remove: %s, %v", rep, err)
+		}
+		if got := tablesIn(t, n); !slices.Equal(got, []string{"someone-else"}) {
+			t.Fatalf("tables after remove: %v", got)
+		}
+		if r := inNS(t, n, "ip", "rule"); strings.Contains(r, "0x111") {
+			t.Fatalf("policy rule left:\n%s", r)
+		}
+		if err := a.CheckAmbient(n.Path(), p); err == nil {
+			t.Fatal("check passed after remove")
+		}
+	})
 }
 
 // TestHostProbeLifecycle: ensure writes once; a flushed chain, a deleted
@@ -198,48 +188,38 @@ func TestHostProbeLifecycle(t *testing.T) {
 func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireTools(t, "nft", "ip")
-	for _, v6 := range []bool{false, true} {
-		for _, c := range testplan.AmbientCases {
-			name := c.Name
-			if v6 {
-				name += "/v6"
+	testplan.EachAmbientCase(t, func(t *testing.T, p ruleset.AmbientParams) {
+		a := &Applier{}
+		fresh, used := newNS(t), newNS(t)
+		if err := used.Do(func(ns.NetNS) error {
+			conn, err := nftables.New()
+			if err != nil {
+				return err
 			}
-			t.Run(name, func(t *testing.T) {
-				a := &Applier{}
-				p := c.Params
-				p.IPv6 = v6
-				fresh, used := newNS(t), newNS(t)
-				if err := used.Do(func(ns.NetNS) error {
-					conn, err := nftables.New()
-					if err != nil {
-						return err
-					}
-					conn.AddTable(&nftables.Table{Name: AmbientTablePrefix + "nat", Family: nftables.TableFamilyINet})
-					return conn.Flush()
-				}); err != nil {
-					t.Fatal(err)
-				}
-				rep, err := a.ApplyAmbient(fresh.Path(), p)
-				if err != nil || rep.Families[0].Note != podnet.NotePrepared || rep.Families[0].Action != "applied" {
-					t.Fatalf("a fresh namespace: %s, %v; want prepared requests", rep, err)
-				}
-				if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared || rep.Families[0].Action != "replaced" {
-					t.Fatalf("a namespace with a table of ours: %s, %v; want it replaced in place", rep, err)
-				}
-				if got, want := inNS(t, fresh, "nft", "list", "ruleset"), inNS(t, used, "nft", "list", "ruleset"); got != want || !strings.Contains(got, AmbientTablePrefix) {
-					t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
-				}
-				routing := "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; ip -o addr show dev lo; true"
-				if got, want := inNS(t, fresh, "sh", "-c", routing), inNS(t, used, "sh", "-c", routing); got != want || !strings.Contains(got, "lookup 100") {
-					t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
-				}
-				if err := a.CheckAmbient(fresh.Path(), p); err != nil {
-					t.Fatalf("check after a prepared apply: %v", err)
-				}
-				if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
-					t.Fatalf("second apply: %s, %v", rep, err)
-				}
-			})
+			conn.AddTable(&nftables.Table{Name: AmbientTablePrefix + "nat", Family: nftables.TableFamilyINet})
+			return conn.Flush()
+		}); err != nil {
+			t.Fatal(err)
 		}
-	}
+		rep, err := a.ApplyAmbient(fresh.Path(), p)
+		if err != nil || rep.Families[0].Note != podnet.NotePrepared || rep.Families[0].Action != "applied" {
+			t.Fatalf("a fresh namespace: %s, %v; want prepared requests", rep, err)
+		}
+		if rep, err = a.ApplyAmbient(used.Path(), p); err != nil || rep.Families[0].Note == podnet.NotePrepared || rep.Families[0].Action != "replaced" {
+			t.Fatalf("a namespace with a table of ours: %s, %v; want it replaced in place", rep, err)
+		}
+		if got, want := inNS(t, fresh, "nft", "list", "ruleset"), inNS(t, used, "nft", "list", "ruleset"); got != want || !strings.Contains(got, AmbientTablePrefix) {
+			t.Fatalf("prepared:\n%s\nin place:\n%s", got, want)
+		}
+		routing := "ip -4 rule; ip -6 rule; ip -4 route show table 100; ip -6 route show table 100 2>/dev/null; ip -o addr show dev lo; true"
+		if got, want := inNS(t, fresh, "sh", "-c", routing), inNS(t, used, "sh", "-c", routing); got != want || !strings.Contains(got, "lookup 100") {
+			t.Fatalf("routing, prepared:\n%s\nin place:\n%s", got, want)
+		}
+		if err := a.CheckAmbient(fresh.Path(), p); err != nil {
+			t.Fatalf("check after a prepared apply: %v", err)
+		}
+		if rep, err = a.ApplyAmbient(fresh.Path(), p); err != nil || rep.Families[0].Action != "unchanged" {
+			t.Fatalf("second apply: %s, %v", rep, err)
+		}
+	})
 }

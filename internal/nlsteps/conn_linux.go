@@ -58,6 +58,9 @@ func (r *Refusal) Error() string {
 	return s
 }
 
+// Unwrap lets errors.Is match the errno.
+func (r *Refusal) Unwrap() error { return r.Errno }
+
 // ipset's own error numbers (linux/netfilter/ipset/ip_set.h): the
 // generic ones follow ipsetErrPrivate in order; those of one set type
 // start at ipsetErrTypeSpecific.
@@ -97,9 +100,6 @@ func ipsetWords(e unix.Errno) string {
 	}
 	return fmt.Sprintf("error %d", int(e))
 }
-
-// Unwrap lets errors.Is match the errno.
-func (r *Refusal) Unwrap() error { return r.Errno }
 
 // Request sends one message of type typ and flags (FlagRequest is added)
 // and returns the kernel's answers to it: a dump's messages up to its

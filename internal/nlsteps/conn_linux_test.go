@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"net/netip"
-	"os"
 	"strings"
 	"testing"
 
@@ -56,12 +55,7 @@ func linkNames(t *testing.T, msgs []nlsteps.Message) []string {
 // was made in.
 func TestConn(t *testing.T) {
 	testutil.RequireRoot(t)
-	pod := testutil.NewNS(t)
-	f, err := os.Open(pod.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	pod, f := podNS(t)
 	var c *nlsteps.Conn
 	if err := nlsteps.InNetNS(f, func() (err error) { c, err = nlsteps.Dial(unix.NETLINK_ROUTE); return err }); err != nil {
 		t.Fatal(err)
@@ -80,7 +74,7 @@ func TestConn(t *testing.T) {
 		}
 	}
 
-	_, err = c.Request(unix.RTM_GETLINK, 0, ifinfo(4242))
+	_, err := c.Request(unix.RTM_GETLINK, 0, ifinfo(4242))
 	var r *nlsteps.Refusal
 	if !errors.As(err, &r) || !errors.Is(err, unix.ENODEV) {
 		t.Fatalf("a link that is not there: %v", err)

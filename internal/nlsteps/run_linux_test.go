@@ -22,6 +22,19 @@ func tableMsg(s *nlsteps.Step, name string) {
 	s.Add(unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_NEWTABLE, nlsteps.FlagCreate|nlsteps.FlagExcl, body, "table inet "+name)
 }
 
+// podNS is a fresh namespace and a descriptor on it, as a relay holds
+// the pod's; both go when the test ends.
+func podNS(t *testing.T) (ns.NetNS, *os.File) {
+	t.Helper()
+	pod := testutil.NewNS(t)
+	f, err := os.Open(pod.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	return pod, f
+}
+
 // TestRunInTheNamespace: RunIn sends from inside the namespace it is
 // given, and the calling thread and the rest of the process stay where
 // they were; a refused batch names its message with the kernel's words
@@ -29,12 +42,7 @@ func tableMsg(s *nlsteps.Step, name string) {
 // is there already; the undo steps run after a refusal.
 func TestRunInTheNamespace(t *testing.T) {
 	testutil.RequireTools(t, "nft", "ip")
-	pod := testutil.NewNS(t)
-	f, err := os.Open(pod.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	pod, f := podNS(t)
 	// Locked, so that "the calling thread" below is one thread: RunIn's
 	// own lock nests in this one.
 	runtime.LockOSThread()
@@ -92,12 +100,7 @@ func TestRunInTheNamespace(t *testing.T) {
 // descriptor that is not a network namespace is refused before fn runs.
 func TestInNetNS(t *testing.T) {
 	testutil.RequireRoot(t)
-	pod := testutil.NewNS(t)
-	f, err := os.Open(pod.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	pod, f := podNS(t)
 	inode := func(path string) uint64 {
 		var st unix.Stat_t
 		if err := unix.Stat(path, &st); err != nil {
