@@ -140,8 +140,12 @@ type Controller struct {
 	// set may be synced to it (a partial state would prune the others).
 	ready bool
 
-	hostMu  sync.Mutex
-	runOnce sync.Once
+	// hostMu serialises writes of the node's probe sets; probesHave,
+	// under it, is what the sets held after the last write that
+	// succeeded (nil when not known: before the first, after a failure).
+	hostMu     sync.Mutex
+	probesHave map[netip.Addr]string
+	runOnce    sync.Once
 }
 
 // New checks cfg and builds the controller's informers; nothing runs
@@ -748,7 +752,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	info := st.info
 	c.mu.Unlock()
 
-	if _, err := c.syncProbes(); err != nil {
+	if _, err := c.syncProbes(false); err != nil {
 		return err
 	}
 
@@ -883,7 +887,7 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 	st.applied, st.ips = false, nil
 	held := st.netns
 	c.mu.Unlock()
-	if _, err := c.syncProbes(); err != nil {
+	if _, err := c.syncProbes(false); err != nil {
 		return err
 	}
 	if !gone && (wasApplied || annotated) {
@@ -934,7 +938,14 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 // addresses, by difference. Until the state holds every enrolled pod
 // (before the start-up rebuild) it does nothing: the set would lose
 // entries of pods not yet known.
-func (c *Controller) syncProbes() (podnet.ProbeChanges, error) {
+//
+// A pod's start or end changes the sets by what changed in the state
+// since the last write, without reading them: on a node of hundreds of
+// enrolled pods, reading both sets on every enrolled pod's ADD cost more
+// than the write. A full sync, reading the sets, runs when full is set
+// (the periodic check for drift), when the last write is not known to
+// have succeeded, and when the kernel refuses the changes.
+func (c *Controller) syncProbes(full bool) (podnet.ProbeChanges, error) {
 	c.hostMu.Lock()
 	defer c.hostMu.Unlock()
 	c.mu.Lock()
@@ -956,10 +967,24 @@ func (c *Controller) syncProbes() (podnet.ProbeChanges, error) {
 		}
 	}
 	c.mu.Unlock()
+	if !full && c.probesHave != nil {
+		ch := podnet.DiffProbes(c.probesHave, want)
+		err := c.cfg.Host.ChangeProbes(c.hostNetns, ch, want)
+		if err == nil {
+			c.probesHave = want
+			if !ch.Empty() {
+				c.log.Debug("probe set changed", "added", ch.Added, "updated", ch.Updated, "removed", ch.Removed)
+			}
+			return ch, nil
+		}
+		c.log.Info("changing the node's probe set failed; syncing it whole", "error", err.Error())
+	}
+	c.probesHave = nil
 	ch, err := c.cfg.Host.SyncProbes(c.hostNetns, want)
 	if err != nil {
 		return ch, fmt.Errorf("syncing the node's probe set: %w", err)
 	}
+	c.probesHave = want
 	if !ch.Empty() {
 		c.log.Debug("probe set synced", "added", ch.Added, "updated", ch.Updated, "removed", ch.Removed)
 	}
@@ -978,7 +1003,7 @@ func (c *Controller) syncHost(first bool) {
 		c.m.host.WithLabelValues("rules").Inc()
 		c.log.Warn("the node's probe SNAT rules were missing or changed; put back")
 	}
-	ch, err := c.syncProbes()
+	ch, err := c.syncProbes(true)
 	switch {
 	case err != nil:
 		c.log.Error("re-asserting the node's probe set failed", "error", err.Error())

@@ -32,6 +32,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	tu "github.com/istio-cni-go/istio-cni/internal/testutil"
 	"github.com/istio-cni-go/istio-cni/internal/zds"
@@ -721,6 +722,81 @@ func TestIPReuse(t *testing.T) {
 		e.requireProbes(map[string]string{ip: uidNew})
 		e.waitSim(sim, "new pod kept", hasWorkload(uidNew, inode(t, nsNew)))
 	})
+}
+
+// countingHost counts the node's probe-set reads-and-syncs and blind
+// changes, on a real backend.
+type countingHost struct {
+	ambientnet.Host
+	syncs, changes atomic.Int32
+}
+
+func (h *countingHost) SyncProbes(p string, want map[netip.Addr]string) (podnet.ProbeChanges, error) {
+	h.syncs.Add(1)
+	return h.Host.SyncProbes(p, want)
+}
+
+func (h *countingHost) ChangeProbes(p string, ch podnet.ProbeChanges, want map[netip.Addr]string) error {
+	h.changes.Add(1)
+	return h.Host.ChangeProbes(p, ch, want)
+}
+
+// An enrolled pod's start and end change the node's probe set by their
+// own addresses, without reading it, once one sync has read it; a set
+// that no longer holds what the controller wrote is synced whole when a
+// change meets the difference (nftables refuses the deletion of an
+// element that is gone; ipset deletes nothing, without error).
+func TestProbeSetChangedBlind(t *testing.T) {
+	for _, b := range backends() {
+		t.Run(b.name, func(t *testing.T) {
+			h := &countingHost{Host: b.host}
+			e := newEnv(t, b, func(c *Config) { c.Host = h })
+			sim := e.startSim(nil)
+			pods := map[string]string{}
+			for i, ip := range []string{"10.7.5.1", "10.7.5.2", "10.7.5.3"} {
+				uid, pns := newUID(), e.podNS(ip)
+				e.running(uid, pns)
+				name := fmt.Sprintf("p%d", i)
+				e.createPod(nsAmbient, name, uid, nil, ip)
+				e.waitPod(nsAmbient, name, "enabled", redirection(RedirectionEnabled))
+				pods[ip] = uid
+				e.requireProbes(pods)
+			}
+			syncs := h.syncs.Load()
+			if syncs > 2 || h.changes.Load() < 2 {
+				t.Fatalf("three pods enrolled with %d syncs and %d blind changes: want a sync at most for the first (and the start-up pass), changes after", syncs, h.changes.Load())
+			}
+
+			// Someone deletes the first pod's element behind our back;
+			// the pod's end then changes the set.
+			gone := netip.MustParseAddr("10.7.5.1")
+			if del, err := b.host.ForgetProbe(e.node.Path(), gone, pods[gone.String()]); err != nil || !del {
+				t.Fatalf("deleting the element behind the controller's back: %v, %v", del, err)
+			}
+			e.deletePod(nsAmbient, "p0")
+			e.waitSim(sim, "p0 deleted", deleted(pods[gone.String()]))
+			delete(pods, gone.String())
+			e.requireProbes(pods)
+			wantSyncs := syncs
+			if b.name == "nftables" {
+				wantSyncs++
+			}
+			if got := h.syncs.Load(); got != wantSyncs {
+				t.Errorf("syncs after a change met a missing element: %d, want %d", got, wantSyncs)
+			}
+
+			// And a later pod goes by change again.
+			uid, pns := newUID(), e.podNS("10.7.5.4")
+			e.running(uid, pns)
+			e.createPod(nsAmbient, "p4", uid, nil, "10.7.5.4")
+			e.waitPod(nsAmbient, "p4", "enabled", redirection(RedirectionEnabled))
+			pods["10.7.5.4"] = uid
+			e.requireProbes(pods)
+			if got := h.syncs.Load(); got != wantSyncs {
+				t.Errorf("syncs after the next pod: %d, want %d", got, wantSyncs)
+			}
+		})
+	}
 }
 
 // A firewall manager flushing the node's probe SNAT and set, and someone

@@ -160,6 +160,19 @@ func TestHostProbeLifecycle(t *testing.T) {
 			if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" {
 				t.Fatalf("set lacks the new comment: %v, %v", have, err)
 			}
+			// Blind changes: an entry added and one re-commented; the
+			// deletion of an entry already gone is no error.
+			c4, gone := netip.MustParseAddr("198.18.5.3"), netip.MustParseAddr("198.18.5.9")
+			now := map[netip.Addr]string{a4: "uid-e", a6: "uid-a", b4: "uid-c", c4: "uid-d"}
+			if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Updated: []netip.Addr{a4}, Removed: []netip.Addr{gone}}, now); err != nil {
+				t.Fatal(err)
+			}
+			if have, err := a.ProbeEntries(n.Path()); err != nil || fmt.Sprint(have) != fmt.Sprint(now) {
+				t.Fatalf("entries after a change: %v, %v, want %v", have, err, now)
+			}
+			if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil {
+				t.Fatal(err)
+			}
 			if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
 				t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)
 			}

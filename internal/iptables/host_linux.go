@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
@@ -74,12 +75,7 @@ func (a *Applier) RemoveHost(netnsPath string) error {
 // entries need the IPv6 set (EnsureHost with IPv6).
 func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podnet.ProbeChanges, error) {
 	var out podnet.ProbeChanges
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		c, err := dialIPSet()
-		if err != nil {
-			return err
-		}
-		defer c.close()
+	err := a.onHost(netnsPath, func(c *ipsetClient) error {
 		v4, v6 := podnet.SplitFamilies(want)
 		for _, s := range probeSets(true) {
 			w := v4
@@ -94,15 +90,8 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 				return err
 			}
 			d := podnet.DiffProbes(have, w)
-			for _, ip := range append(append([]netip.Addr{}, d.Added...), d.Updated...) {
-				if err := c.addAddr(s.name, ip, w[ip]); err != nil {
-					return err
-				}
-			}
-			for _, ip := range d.Removed {
-				if err := c.delAddr(s.name, ip); err != nil {
-					return err
-				}
+			if err := changeSet(c, s.name, d, w); err != nil {
+				return err
 			}
 			out.Added = append(out.Added, d.Added...)
 			out.Updated = append(out.Updated, d.Updated...)
@@ -113,6 +102,44 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 	return out, err
 }
 
+// ChangeProbes makes the changes ch, found against what the sets held
+// at the caller's last sync, without reading the sets: Added and Updated
+// added with want's UIDs (an entry there already takes the new one),
+// Removed deleted.
+func (a *Applier) ChangeProbes(netnsPath string, ch podnet.ProbeChanges, want map[netip.Addr]string) error {
+	if ch.Empty() {
+		return nil
+	}
+	return a.onHost(netnsPath, func(c *ipsetClient) error {
+		v4, v6 := podnet.SplitFamilies(want)
+		for _, s := range probeSets(true) {
+			w := v4
+			if s.v6 {
+				w = v6
+			}
+			if err := changeSet(c, s.name, ch.InSet(s.name), w); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// changeSet adds and re-comments, then deletes, one set's entries.
+func changeSet(c *ipsetClient, name string, d podnet.ProbeChanges, want map[netip.Addr]string) error {
+	for _, ip := range append(append([]netip.Addr{}, d.Added...), d.Updated...) {
+		if err := c.addAddr(name, ip, want[ip]); err != nil {
+			return err
+		}
+	}
+	for _, ip := range d.Removed {
+		if err := c.delAddr(name, ip); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // ForgetProbe deletes ip from the probe sets only if its entry is uid's:
 // a deleted pod's address may already be a new pod's. It reports whether
 // it deleted.
@@ -120,12 +147,7 @@ func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool
 	ip = ip.Unmap()
 	name := ruleset.ProbeSetOf(ip)
 	deleted := false
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		c, err := dialIPSet()
-		if err != nil {
-			return err
-		}
-		defer c.close()
+	err := a.onHost(netnsPath, func(c *ipsetClient) error {
 		have, err := c.addrs(name)
 		if errors.Is(err, errNoSet) {
 			return nil
@@ -145,12 +167,7 @@ func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool
 // ProbeEntries lists the probe sets' entries: address to pod UID.
 func (a *Applier) ProbeEntries(netnsPath string) (map[netip.Addr]string, error) {
 	out := map[netip.Addr]string{}
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		c, err := dialIPSet()
-		if err != nil {
-			return err
-		}
-		defer c.close()
+	err := a.onHost(netnsPath, func(c *ipsetClient) error {
 		for _, s := range probeSets(true) {
 			have, err := c.addrs(s.name)
 			if errors.Is(err, errNoSet) {
@@ -166,6 +183,17 @@ func (a *Applier) ProbeEntries(netnsPath string) (map[netip.Addr]string, error) 
 		return nil
 	})
 	return out, err
+}
+
+// hostSocket is the kept socket of the node's namespace, for its probe
+// sets; one for the process, since appliers are copied (a node has one
+// namespace; a change of path makes a new socket).
+var hostSocket nlsteps.Kept
+
+// onHost runs fn with an ipset client on the kept socket of the node's
+// namespace.
+func (a *Applier) onHost(netnsPath string, fn func(*ipsetClient) error) error {
+	return hostSocket.Do(netnsPath, unix.NETLINK_NETFILTER, func(c *nlsteps.Conn) error { return fn(&ipsetClient{c: c}) })
 }
 
 type probeSet struct {

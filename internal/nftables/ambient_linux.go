@@ -1,13 +1,10 @@
 package nftables
 
 import (
-	"errors"
 	"fmt"
-	"net/netip"
 	"strings"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
@@ -220,144 +217,5 @@ func (a *Applier) RemoveHost(netnsPath string) error {
 			return fmt.Errorf("deleting table inet %s: %w", AmbientNATTable, err)
 		}
 		return nil
-	})
-}
-
-// probeSet reads one of the node's probe sets: address to pod UID, from
-// the elements' comments. A missing set reads as nil, no error.
-func probeSet(conn *nftables.Conn, name string) (*nftables.Set, map[netip.Addr]string, error) {
-	set, err := conn.GetSetByName(&nftables.Table{Name: AmbientNATTable, Family: nftables.TableFamilyINet}, name)
-	if errors.Is(err, unix.ENOENT) {
-		return nil, nil, nil
-	}
-	if err != nil {
-		return nil, nil, fmt.Errorf("reading set %s of %s: %w", name, AmbientNATTable, err)
-	}
-	elems, err := conn.GetSetElements(set)
-	if err != nil {
-		return nil, nil, fmt.Errorf("reading the elements of set %s: %w", name, err)
-	}
-	out := map[netip.Addr]string{}
-	for i := range elems {
-		if ip, ok := netip.AddrFromSlice(elems[i].Key); ok {
-			out[ip] = elems[i].Comment
-		}
-	}
-	return set, out, nil
-}
-
-// SyncProbes brings the probe sets to want (pod address to pod UID) by
-// difference, in one transaction: missing elements added, elements of
-// another pod's UID replaced, elements no longer wanted deleted, the
-// rest untouched. want must be complete: an address left out is taken
-// as gone.
-func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podnet.ProbeChanges, error) {
-	var out podnet.ProbeChanges
-	err := a.inHost(netnsPath, func(conn *nftables.Conn) error {
-		v4, v6 := podnet.SplitFamilies(want)
-		queued := false
-		for _, fam := range []struct {
-			name string
-			want map[netip.Addr]string
-		}{{ruleset.ProbeSetV4, v4}, {ruleset.ProbeSetV6, v6}} {
-			set, have, err := probeSet(conn, fam.name)
-			if err != nil {
-				return err
-			}
-			if set == nil {
-				if len(fam.want) > 0 {
-					return fmt.Errorf("set %s of table inet %s is missing (EnsureHost makes it)", fam.name, AmbientNATTable)
-				}
-				continue
-			}
-			d := podnet.DiffProbes(have, fam.want)
-			var del, add []nftables.SetElement
-			for _, ip := range append(append([]netip.Addr{}, d.Removed...), d.Updated...) {
-				del = append(del, nftables.SetElement{Key: ip.AsSlice()})
-			}
-			for _, ip := range append(append([]netip.Addr{}, d.Added...), d.Updated...) {
-				add = append(add, nftables.SetElement{Key: ip.AsSlice(), Comment: fam.want[ip]})
-			}
-			if len(del) > 0 {
-				if err := conn.SetDeleteElements(set, del); err != nil {
-					return err
-				}
-			}
-			if len(add) > 0 {
-				if err := conn.SetAddElements(set, add); err != nil {
-					return err
-				}
-			}
-			queued = queued || len(del)+len(add) > 0
-			out.Added = append(out.Added, d.Added...)
-			out.Updated = append(out.Updated, d.Updated...)
-			out.Removed = append(out.Removed, d.Removed...)
-		}
-		if !queued {
-			return nil
-		}
-		if err := conn.Flush(); err != nil {
-			return fmt.Errorf("updating the probe sets of table inet %s: %w", AmbientNATTable, err)
-		}
-		return nil
-	})
-	return out, err
-}
-
-// ForgetProbe deletes ip from its probe set only if its element is
-// uid's: a deleted pod's address may already be a new pod's. It reports
-// whether it deleted.
-func (a *Applier) ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool, error) {
-	ip = ip.Unmap()
-	name := ruleset.ProbeSetOf(ip)
-	deleted := false
-	err := a.inHost(netnsPath, func(conn *nftables.Conn) error {
-		set, have, err := probeSet(conn, name)
-		if err != nil || set == nil {
-			return err
-		}
-		if got, ok := have[ip]; !ok || got != uid {
-			return nil
-		}
-		if err := conn.SetDeleteElements(set, []nftables.SetElement{{Key: ip.AsSlice()}}); err != nil {
-			return err
-		}
-		if err := conn.Flush(); err != nil {
-			return fmt.Errorf("deleting %s from set %s: %w", ip, name, err)
-		}
-		deleted = true
-		return nil
-	})
-	return deleted, err
-}
-
-// ProbeEntries lists the probe sets' elements: address to pod UID.
-func (a *Applier) ProbeEntries(netnsPath string) (map[netip.Addr]string, error) {
-	out := map[netip.Addr]string{}
-	err := a.inHost(netnsPath, func(conn *nftables.Conn) error {
-		for _, name := range []string{ruleset.ProbeSetV4, ruleset.ProbeSetV6} {
-			_, have, err := probeSet(conn, name)
-			if err != nil {
-				return err
-			}
-			for ip, uid := range have {
-				out[ip] = uid
-			}
-		}
-		return nil
-	})
-	return out, err
-}
-
-// inHost runs fn in the node's namespace with a netlink connection
-// there.
-func (a *Applier) inHost(netnsPath string, fn func(*nftables.Conn) error) error {
-	return ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
-		conn, err := nftables.New(nftables.AsLasting())
-		if err != nil {
-			return fmt.Errorf("opening nftables netlink: %w", err)
-		}
-		defer func() { _ = conn.CloseLasting() }()
-		return fn(conn)
 	})
 }

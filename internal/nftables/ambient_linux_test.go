@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -159,6 +160,27 @@ func TestHostProbeLifecycle(t *testing.T) {
 	}
 	if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" || have[a6] != "uid-a" {
 		t.Fatalf("elements: %v, %v", have, err)
+	}
+	// Blind changes: one that deletes an element no longer there is
+	// refused whole; one found against what the set holds is made.
+	c4 := netip.MustParseAddr("198.18.5.3")
+	gone := netip.MustParseAddr("198.18.5.9")
+	err = a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Removed: []netip.Addr{gone}}, map[netip.Addr]string{c4: "uid-d"})
+	if err == nil || !strings.Contains(err.Error(), "deleting elements of set "+ruleset.ProbeSetV4) || !strings.Contains(err.Error(), "no such file") {
+		t.Fatalf("a change deleting a missing element: %v", err)
+	}
+	if have, err := a.ProbeEntries(n.Path()); err != nil || len(have) != 3 {
+		t.Fatalf("a refused change left %v, %v", have, err)
+	}
+	now := map[netip.Addr]string{a4: "uid-e", a6: "uid-a", b4: "uid-c", c4: "uid-d"}
+	if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, now); err != nil {
+		t.Fatal(err)
+	}
+	if have, err := a.ProbeEntries(n.Path()); err != nil || fmt.Sprint(have) != fmt.Sprint(now) {
+		t.Fatalf("entries after a change: %v, %v, want %v", have, err, now)
+	}
+	if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil {
+		t.Fatal(err)
 	}
 	if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
 		t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)

@@ -62,16 +62,10 @@ func compile(plan *ruleset.Plan) (*nlsteps.Txn, error) {
 // compileRuleset records what program and Flush would send for rs into a
 // namespace with none of its tables, followed by routing.
 func compileRuleset(rs *Ruleset, routing []nlsteps.Step) (*nlsteps.Txn, error) {
-	step := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
 	rules := 0
-	record := func(req []netlink.Message) ([]netlink.Message, error) {
-		for _, m := range req {
-			typ := uint16(m.Header.Type)
-			if typ == unix.NFNL_MSG_BATCH_BEGIN || typ == unix.NFNL_MSG_BATCH_END {
-				continue
-			}
-			flags := uint16(m.Header.Flags)
-			what := describeMsg(typ, m.Data)
+	step, err := recordBatch(func(conn *nftables.Conn) error { return program(conn, rs) },
+		func(typ, flags uint16, data []byte) (uint16, string) {
+			what := describeMsg(typ, data)
 			switch typ & 0xff {
 			case unix.NFT_MSG_NEWTABLE:
 				flags |= nlsteps.FlagExcl
@@ -82,20 +76,10 @@ func compileRuleset(rs *Ruleset, routing []nlsteps.Step) (*nlsteps.Txn, error) {
 				}
 				rules++
 			}
-			step.Add(typ, flags, m.Data, what)
-		}
-		// An acknowledgement for every read the library makes.
-		return []netlink.Message{{Header: netlink.Header{Type: netlink.Error}, Data: make([]byte, 4)}}, nil
-	}
-	conn, err := nftables.New(nftables.WithTestDial(record))
+			return flags, what
+		})
 	if err != nil {
 		return nil, err
-	}
-	if err := program(conn, rs); err != nil {
-		return nil, err
-	}
-	if err := conn.Flush(); err != nil {
-		return nil, fmt.Errorf("recording the transaction: %w", err)
 	}
 	txn := &nlsteps.Txn{Summary: VariantName}
 	if step.Len() > 0 {
@@ -108,10 +92,40 @@ func compileRuleset(rs *Ruleset, routing []nlsteps.Step) (*nlsteps.Txn, error) {
 	return txn, nil
 }
 
+// recordBatch records the one batch the library sends for what queue
+// queues, as a step for nlsteps to send over a blocking socket; each
+// message's flags and name come from each.
+func recordBatch(queue func(*nftables.Conn) error, each func(typ, flags uint16, data []byte) (uint16, string)) (nlsteps.Step, error) {
+	step := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	record := func(req []netlink.Message) ([]netlink.Message, error) {
+		for _, m := range req {
+			typ := uint16(m.Header.Type)
+			if typ == unix.NFNL_MSG_BATCH_BEGIN || typ == unix.NFNL_MSG_BATCH_END {
+				continue
+			}
+			flags, what := each(typ, uint16(m.Header.Flags), m.Data)
+			step.Add(typ, flags, m.Data, what)
+		}
+		// An acknowledgement for every read the library makes.
+		return []netlink.Message{{Header: netlink.Header{Type: netlink.Error}, Data: make([]byte, 4)}}, nil
+	}
+	conn, err := nftables.New(nftables.WithTestDial(record))
+	if err != nil {
+		return step, err
+	}
+	if err := queue(conn); err != nil {
+		return step, err
+	}
+	if err := conn.Flush(); err != nil {
+		return step, fmt.Errorf("recording the transaction: %w", err)
+	}
+	return step, nil
+}
+
 // describeMsg names a table, chain or set message by what it makes.
 func describeMsg(typ uint16, data []byte) string {
 	kind := map[uint16]string{unix.NFT_MSG_NEWTABLE: "table", unix.NFT_MSG_NEWCHAIN: "chain", unix.NFT_MSG_NEWSET: "set",
-		unix.NFT_MSG_NEWSETELEM: "elements of set", unix.NFT_MSG_NEWRULE: "rule"}[typ&0xff]
+		unix.NFT_MSG_NEWSETELEM: "elements of set", unix.NFT_MSG_DELSETELEM: "deleting elements of set", unix.NFT_MSG_NEWRULE: "rule"}[typ&0xff]
 	if kind == "" {
 		kind = fmt.Sprintf("message %d", typ&0xff)
 	}
@@ -125,7 +139,7 @@ func describeMsg(typ uint16, data []byte) string {
 		case 1: // NFTA_{TABLE_NAME,CHAIN_TABLE,SET_TABLE,SET_ELEM_LIST_TABLE}
 			table = strings.TrimRight(string(a.Data), "\x00")
 		case 2: // NFTA_SET_NAME, NFTA_SET_ELEM_LIST_SET
-			if typ&0xff == unix.NFT_MSG_NEWSET || typ&0xff == unix.NFT_MSG_NEWSETELEM {
+			if k := typ & 0xff; k == unix.NFT_MSG_NEWSET || k == unix.NFT_MSG_NEWSETELEM || k == unix.NFT_MSG_DELSETELEM {
 				name = strings.TrimRight(string(a.Data), "\x00")
 			}
 		case 3: // NFTA_CHAIN_NAME

@@ -34,6 +34,11 @@ func Dial(proto int) (*Conn, error) {
 	return &Conn{fd: fd, buf: make([]byte, 32<<10)}, nil
 }
 
+// Send sends one step on the socket, of the step's protocol, and waits
+// for its answers, as Run does on a socket of its own. After an error the
+// socket may hold answers not read: close it.
+func (c *Conn) Send(s *Step) error { return send(c.fd, s) }
+
 // Close closes the socket.
 func (c *Conn) Close() error { return unix.Close(c.fd) }
 

@@ -54,7 +54,11 @@ func runStep(s *Step) error {
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
 	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: replyTimeout})
+	return send(fd, s)
+}
 
+// send sends the step on the socket fd and waits for its answers.
+func send(fd int, s *Step) error {
 	buf, waits, batchSeq := frame(s)
 	if len(buf) > 200<<10 {
 		// One sendmsg carries the whole step; the default buffer is

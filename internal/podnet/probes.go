@@ -3,6 +3,8 @@ package podnet
 import (
 	"net/netip"
 	"slices"
+
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
 // ProbeChanges is what bringing the node's probe sets to the wanted
@@ -20,6 +22,20 @@ type ProbeChanges struct {
 // Empty reports whether nothing changed.
 func (c ProbeChanges) Empty() bool {
 	return len(c.Added)+len(c.Updated)+len(c.Removed) == 0
+}
+
+// InSet is the part of the changes whose addresses belong in the named
+// probe set (ruleset.ProbeSetOf), IPv4-mapped addresses unmapped.
+func (c ProbeChanges) InSet(name string) ProbeChanges {
+	var out ProbeChanges
+	for _, l := range []struct{ from, to *[]netip.Addr }{{&c.Added, &out.Added}, {&c.Updated, &out.Updated}, {&c.Removed, &out.Removed}} {
+		for _, ip := range *l.from {
+			if ruleset.ProbeSetOf(ip) == name {
+				*l.to = append(*l.to, ip.Unmap())
+			}
+		}
+	}
+	return out
 }
 
 // DiffProbes compares a probe set's entries (address to pod UID) with the
