@@ -12,9 +12,9 @@ import (
 // requests made again and again (the node's probe sets): entering the
 // namespace and opening a socket per request costs more than a small
 // request, and closing a netfilter socket makes the kernel first finish
-// releasing whatever any transaction on the node deleted, which waits out
-// an RCU grace period (11-12 ms on the test VM). The zero value is ready
-// to use; one request runs at a time.
+// releasing whatever a transaction in its namespace deleted, which waits
+// out an RCU grace period (11-12 ms on the test VM, kernel 6.18). The
+// zero value is ready to use; one request runs at a time.
 type Kept struct {
 	mu    sync.Mutex
 	ns    nsID
