@@ -995,7 +995,14 @@ func (c *Controller) syncProbes(full bool) (podnet.ProbeChanges, error) {
 // firewall manager may have flushed either. Every change of the state
 // syncs the set at once, so a difference found here is drift.
 func (c *Controller) syncHost(first bool) {
+	// Under the sets' lock: EnsureHost may make them anew, empty, and a
+	// pod's change meanwhile would be made against what they held.
+	c.hostMu.Lock()
 	wrote, err := c.cfg.Host.EnsureHost(c.hostNetns, c.cfg.HostParams)
+	if wrote || err != nil {
+		c.probesHave = nil
+	}
+	c.hostMu.Unlock()
 	switch {
 	case err != nil:
 		c.log.Error("re-asserting the node's probe SNAT failed", "error", err.Error())

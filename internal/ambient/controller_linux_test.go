@@ -763,8 +763,8 @@ func TestProbeSetChangedBlind(t *testing.T) {
 				e.requireProbes(pods)
 			}
 			syncs := h.syncs.Load()
-			if syncs > 2 || h.changes.Load() < 2 {
-				t.Fatalf("three pods enrolled with %d syncs and %d blind changes: want a sync at most for the first (and the start-up pass), changes after", syncs, h.changes.Load())
+			if syncs != 1 || h.changes.Load() != 3 {
+				t.Fatalf("three pods enrolled with %d syncs and %d blind changes: want the start-up's sync, then a change a pod", syncs, h.changes.Load())
 			}
 
 			// Someone deletes the first pod's element behind our back;

@@ -36,9 +36,9 @@ type Host interface {
 	// SyncProbes brings the probe sets to want (pod address to pod UID)
 	// by difference; want must be complete.
 	SyncProbes(netnsPath string, want map[netip.Addr]string) (podnet.ProbeChanges, error)
-	// ChangeProbes makes changes found against what the sets held at the
-	// last sync, without reading them (want gives the UIDs); an error
-	// leaves the sets for a SyncProbes to put right.
+	// ChangeProbes makes changes found against what the sets held after
+	// the last write, without reading them (want gives the UIDs); an
+	// error leaves the sets for a SyncProbes to put right.
 	ChangeProbes(netnsPath string, ch podnet.ProbeChanges, want map[netip.Addr]string) error
 	// ForgetProbe deletes an address only if its entry is uid's.
 	ForgetProbe(netnsPath string, ip netip.Addr, uid string) (bool, error)

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
 
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
@@ -99,6 +100,32 @@ func TestAmbientApplyEveryCase(t *testing.T) {
 	}
 }
 
+// requireIPSetEntries reads the probe sets through vishvananda's ipset
+// client, not the code under test, and compares them with want (address
+// to UID).
+func requireIPSetEntries(t *testing.T, n ns.NetNS, want map[netip.Addr]string) {
+	t.Helper()
+	got := map[netip.Addr]string{}
+	if err := n.Do(func(ns.NetNS) error {
+		for _, name := range []string{ruleset.ProbeSetV4, ruleset.ProbeSetV6} {
+			res, err := netlink.IpsetList(name)
+			if err != nil {
+				return fmt.Errorf("listing %s: %w", name, err)
+			}
+			for i := range res.Entries {
+				ip, _ := netip.AddrFromSlice(res.Entries[i].IP)
+				got[ip.Unmap()] = res.Entries[i].Comment
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("probe sets hold %v, want %v", got, want)
+	}
+}
+
 // TestHostProbeLifecycle drives the node's probe SNAT with each variant:
 // ensure writes once, a flushed chain and a flushed POSTROUTING come back,
 // the sets follow the wanted entries by difference (an address reused by
@@ -160,19 +187,29 @@ func TestHostProbeLifecycle(t *testing.T) {
 			if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" {
 				t.Fatalf("set lacks the new comment: %v, %v", have, err)
 			}
-			// Blind changes: an entry added and one re-commented; the
-			// deletion of an entry already gone is no error.
+			// Blind changes, read back through another ipset client than
+			// the code under test: an entry added and one re-commented;
+			// an entry deleted behind the change's back is not put back
+			// (nothing is read); the deletion of an entry already gone is
+			// no error.
 			c4, gone := netip.MustParseAddr("198.18.5.3"), netip.MustParseAddr("198.18.5.9")
+			before := map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}
+			if del, err := a.ForgetProbe(n.Path(), b4, "uid-c"); err != nil || !del {
+				t.Fatalf("deleting b4 behind the change's back: %v, %v", del, err)
+			}
 			now := map[netip.Addr]string{a4: "uid-e", a6: "uid-a", b4: "uid-c", c4: "uid-d"}
 			if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Updated: []netip.Addr{a4}, Removed: []netip.Addr{gone}}, now); err != nil {
 				t.Fatal(err)
 			}
-			if have, err := a.ProbeEntries(n.Path()); err != nil || fmt.Sprint(have) != fmt.Sprint(now) {
-				t.Fatalf("entries after a change: %v, %v, want %v", have, err, now)
-			}
-			if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil {
+			requireIPSetEntries(t, n, map[netip.Addr]string{a4: "uid-e", a6: "uid-a", c4: "uid-d"})
+			if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, before); err != nil {
 				t.Fatal(err)
 			}
+			requireIPSetEntries(t, n, map[netip.Addr]string{a4: "uid-a", a6: "uid-a"})
+			if ch, err := a.SyncProbes(n.Path(), before); err != nil || len(ch.Added) != 1 || ch.Added[0] != b4 || len(ch.Updated)+len(ch.Removed) != 0 {
+				t.Fatalf("a sync after the changes: %+v, %v", ch, err)
+			}
+			requireIPSetEntries(t, n, before)
 			if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
 				t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)
 			}

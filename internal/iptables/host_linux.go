@@ -103,7 +103,7 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 }
 
 // ChangeProbes makes the changes ch, found against what the sets held
-// at the caller's last sync, without reading the sets: Added and Updated
+// after the caller's last write, without reading the sets: Added and Updated
 // added with want's UIDs (an entry there already takes the new one),
 // Removed deleted.
 func (a *Applier) ChangeProbes(netnsPath string, ch podnet.ProbeChanges, want map[netip.Addr]string) error {

@@ -161,27 +161,40 @@ func TestHostProbeLifecycle(t *testing.T) {
 	if have, err := a.ProbeEntries(n.Path()); err != nil || have[b4] != "uid-c" || have[a6] != "uid-a" {
 		t.Fatalf("elements: %v, %v", have, err)
 	}
-	// Blind changes: one that deletes an element no longer there is
-	// refused whole; one found against what the set holds is made.
+	// Blind changes, read back with the library rather than the code
+	// under test. One that deletes an element no longer there, or adds
+	// one there already (another pod's UID), is refused whole.
 	c4 := netip.MustParseAddr("198.18.5.3")
 	gone := netip.MustParseAddr("198.18.5.9")
+	before := map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}
 	err = a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Removed: []netip.Addr{gone}}, map[netip.Addr]string{c4: "uid-d"})
 	if err == nil || !strings.Contains(err.Error(), "deleting elements of set "+ruleset.ProbeSetV4) || !strings.Contains(err.Error(), "no such file") {
 		t.Fatalf("a change deleting a missing element: %v", err)
 	}
-	if have, err := a.ProbeEntries(n.Path()); err != nil || len(have) != 3 {
-		t.Fatalf("a refused change left %v, %v", have, err)
+	requireProbeElements(t, n, before)
+	err = a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4, b4}}, map[netip.Addr]string{c4: "uid-d", b4: "uid-x"})
+	if err == nil || !strings.Contains(err.Error(), "elements of set "+ruleset.ProbeSetV4) || !strings.Contains(err.Error(), "file exists") {
+		t.Fatalf("a change adding an element there already: %v", err)
+	}
+	requireProbeElements(t, n, before)
+	// Made against what the set held: b4, deleted behind its back, is
+	// not put back (nothing is read), the rest is made.
+	if del, err := a.ForgetProbe(n.Path(), b4, "uid-c"); err != nil || !del {
+		t.Fatalf("deleting b4 behind the change's back: %v, %v", del, err)
 	}
 	now := map[netip.Addr]string{a4: "uid-e", a6: "uid-a", b4: "uid-c", c4: "uid-d"}
 	if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Added: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, now); err != nil {
 		t.Fatal(err)
 	}
-	if have, err := a.ProbeEntries(n.Path()); err != nil || fmt.Sprint(have) != fmt.Sprint(now) {
-		t.Fatalf("entries after a change: %v, %v, want %v", have, err, now)
-	}
-	if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, map[netip.Addr]string{a4: "uid-a", a6: "uid-a", b4: "uid-c"}); err != nil {
+	requireProbeElements(t, n, map[netip.Addr]string{a4: "uid-e", a6: "uid-a", c4: "uid-d"})
+	if err := a.ChangeProbes(n.Path(), podnet.ProbeChanges{Removed: []netip.Addr{c4}, Updated: []netip.Addr{a4}}, before); err != nil {
 		t.Fatal(err)
 	}
+	requireProbeElements(t, n, map[netip.Addr]string{a4: "uid-a", a6: "uid-a"})
+	if ch, err := a.SyncProbes(n.Path(), before); err != nil || len(ch.Added) != 1 || ch.Added[0] != b4 || len(ch.Updated)+len(ch.Removed) != 0 {
+		t.Fatalf("a sync after the changes: %+v, %v", ch, err)
+	}
+	requireProbeElements(t, n, before)
 	if del, err := a.ForgetProbe(n.Path(), b4, "uid-b"); err != nil || del {
 		t.Fatalf("forgetting with another pod's UID deleted %v, %v", del, err)
 	}
@@ -199,6 +212,39 @@ func TestHostProbeLifecycle(t *testing.T) {
 	}
 	if err := a.RemoveHost(n.Path()); err != nil {
 		t.Fatalf("second remove: %v", err)
+	}
+}
+
+// requireProbeElements reads the probe sets through the library, not the
+// code under test, and compares them with want (address to UID).
+func requireProbeElements(t *testing.T, n ns.NetNS, want map[netip.Addr]string) {
+	t.Helper()
+	got := map[netip.Addr]string{}
+	if err := n.Do(func(ns.NetNS) error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		for _, name := range []string{ruleset.ProbeSetV4, ruleset.ProbeSetV6} {
+			set, err := conn.GetSetByName(&nftables.Table{Name: AmbientNATTable, Family: nftables.TableFamilyINet}, name)
+			if err != nil {
+				return err
+			}
+			elems, err := conn.GetSetElements(set)
+			if err != nil {
+				return err
+			}
+			for i := range elems {
+				ip, _ := netip.AddrFromSlice(elems[i].Key)
+				got[ip] = elems[i].Comment
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("probe sets hold %v, want %v", got, want)
 	}
 }
 

@@ -73,11 +73,12 @@ func (a *Applier) SyncProbes(netnsPath string, want map[netip.Addr]string) (podn
 	return out, err
 }
 
-// ChangeProbes makes the changes ch, found against what the sets held at
-// the caller's last sync, without reading the sets: Removed and Updated
-// deleted, Added and Updated added with want's UIDs, in one transaction.
-// A set that no longer holds what ch was found against refuses it whole
-// (an element to delete is gone), and the caller syncs instead.
+// ChangeProbes makes the changes ch, found against what the sets held
+// after the caller's last write, without reading the sets: Removed and
+// Updated deleted, Added and Updated added with want's UIDs, in one
+// transaction. A set that no longer holds what ch was found against
+// refuses it whole (an element to delete is gone, or one to add is there
+// already), and the caller syncs instead.
 func (a *Applier) ChangeProbes(netnsPath string, ch podnet.ProbeChanges, want map[netip.Addr]string) error {
 	if ch.Empty() {
 		return nil
@@ -213,8 +214,9 @@ type probeChange struct {
 	want map[netip.Addr]string
 }
 
-// writeProbes sends the changes as one transaction on c: deletions first, so an updated element is deleted and added
-// back with its new UID.
+// writeProbes sends the changes as one transaction on c: deletions
+// first, so an updated element is deleted and added back with its new
+// UID.
 func writeProbes(c *nlsteps.Conn, sets []probeChange) error {
 	queued := false
 	step, err := recordBatch(func(conn *nftables.Conn) error {
@@ -241,7 +243,14 @@ func writeProbes(c *nlsteps.Conn, sets []probeChange) error {
 			queued = queued || len(del)+len(add) > 0
 		}
 		return nil
-	}, func(typ, flags uint16, data []byte) (uint16, string) { return flags, describeMsg(typ, data) })
+	}, func(typ, flags uint16, data []byte) (uint16, string) {
+		if typ&0xff == unix.NFT_MSG_NEWSETELEM {
+			// An element there already would otherwise be kept as it
+			// is, with another pod's UID, and the change reported made.
+			flags |= nlsteps.FlagExcl
+		}
+		return flags, describeMsg(typ, data)
+	})
 	if err != nil || !queued {
 		return err
 	}

@@ -35,9 +35,14 @@ func Dial(proto int) (*Conn, error) {
 }
 
 // Send sends one step on the socket, of the step's protocol, and waits
-// for its answers, as Run does on a socket of its own. After an error the
-// socket may hold answers not read: close it.
-func (c *Conn) Send(s *Step) error { return send(c.fd, s) }
+// for its answers, as Run does on a socket of its own; its messages are
+// numbered on from the socket's last request. After an error the socket
+// may hold answers not read: close it.
+func (c *Conn) Send(s *Step) error {
+	next, err := send(c.fd, s, c.seq+1)
+	c.seq = next - 1
+	return err
+}
 
 // Close closes the socket.
 func (c *Conn) Close() error { return unix.Close(c.fd) }
@@ -106,6 +111,10 @@ func ipsetWords(e unix.Errno) string {
 	return fmt.Sprintf("error %d", int(e))
 }
 
+// ErrDumpInterrupted is a dump the kernel marked inconsistent: what it
+// read changed meanwhile. Asking again reads it whole.
+var ErrDumpInterrupted = errors.New("the kernel's dump was interrupted by a change; read it again")
+
 // Request sends one message of type typ and flags (FlagRequest is added)
 // and returns the kernel's answers to it: a dump's messages up to its
 // end; a request's replies up to its acknowledgement, which is always
@@ -139,6 +148,11 @@ func (c *Conn) Request(typ, flags uint16, body []byte) ([]Message, error) {
 		for _, m := range msgs {
 			if m.Seq != c.seq {
 				continue
+			}
+			if m.Flags&unix.NLM_F_DUMP_INTR != 0 {
+				// The dumped object changed while it was read: its parts
+				// need not agree.
+				return nil, ErrDumpInterrupted
 			}
 			switch m.Type {
 			case unix.NLMSG_ERROR, unix.NLMSG_DONE:

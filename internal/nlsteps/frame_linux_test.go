@@ -15,7 +15,7 @@ func TestFrame(t *testing.T) {
 	for i, flags := range []uint16{FlagCreate | FlagEcho, FlagCreate | FlagAppend | FlagEcho | FlagAck, FlagCreate} {
 		s.Add(unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_NEWRULE, flags, NfGen(unix.NFPROTO_INET, 0), string(rune('a'+i)))
 	}
-	buf, waits, batchSeq := frame(s)
+	buf, waits, batchSeq, next := frame(s, 1)
 	msgs, err := ParseMessages(buf)
 	if err != nil {
 		t.Fatal(err)
@@ -36,5 +36,16 @@ func TestFrame(t *testing.T) {
 	}
 	if msgs[2].Flags != FlagRequest|FlagCreate|FlagAppend {
 		t.Errorf("the second rule's flags became %#x", msgs[2].Flags)
+	}
+	if next != 6 {
+		t.Errorf("next free number %d, want 6", next)
+	}
+	// On a kept socket the numbers go on from its last request.
+	buf, waits, batchSeq, next = frame(s, 41)
+	if msgs, err = ParseMessages(buf); err != nil {
+		t.Fatal(err)
+	}
+	if batchSeq != 41 || msgs[0].Seq != 41 || msgs[4].Seq != 45 || !waits[44] || len(waits) != 1 || next != 46 {
+		t.Errorf("numbered from 41: batch %d, first %d, last %d, waits %v, next %d", batchSeq, msgs[0].Seq, msgs[4].Seq, waits, next)
 	}
 }

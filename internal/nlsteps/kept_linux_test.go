@@ -83,4 +83,28 @@ func TestKept(t *testing.T) {
 	if err := k.Do(filepath.Join(t.TempDir(), "none"), unix.NETLINK_ROUTE, func(*nlsteps.Conn) error { return nil }); err == nil {
 		t.Error("a path that names nothing gave no error")
 	}
+
+	// Another protocol is another socket.
+	var nf *nlsteps.Conn
+	if err := k.Do(link, unix.NETLINK_NETFILTER, func(c *nlsteps.Conn) error { nf = c; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if nf == nil || nf == second {
+		t.Error("a netfilter request was given the routing socket")
+	}
+	// A caller on a thread in a third namespace still reaches the kept
+	// socket's.
+	third := testutil.NewNS(t)
+	var msgs []nlsteps.Message
+	if err := third.Do(func(ns.NetNS) error {
+		return k.Do(link, unix.NETLINK_ROUTE, func(c *nlsteps.Conn) (err error) {
+			msgs, err = c.Request(unix.RTM_GETLINK, unix.NLM_F_DUMP, ifinfo(0))
+			return err
+		})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if names := linkNames(t, msgs); !slices.Contains(names, "kept-b") {
+		t.Errorf("links through the kept socket from a third namespace: %v", names)
+	}
 }

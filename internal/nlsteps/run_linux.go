@@ -54,32 +54,34 @@ func runStep(s *Step) error {
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
 	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: replyTimeout})
-	return send(fd, s)
+	_, err = send(fd, s, 1)
+	return err
 }
 
-// send sends the step on the socket fd and waits for its answers.
-func send(fd int, s *Step) error {
-	buf, waits, batchSeq := frame(s)
+// send sends the step on the socket fd, numbering its messages from seq,
+// and waits for its answers; it returns the next free number.
+func send(fd int, s *Step, seq uint32) (uint32, error) {
+	buf, waits, batchSeq, next := frame(s, seq)
 	if len(buf) > 200<<10 {
 		// One sendmsg carries the whole step; the default buffer is
 		// about 208 KiB. As root the limit does not apply.
 		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, len(buf)+4096)
 	}
 	if err := unix.Sendto(fd, buf, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return fmt.Errorf("sending %s: %w", s.first(), err)
+		return next, fmt.Errorf("sending %s: %w", s.first(), err)
 	}
-	return s.collect(fd, waits, batchSeq)
+	return next, s.collect(fd, waits, batchSeq, seq, next)
 }
 
-// frame numbers the step's messages from 1 (a batch's begin marker is 1
-// and its messages follow) and asks for acknowledgements: of every
+// frame numbers the step's messages from seq (a batch's begin marker
+// takes seq and its messages follow) and asks for acknowledgements: of every
 // message of a plain step; of only the last of a batch, since the kernel
 // reports every refused message anyway and takes a batch whole or not at
 // all. It returns the bytes to send, the sequence numbers an answer is
-// owed for, and the batch's begin (0 when not a batch).
-func frame(s *Step) (buf []byte, waits map[uint32]bool, batchSeq uint32) {
+// owed for, the batch's begin (0 when not a batch), and the next free
+// number.
+func frame(s *Step, seq uint32) (buf []byte, waits map[uint32]bool, batchSeq, next uint32) {
 	waits = map[uint32]bool{}
-	seq := uint32(1)
 	marker := func(typ uint16) {
 		buf = binary.NativeEndian.AppendUint32(buf, HeaderLen+NfGenLen)
 		buf = binary.NativeEndian.AppendUint16(buf, typ)
@@ -118,7 +120,7 @@ func frame(s *Step) (buf []byte, waits map[uint32]bool, batchSeq uint32) {
 	if s.Batch {
 		marker(msgBatchEnd)
 	}
-	return buf, waits, batchSeq
+	return buf, waits, batchSeq, seq
 }
 
 func (s *Step) first() string {
@@ -132,9 +134,11 @@ func (s *Step) first() string {
 }
 
 // collect reads the kernel's answers until every acknowledgement asked
-// for has come, and returns the first refusal it names.
-func (s *Step) collect(fd int, waits map[uint32]bool, batchSeq uint32) error {
-	first := uint32(1) // the sequence number of the step's first message
+// for has come, and returns the first refusal it names. The step's
+// messages were numbered from start up to end; an answer to another
+// (one a kept socket's earlier request left) is no answer to these.
+func (s *Step) collect(fd int, waits map[uint32]bool, batchSeq, start, end uint32) error {
+	first := start // the sequence number of the step's first message
 	if batchSeq != 0 {
 		first = batchSeq + 1
 	}
@@ -159,7 +163,7 @@ func (s *Step) collect(fd int, waits map[uint32]bool, batchSeq uint32) error {
 			return s.refusal(append(refused, err.Error()))
 		}
 		for _, m := range msgs {
-			if m.Type != unix.NLMSG_ERROR || len(m.Body) < 4 {
+			if m.Type != unix.NLMSG_ERROR || len(m.Body) < 4 || m.Seq < start || m.Seq >= end {
 				continue
 			}
 			errno := -int32(binary.NativeEndian.Uint32(m.Body))
