@@ -42,6 +42,10 @@ type config struct {
 	// runs the ambient series alone.
 	ambientPods int
 	ambientOnly bool
+	// memoryCycles is churn cycles of the memory series; memoryOnly runs
+	// that series alone.
+	memoryCycles int
+	memoryOnly   bool
 	// cluster, when its pods are above zero, runs the cluster series
 	// instead (cluster.go).
 	cluster clusterConfig
@@ -59,6 +63,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.IntVar(&c.listPods, "list-pods", 15, "pods per list length and backend in the list series")
 	fs.BoolVar(&c.listsOnly, "lists-only", false, "run only the list series (and the primary plugin alone, alternated with it)")
 	fs.IntVar(&c.ambientPods, "ambient-pods", 30, "pods per ambient series and backend (0 skips ambient mode)")
+	fs.IntVar(&c.memoryCycles, "memory-cycles", 3, "cycles of 200 of the memory series' node pods replaced, each followed by a reading of the agent's RSS")
+	fs.BoolVar(&c.memoryOnly, "memory-only", false, "run only the memory series (5,000 pods in the cluster, 250 on the agent's node, then the churn cycles)")
 	fs.BoolVar(&c.ambientOnly, "ambient-only", false, "run only the ambient series (primary alone, a sidecar pod and an enrolled pod alternated, and running pods enrolled)")
 	c.cluster.register(fs)
 	c.flat.register(fs)
@@ -113,6 +119,14 @@ func run(ctx context.Context, cfg config) error {
 			return err
 		}
 		reportFlat(res)
+		return nil
+	}
+	if cfg.memoryOnly {
+		m, err := b.memory(ctx, cfg.memoryCycles)
+		if err != nil {
+			return err
+		}
+		reportMemory(m)
 		return nil
 	}
 	if cfg.ambientOnly {
@@ -281,7 +295,7 @@ func (b *bench) measure(ctx context.Context, cfg config) (*results, error) {
 	if res.binaries, err = binaryCosts(b.bin, 50); err != nil {
 		return nil, err
 	}
-	if res.memory, err = b.memory(ctx); err != nil {
+	if res.memory, err = b.memory(ctx, cfg.memoryCycles); err != nil {
 		return nil, err
 	}
 	if cfg.ambientPods > 0 {

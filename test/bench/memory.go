@@ -14,12 +14,11 @@ import (
 
 // The memory series' load, issue #15's: a node holding 250 of the
 // cluster's 5,000 Istio-injected pods, then 200 of them replaced, three
-// times.
+// times (-memory-cycles).
 const (
 	memoryClusterPods = 5000
 	memoryNodePods    = 250
 	memoryChurn       = 200
-	memoryCycles      = 3
 	memoryTargetMB    = 40
 	// memoryNode is the series' node: the bench's node keeps the other
 	// series' pod objects, which its cache would hold too.
@@ -43,8 +42,9 @@ type memoryResult struct {
 // memory starts an agent of its own, for a node of its own (the other
 // series' agent stays up, idle), once the cluster holds the pods, and
 // reads its resident memory, stable, after its cache synced and after
-// each churn cycle. Its pods stay: no other series runs after it.
-func (b *bench) memory(ctx context.Context) (*memoryResult, error) {
+// each of cycles churn cycles. Its pods stay: no other series runs after
+// it.
+func (b *bench) memory(ctx context.Context, cycles int) (*memoryResult, error) {
 	res := &memoryResult{}
 	began := time.Now()
 	set, err := testenv.NewPodSet(ctx, b.cluster, "mem", memoryNode, memoryClusterPods, memoryNodePods)
@@ -85,7 +85,7 @@ func (b *bench) memory(ctx context.Context) (*memoryResult, error) {
 		return nil, err
 	}
 	res.breakdown = testenv.MemoryBreakdown(h)
-	for range memoryCycles {
+	for range cycles {
 		if err := set.Churn(ctx, memoryChurn); err != nil {
 			return nil, err
 		}
