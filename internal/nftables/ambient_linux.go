@@ -41,7 +41,7 @@ func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podne
 // has none of ambient mode's tables; sent is false when it was not done
 // (the caller applies in place).
 func sendAmbient(netnsPath string, plan *ruleset.Plan, v6 bool, start time.Time) (rep podnet.Report, sent bool, err error) {
-	facts, err := nsfacts.ReadFactsIn(netnsPath)
+	facts, err := nsfacts.ReadFactsForIn(netnsPath, nsfacts.KindNFTables, false)
 	if err != nil || facts.NoNFTables {
 		return rep, false, nil
 	}

@@ -48,6 +48,15 @@ type Table struct {
 // ReadFactsIn reads the facts of the network namespace at netnsPath,
 // from the calling goroutine's thread (nlsteps.InNetNS).
 func ReadFactsIn(netnsPath string) (Facts, error) {
+	return readFactsIn(netnsPath, ReadFacts)
+}
+
+// ReadFactsForIn is ReadFactsFor in the network namespace at netnsPath.
+func ReadFactsForIn(netnsPath, kind string, ipsets bool) (Facts, error) {
+	return readFactsIn(netnsPath, func() (Facts, error) { return ReadFactsFor(kind, ipsets) })
+}
+
+func readFactsIn(netnsPath string, read func() (Facts, error)) (Facts, error) {
 	f, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's namespace path, entered only if it is one (setns refuses other files)
 	if err != nil {
 		return Facts{}, fmt.Errorf("opening the pod's network namespace: %w", err)
@@ -56,7 +65,7 @@ func ReadFactsIn(netnsPath string) (Facts, error) {
 	var facts Facts
 	err = nlsteps.InNetNS(f, func() error {
 		var err error
-		facts, err = ReadFacts()
+		facts, err = read()
 		return err
 	})
 	return facts, err
