@@ -28,10 +28,12 @@ func Dial(proto int) (*Conn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening netlink socket (protocol %d): %w", proto, err)
 	}
+	// The kernel's own words for a refusal, and no copy of the request
+	// in the reply (a set's elements can be a large message).
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
 	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
 	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: replyTimeout})
-	return &Conn{fd: fd, buf: make([]byte, 32<<10)}, nil
+	return &Conn{fd: fd}, nil
 }
 
 // Send sends one step on the socket, of the step's protocol, and waits
@@ -176,6 +178,11 @@ func (c *Conn) Request(typ, flags uint16, body []byte) ([]Message, error) {
 // receive reads one datagram whole, growing the buffer for it: a dump's
 // part can be larger than the last one.
 func (c *Conn) receive() ([]byte, error) {
+	if c.buf == nil {
+		// Made on the first read: a socket that only sends steps (the
+		// relay's, through Run) reads into collect's buffer instead.
+		c.buf = make([]byte, 32<<10)
+	}
 	for {
 		n, _, err := unix.Recvfrom(c.fd, c.buf, unix.MSG_PEEK|unix.MSG_TRUNC)
 		if errors.Is(err, unix.EINTR) {

@@ -44,18 +44,12 @@ const (
 )
 
 func runStep(s *Step) error {
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, s.Proto)
+	c, err := Dial(s.Proto)
 	if err != nil {
-		return fmt.Errorf("opening netlink socket (protocol %d): %w", s.Proto, err)
+		return err
 	}
-	defer unix.Close(fd)
-	// The kernel's own words for a refusal, and no copy of the request
-	// in the reply (a set's elements can be a large message).
-	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
-	_ = unix.SetsockoptInt(fd, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
-	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: replyTimeout})
-	_, err = send(fd, s, 1)
-	return err
+	defer c.Close()
+	return c.Send(s)
 }
 
 // send sends the step on the socket fd, numbering its messages from seq,
