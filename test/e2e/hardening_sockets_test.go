@@ -217,7 +217,7 @@ func fillDescriptors(t *testing.T, n *agentNode) *filler {
 	}
 	f := &filler{t: t, n: n, limit: highest + 30}
 	f.undo = setFDLimit(t, n.Pid(), uint64(f.limit))
-	f.topUp()
+	f.topUp(15 * time.Second)
 	if got := openFDs(t, n.Pid()); got < f.limit {
 		f.release()
 		t.Fatalf("the agent holds %d descriptors, could not bring it to its limit %d", got, f.limit)
@@ -225,9 +225,14 @@ func fillDescriptors(t *testing.T, n *agentNode) *filler {
 	return f
 }
 
-// topUp takes the descriptors the agent freed since.
-func (f *filler) topUp() {
-	for i := 0; i < 2*f.limit && openFDs(f.t, f.n.Pid()) < f.limit; i++ {
+// topUp takes the descriptors the agent freed since. A connection the
+// agent does not answer ends the attempt only once the agent holds its
+// limit: it may have refused it while briefly holding more descriptors
+// than it keeps (its start-up preparing ADDs, an apiserver watch), and
+// those come back free a moment later.
+func (f *filler) topUp(budget time.Duration) {
+	deadline := time.Now().Add(budget)
+	for openFDs(f.t, f.n.Pid()) < f.limit && time.Now().Before(deadline) {
 		c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", f.n.ReadyPort), time.Second)
 		if err != nil {
 			return
@@ -235,12 +240,12 @@ func (f *filler) topUp() {
 		_ = c.SetDeadline(time.Now().Add(time.Second))
 		if _, err := c.Write([]byte("GET /healthz HTTP/1.1\r\nHost: agent\r\n\r\n")); err != nil {
 			c.Close()
-			return
+			continue
 		}
 		if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
-			// Not accepted: the agent has no descriptor left.
+			// Not accepted: the agent had no descriptor left then.
 			c.Close()
-			return
+			continue
 		}
 		f.held = append(f.held, c)
 	}
@@ -282,7 +287,7 @@ func TestHardeningAcceptErrors(t *testing.T) {
 	// says the socket cannot, and liveness fails once that lasts. The
 	// fallback's own connections may have freed descriptors: take them.
 	knock := func() {
-		fill.topUp()
+		fill.topUp(3 * time.Second)
 		if c, err := net.DialTimeout("unix", filepath.Join(n.RunDir, "cni.sock"), time.Second); err == nil {
 			_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 			_, _ = c.Read(make([]byte, 1))
