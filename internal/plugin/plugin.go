@@ -351,8 +351,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var plan *ruleset.Plan
 	var txn *nlsteps.Txn
 	var inPlace string
-	var stored *nlsteps.Txn
-	var notStored string
+	// The fallback sends requests where it has some for the pod's plan
+	// (fb.txn), and says on its line where from or why not.
+	var fb fallbackTxn
 	// Every writer of a pod's rules holds the namespace's writers' lock
 	// from reading the namespace to its rules being in: the agent (until
 	// the relay it hands them to reports), the fallback, and a relay
@@ -362,7 +363,8 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	// agent's own mutex serialises only its own work.
 	defer lockWriters(req.conf.CNIAgentRunDir, args.Netns)()
 	if p.StoredPlans && p.Commit == nil {
-		plan, stored, notStored = p.storedPlan(req, args.Netns, d.Params)
+		fb = p.fallbackRequests(req, args.Netns, d.Params)
+		plan = fb.plan
 	}
 	switch {
 	case p.Commit != nil:
@@ -384,16 +386,16 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 	var outcome string
 	var applied time.Duration
-	if stored != nil {
-		took, err := sendStored(args.Netns, stored)
+	if fb.txn != nil {
+		took, err := sendTxn(args.Netns, fb.txn)
 		if err == nil {
-			outcome, applied = stored.Summary+" applied", took
+			outcome, applied = fb.txn.Summary+" applied", took
 		} else {
 			// The namespace changed since it was read (rules made
 			// meanwhile refuse the whole transaction): in place, as
-			// without a plan.
-			req.log.Warn("the agent's stored plan was not taken; applying the rules in place", "error", err.Error())
-			notStored = "its send failed: " + err.Error()
+			// without requests.
+			req.log.Warn("the requests for the pod's plan were not taken; applying the rules in place", "from", fb.from, "error", err.Error())
+			fb.why = "its send failed: " + err.Error()
 		}
 	}
 	if outcome == "" {
@@ -411,12 +413,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		// Served for a relay that could have sent the rules itself.
 		attrs = append(attrs, "committed_by", "agent", "why", inPlace)
 	}
-	switch {
-	case notStored != "":
-		attrs = append(attrs, "stored_plan", false, "why", notStored)
-	case stored != nil:
-		attrs = append(attrs, "stored_plan", true)
-	}
+	attrs = append(attrs, fb.attrs()...)
 	if p.ProcessCPU != nil {
 		attrs = append(attrs, "plugin_cpu", p.ProcessCPU().String())
 	}
@@ -424,24 +421,76 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	return p.printResult(req.conf)
 }
 
-// storedPlan is, for the fallback, the requests the agent stored for the
-// pod's plan, with the plan it built on the way; or, with none, why not
-// (and the plan when it got that far). Whatever goes wrong on the way
-// leaves the rules to be applied in place, as they were before plans
-// were stored: the fallback is what serves pods when nothing else does.
-func (p *Plugin) storedPlan(req *request, netnsPath string, params redirect.Params) (*ruleset.Plan, *nlsteps.Txn, string) {
+// fallbackTxn is what the fallback found to send for a pod's plan.
+type fallbackTxn struct {
+	plan *ruleset.Plan
+	txn  *nlsteps.Txn
+	// from is fromStored or fromHere: whose requests the fallback
+	// looked for.
+	from string
+	// why there are none to send, or why they were not taken.
+	why string
+}
+
+const (
+	// fromStored: the requests the agent stored for the plan (iptables,
+	// whose requests cost an iptables-restore to prepare).
+	fromStored = "stored"
+	// fromHere: requests the fallback prepared itself (nftables, whose
+	// requests it compiles in microseconds: far less than an in-place
+	// apply through a library that waits for an echo of every message).
+	fromHere = "here"
+)
+
+// attrs are the fallback's line's words on its requests.
+func (f fallbackTxn) attrs() []any {
+	key := "stored_plan"
+	if f.from == fromHere {
+		key = "prepared_here"
+	}
+	switch {
+	case f.from == "":
+		return nil
+	case f.why != "":
+		return []any{key, false, "why", f.why}
+	case f.txn != nil:
+		return []any{key, true}
+	}
+	return nil
+}
+
+// fallbackRequests is, for the fallback, requests to send for the pod's
+// plan, with the plan it built on the way; or, with none, why not (and
+// the plan when it got that far). A backend whose requests cost a program
+// to prepare has them from the agent's store; one that prepares them
+// cheaply prepares them here, for namespaces that hold none of our rules.
+// Whatever goes wrong on the way leaves the rules to be applied in place:
+// the fallback is what serves pods when nothing else does.
+func (p *Plugin) fallbackRequests(req *request, netnsPath string, params redirect.Params) fallbackTxn {
+	if _, ok := req.rules.(podrules.StoredPreparer); !ok {
+		if _, ok := req.rules.(podrules.Preparer); !ok {
+			return fallbackTxn{}
+		}
+		f := fallbackTxn{from: fromHere}
+		var err error
+		f.plan, f.txn, f.why, err = podrules.PreparePod(req.rules, netnsPath, params)
+		if err != nil {
+			return fallbackTxn{from: fromHere, why: "reading the namespace: " + err.Error()}
+		}
+		return f
+	}
+	f := fallbackTxn{from: fromStored}
 	dir := filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName)
 	if _, err := os.Lstat(dir); err != nil {
-		return nil, nil, "no prepared directory (no agent that prepares ahead)"
+		f.why = "no prepared directory (no agent that prepares ahead)"
+		return f
 	}
-	plan, txn, why, err := podrules.PrepareFromStore(req.rules, dir, netnsPath, params)
+	var err error
+	f.plan, f.txn, f.why, err = podrules.PrepareFromStore(req.rules, dir, netnsPath, params)
 	if err != nil {
-		return nil, nil, "reading the namespace: " + err.Error()
+		return fallbackTxn{from: fromStored, why: "reading the namespace: " + err.Error()}
 	}
-	if txn == nil {
-		return plan, nil, why
-	}
-	return plan, txn, ""
+	return f
 }
 
 // lockWriters takes the writers' lock of the namespace at netnsPath
@@ -461,9 +510,9 @@ func lockWriters(runDir, netnsPath string) (unlock func()) {
 	return unlock
 }
 
-// sendStored sends the requests the agent stored for the pod's plan from
-// inside the pod's namespace, as a relay sends a record's.
-func sendStored(netnsPath string, txn *nlsteps.Txn) (time.Duration, error) {
+// sendTxn sends the requests for the pod's plan from inside the pod's
+// namespace, as a relay sends a record's.
+func sendTxn(netnsPath string, txn *nlsteps.Txn) (time.Duration, error) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
 	if err != nil {
 		return 0, err

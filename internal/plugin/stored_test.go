@@ -96,3 +96,63 @@ func TestFallbackStoredPlans(t *testing.T) {
 		})
 	}
 }
+
+// unfitRules is a backend that prepares its own requests (not the
+// agent's store) and finds the namespace unfit for them.
+type unfitRules struct {
+	fakeRules
+	unfit string
+}
+
+func (f *unfitRules) Examine(p string) (nsfacts.Facts, string, error) {
+	facts, _, err := f.fakeRules.Examine(p)
+	return facts, f.unfit, err
+}
+
+// TestFallbackPreparesHere: a backend that prepares its requests cheaply
+// (nftables) is never sent to the agent's store, with or without a
+// prepared directory: the fallback prepares them itself, and applies in
+// place, saying why, when the namespace is unfit or the send fails.
+func TestFallbackPreparesHere(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		dir   bool
+		unfit string
+		why   string
+	}{
+		{name: "send fails", why: "its send failed"},
+		{name: "send fails, prepared dir", dir: true, why: "its send failed"},
+		{name: "namespace unfit", unfit: "the namespace has tables of ours already", why: "the namespace has tables of ours already"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			run := t.TempDir()
+			if c.dir {
+				if err := os.Mkdir(filepath.Join(run, prepared.DirName), 0o700); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var out, logs bytes.Buffer
+			rules := &unfitRules{unfit: c.unfit}
+			p := &Plugin{Log: logging.New(&logs), Stdout: &out, Rules: rules, StoredPlans: true,
+				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
+			conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + run + `","prevResult":` + prevResultFor("1.0.0") + `}`
+			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: filepath.Join(run, "no-such-netns"), IfName: "eth0",
+				Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web", StdinData: []byte(conf)})
+			if err != nil {
+				t.Fatalf("ADD: %v\n%s", err, logs.String())
+			}
+			if rules.applied != 1 {
+				t.Fatalf("applied in place %d times, want 1\n%s", rules.applied, logs.String())
+			}
+			var line string
+			for _, l := range strings.Split(logs.String(), "\n") {
+				if strings.Contains(l, "redirect rules programmed") {
+					line = l
+				}
+			}
+			if !strings.Contains(line, `"prepared_here":false`) || !strings.Contains(line, c.why) || strings.Contains(line, "stored_plan") {
+				t.Fatalf("the line does not say why the requests prepared here were not sent (%q):\n%s", c.why, logs.String())
+			}
+		})
+	}
+}
