@@ -50,6 +50,15 @@ func (a *Applier) PrepareFresh(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Tx
 	return txn, "", err
 }
 
+// PrepareHere returns the requests for a namespace Examine found fit,
+// compiled for a process that sends them itself and then exits (the
+// fallback): not kept in the cache, and not bounded by what a relay is
+// handed.
+func (a *Applier) PrepareHere(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	txn, err := compile(plan)
+	return txn, "", err
+}
+
 // compile records the transaction program and Flush would send for the
 // plan, with every table created only if it is not there (the
 // transaction fails whole otherwise), then the routing the plan needs.

@@ -157,3 +157,44 @@ func TestUnfitIgnoresOthersTables(t *testing.T) {
 		}
 	}
 }
+
+// TestPrepareHereBeyondRelayBound: a plan whose requests are more than a
+// relay is handed (thousands of excluded interfaces, a rule each, dual
+// stack) is still prepared for the process that sends them itself (the
+// fallback), whole, where the agent's cache keeps only its size; sent
+// into a fresh namespace in one batch, they leave what Apply leaves, and
+// CHECK passes.
+func TestPrepareHereBeyondRelayBound(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "nft", "ip")
+	plan := listPlan(t, testenv.Lists{N: 7000}.ExcludeAnnotations(""), true)
+	a := &Applier{}
+	pod := newNS(t)
+	facts, unfit, err := a.Examine(pod.Path())
+	if err != nil || unfit != "" {
+		t.Fatalf("examine a fresh namespace: %v (%s)", err, unfit)
+	}
+	if cached, _, err := a.PrepareFresh(facts, plan); err != nil || cached.Oversize <= nlsteps.MaxTxn {
+		t.Fatalf("the agent's prepared requests: %v, oversize %d; want the plan over the relay's bound of %d bytes", err, cached.Oversize, nlsteps.MaxTxn)
+	}
+	txn, why, err := a.PrepareHere(facts, plan)
+	if err != nil || txn == nil || why != "" {
+		t.Fatalf("prepare here: %v (%s)", err, why)
+	}
+	if txn.Oversize != 0 || txn.Size() <= nlsteps.MaxTxn {
+		t.Fatalf("prepared here: %d bytes, oversize %d; want the whole transaction, over %d bytes", txn.Size(), txn.Oversize, nlsteps.MaxTxn)
+	}
+	if err := pod.Do(func(ns.NetNS) error { return nlsteps.Run(txn) }); err != nil {
+		t.Fatalf("sending %d bytes: %v", txn.Size(), err)
+	}
+	direct := newNS(t)
+	if _, err := a.Apply(direct.Path(), plan); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := nsState(t, pod), nsState(t, direct); got != want {
+		t.Fatalf("after the requests prepared here the namespace holds\n%.2000s\nApply leaves\n%.2000s", got, want)
+	}
+	if err := a.Check(pod.Path(), plan); err != nil {
+		t.Fatalf("check: %.2000s", err)
+	}
+}

@@ -51,10 +51,11 @@ type Plugin struct {
 	// FallbackReason says why the relay ran this process instead of the
 	// node agent; it goes into the log.
 	FallbackReason string
-	// StoredPlans makes an ADD that is not handed to Commit send the
-	// requests the agent stored for the pod's plan, when there are some,
-	// instead of applying the rules in place (the fallback: it then runs
-	// no iptables-restore).
+	// StoredPlans makes an ADD that is not handed to Commit (the
+	// fallback) send requests for the pod's plan instead of applying the
+	// rules in place, where it has them: those the agent stored
+	// (iptables: it then runs no iptables-restore), or, for a backend
+	// that prepares them cheaply (nftables), its own.
 	StoredPlans bool
 	// ProcessCPU, when set (the plugin running as a process of its own,
 	// the fallback), is that process's CPU so far with its children's
@@ -461,23 +462,24 @@ func (f fallbackTxn) attrs() []any {
 
 // fallbackRequests is, for the fallback, requests to send for the pod's
 // plan, with the plan it built on the way; or, with none, why not (and
-// the plan when it got that far). A backend whose requests cost a program
-// to prepare has them from the agent's store; one that prepares them
-// cheaply prepares them here, for namespaces that hold none of our rules.
+// the plan when it got that far). A backend that prepares its requests
+// cheaply (podrules.HerePreparer) has them prepared here; one whose
+// requests cost a program to prepare has them from the agent's store;
+// either only for a namespace that holds none of our rules.
 // Whatever goes wrong on the way leaves the rules to be applied in place:
 // the fallback is what serves pods when nothing else does.
 func (p *Plugin) fallbackRequests(req *request, netnsPath string, params redirect.Params) fallbackTxn {
-	if _, ok := req.rules.(podrules.StoredPreparer); !ok {
-		if _, ok := req.rules.(podrules.Preparer); !ok {
-			return fallbackTxn{}
-		}
+	if _, ok := req.rules.(podrules.HerePreparer); ok {
 		f := fallbackTxn{from: fromHere}
 		var err error
-		f.plan, f.txn, f.why, err = podrules.PreparePod(req.rules, netnsPath, params)
+		f.plan, f.txn, f.why, err = podrules.PrepareToSend(req.rules, netnsPath, params)
 		if err != nil {
-			return fallbackTxn{from: fromHere, why: "reading the namespace: " + err.Error()}
+			return fallbackTxn{from: fromHere, why: "preparing the requests: " + err.Error()}
 		}
 		return f
+	}
+	if _, ok := req.rules.(podrules.StoredPreparer); !ok {
+		return fallbackTxn{}
 	}
 	f := fallbackTxn{from: fromStored}
 	dir := filepath.Join(req.conf.CNIAgentRunDir, prepared.DirName)

@@ -101,12 +101,24 @@ func TestFallbackStoredPlans(t *testing.T) {
 // agent's store) and finds the namespace unfit for them.
 type unfitRules struct {
 	fakeRules
-	unfit string
+	unfit      string
+	examineErr error
+	askedHere  int
 }
 
+var _ podrules.HerePreparer = (*unfitRules)(nil)
+
 func (f *unfitRules) Examine(p string) (nsfacts.Facts, string, error) {
+	if f.examineErr != nil {
+		return nsfacts.Facts{}, "", f.examineErr
+	}
 	facts, _, err := f.fakeRules.Examine(p)
 	return facts, f.unfit, err
+}
+
+func (f *unfitRules) PrepareHere(facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
+	f.askedHere++
+	return f.PrepareFresh(facts, plan)
 }
 
 // TestFallbackPreparesHere: a backend that prepares its requests cheaply
@@ -115,14 +127,16 @@ func (f *unfitRules) Examine(p string) (nsfacts.Facts, string, error) {
 // place, saying why, when the namespace is unfit or the send fails.
 func TestFallbackPreparesHere(t *testing.T) {
 	for _, c := range []struct {
-		name  string
-		dir   bool
-		unfit string
-		why   string
+		name       string
+		dir        bool
+		unfit      string
+		examineErr error
+		why        string
 	}{
 		{name: "send fails", why: "its send failed"},
 		{name: "send fails, prepared dir", dir: true, why: "its send failed"},
 		{name: "namespace unfit", unfit: "the namespace has tables of ours already", why: "the namespace has tables of ours already"},
+		{name: "namespace does not read", examineErr: errors.New("listing tables: EBUSY"), why: "preparing the requests: listing tables: EBUSY"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			run := t.TempDir()
@@ -132,7 +146,7 @@ func TestFallbackPreparesHere(t *testing.T) {
 				}
 			}
 			var out, logs bytes.Buffer
-			rules := &unfitRules{unfit: c.unfit}
+			rules := &unfitRules{unfit: c.unfit, examineErr: c.examineErr}
 			p := &Plugin{Log: logging.New(&logs), Stdout: &out, Rules: rules, StoredPlans: true,
 				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
 			conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + run + `","prevResult":` + prevResultFor("1.0.0") + `}`
@@ -141,8 +155,12 @@ func TestFallbackPreparesHere(t *testing.T) {
 			if err != nil {
 				t.Fatalf("ADD: %v\n%s", err, logs.String())
 			}
-			if rules.applied != 1 {
-				t.Fatalf("applied in place %d times, want 1\n%s", rules.applied, logs.String())
+			wantHere := 1
+			if c.unfit != "" || c.examineErr != nil {
+				wantHere = 0
+			}
+			if rules.applied != 1 || rules.askedHere != wantHere {
+				t.Fatalf("applied in place %d times, prepared here %d; want 1 and %d\n%s", rules.applied, rules.askedHere, wantHere, logs.String())
 			}
 			var line string
 			for _, l := range strings.Split(logs.String(), "\n") {

@@ -193,6 +193,34 @@ func prepareFresh(p Preparer, facts nsfacts.Facts, plan *ruleset.Plan) (*nlsteps
 	return txn, why, err
 }
 
+// HerePreparer is a backend whose requests cost the process that sends
+// them little to prepare (nftables.Applier: they are recorded from the
+// library's messages), so a process with no agent's store to read (the
+// fallback) prepares its pod's itself rather than apply in place.
+type HerePreparer interface {
+	Preparer
+	// PrepareHere is PrepareFresh for the process that sends the
+	// requests itself: nothing is kept for others or handed over, so no
+	// plan is too large.
+	PrepareHere(facts nsfacts.Facts, plan *ruleset.Plan) (txn *nlsteps.Txn, inPlace string, err error)
+}
+
+var _ HerePreparer = (*nftables.Applier)(nil)
+
+// PrepareToSend is PreparePod for the process that sends the requests
+// itself, of a backend that prepares them cheaply (HerePreparer): the
+// pod's plan and its requests, or why the rules must be applied in place
+// (the backend prepares none this way, or the namespace holds rules
+// already).
+func PrepareToSend(rules Rules, netnsPath string, params redirect.Params) (*ruleset.Plan, *nlsteps.Txn, string, error) {
+	p, ok := rules.(HerePreparer)
+	if !ok {
+		plan, err := BuildPlan(rules, netnsPath, params)
+		return plan, nil, "the rule backend prepares no requests for the process that sends them", err
+	}
+	return prepareIn(p, netnsPath, params, p.PrepareHere)
+}
+
 // PrepareAhead is a pod's rules as requests for a namespace that holds
 // none of ours, prepared before the namespace exists (internal/prepared):
 // with IPv6 rules as well when v6 is set. With none, why the backend
