@@ -438,8 +438,9 @@ const (
 	// whose requests cost an iptables-restore to prepare).
 	fromStored = "stored"
 	// fromHere: requests the fallback prepared itself (nftables, whose
-	// requests it compiles in microseconds: far less than an in-place
-	// apply through a library that waits for an echo of every message).
+	// requests it records from the library's messages in a fraction of a
+	// millisecond: far less than an in-place apply through a library
+	// that waits for an echo of every message).
 	fromHere = "here"
 )
 
