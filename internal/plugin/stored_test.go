@@ -47,6 +47,36 @@ func (f *storedRules) PrepareStored(string, nsfacts.Facts, *ruleset.Plan) (*nlst
 	return txn, "", err
 }
 
+// fallbackAdd runs the fallback's ADD of an injected pod with rules, on
+// a namespace that does not exist (so any send fails), in a run dir that
+// holds a prepared directory when dir is set; it fails the test unless
+// the ADD succeeds, and returns the ADD's "redirect rules programmed"
+// line and the whole log.
+func fallbackAdd(t *testing.T, rules Rules, dir bool) (line, logs string) {
+	t.Helper()
+	run := t.TempDir()
+	if dir {
+		if err := os.Mkdir(filepath.Join(run, prepared.DirName), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out, log bytes.Buffer
+	p := &Plugin{Log: logging.New(&log), Stdout: &out, Rules: rules, StoredPlans: true,
+		NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
+	conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + run + `","prevResult":` + prevResultFor("1.0.0") + `}`
+	err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: filepath.Join(run, "no-such-netns"), IfName: "eth0",
+		Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web", StdinData: []byte(conf)})
+	if err != nil {
+		t.Fatalf("ADD: %v\n%s", err, log.String())
+	}
+	for _, l := range strings.Split(log.String(), "\n") {
+		if strings.Contains(l, "redirect rules programmed") {
+			line = l
+		}
+	}
+	return line, log.String()
+}
+
 // TestFallbackStoredPlans: the fallback asks for the agent's stored plan
 // only where an agent prepares ahead, and applies the rules in place,
 // saying why on its line, when there is none, when the namespace does
@@ -65,33 +95,13 @@ func TestFallbackStoredPlans(t *testing.T) {
 		{name: "send fails", dir: true, rules: storedRules{stored: true}, why: "its send failed", askedStore: 1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			run := t.TempDir()
-			if c.dir {
-				if err := os.Mkdir(filepath.Join(run, prepared.DirName), 0o700); err != nil {
-					t.Fatal(err)
-				}
-			}
-			var out, logs bytes.Buffer
 			rules := c.rules
-			p := &Plugin{Log: logging.New(&logs), Stdout: &out, Rules: &rules, StoredPlans: true,
-				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
-			conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + run + `","prevResult":` + prevResultFor("1.0.0") + `}`
-			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: filepath.Join(run, "no-such-netns"), IfName: "eth0",
-				Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web", StdinData: []byte(conf)})
-			if err != nil {
-				t.Fatalf("ADD: %v\n%s", err, logs.String())
-			}
+			line, logs := fallbackAdd(t, &rules, c.dir)
 			if rules.applied != 1 || rules.askedStored != c.askedStore {
-				t.Fatalf("applied in place %d times, stored plan asked %d times; want 1 and %d\n%s", rules.applied, rules.askedStored, c.askedStore, logs.String())
-			}
-			var line string
-			for _, l := range strings.Split(logs.String(), "\n") {
-				if strings.Contains(l, "redirect rules programmed") {
-					line = l
-				}
+				t.Fatalf("applied in place %d times, stored plan asked %d times; want 1 and %d\n%s", rules.applied, rules.askedStored, c.askedStore, logs)
 			}
 			if !strings.Contains(line, `"stored_plan":false`) || !strings.Contains(line, c.why) {
-				t.Fatalf("the line does not say why no stored plan (%q):\n%s", c.why, logs.String())
+				t.Fatalf("the line does not say why no stored plan (%q):\n%s", c.why, logs)
 			}
 		})
 	}
@@ -139,37 +149,17 @@ func TestFallbackPreparesHere(t *testing.T) {
 		{name: "namespace does not read", examineErr: errors.New("listing tables: EBUSY"), why: "preparing the requests: listing tables: EBUSY"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			run := t.TempDir()
-			if c.dir {
-				if err := os.Mkdir(filepath.Join(run, prepared.DirName), 0o700); err != nil {
-					t.Fatal(err)
-				}
-			}
-			var out, logs bytes.Buffer
 			rules := &unfitRules{unfit: c.unfit, examineErr: c.examineErr}
-			p := &Plugin{Log: logging.New(&logs), Stdout: &out, Rules: rules, StoredPlans: true,
-				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: injected(nil)}, nil }}
-			conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + run + `","prevResult":` + prevResultFor("1.0.0") + `}`
-			err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: filepath.Join(run, "no-such-netns"), IfName: "eth0",
-				Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web", StdinData: []byte(conf)})
-			if err != nil {
-				t.Fatalf("ADD: %v\n%s", err, logs.String())
-			}
+			line, logs := fallbackAdd(t, rules, c.dir)
 			wantHere := 1
 			if c.unfit != "" || c.examineErr != nil {
 				wantHere = 0
 			}
 			if rules.applied != 1 || rules.askedHere != wantHere {
-				t.Fatalf("applied in place %d times, prepared here %d; want 1 and %d\n%s", rules.applied, rules.askedHere, wantHere, logs.String())
-			}
-			var line string
-			for _, l := range strings.Split(logs.String(), "\n") {
-				if strings.Contains(l, "redirect rules programmed") {
-					line = l
-				}
+				t.Fatalf("applied in place %d times, prepared here %d; want 1 and %d\n%s", rules.applied, rules.askedHere, wantHere, logs)
 			}
 			if !strings.Contains(line, `"prepared_here":false`) || !strings.Contains(line, c.why) || strings.Contains(line, "stored_plan") {
-				t.Fatalf("the line does not say why the requests prepared here were not sent (%q):\n%s", c.why, logs.String())
+				t.Fatalf("the line does not say why the requests prepared here were not sent (%q):\n%s", c.why, logs)
 			}
 		})
 	}

@@ -2,49 +2,14 @@ package e2e
 
 import (
 	"context"
-	"encoding/json"
-	"io"
 	"net"
-	"net/http"
 	"os/exec"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
-
-// pluginLines serves the agent's log socket in runDir, as the agent does,
-// and returns what has arrived so far, one JSON line each.
-func pluginLines(t *testing.T, runDir string) func() []string {
-	t.Helper()
-	l, err := net.Listen("unix", filepath.Join(runDir, "log.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var lines []string
-	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, _ := io.ReadAll(r.Body)
-		var got []string
-		if json.Unmarshal(body, &got) != nil {
-			w.WriteHeader(http.StatusBadRequest)
-			return
-		}
-		mu.Lock()
-		lines = append(lines, got...)
-		mu.Unlock()
-	})}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { srv.Close() })
-	return func() []string {
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]string(nil), lines...)
-	}
-}
 
 // addLine is the fallback's "redirect rules programmed" line for the
 // pod's ADD number n (from 1), waited for: the plugin sends its lines as
