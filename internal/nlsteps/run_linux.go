@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,10 +31,43 @@ func Run(t *Txn) error {
 			for j := range t.Undo {
 				_ = runStep(&t.Undo[j])
 			}
+			if i > 0 {
+				// The kernel took the steps before this one, and whoever
+				// reads the error next may find them in the namespace.
+				undone := ""
+				if len(t.Undo) > 0 {
+					undone = "; the undo steps ran"
+				}
+				return fmt.Errorf("%w (after the %s, which the kernel took%s)", err, kinds(t.Steps[:i]), undone)
+			}
 			return err
 		}
 	}
 	return nil
+}
+
+// kind names what a step's requests are, for errors.
+func (s *Step) kind() string {
+	switch {
+	case s.Batch:
+		return "nf_tables transaction"
+	case s.Proto == unix.NETLINK_ROUTE:
+		return "routing requests"
+	case s.Proto == unix.NETLINK_NETFILTER:
+		return "ipset requests"
+	}
+	return "netlink requests"
+}
+
+// kinds names the steps' requests, each kind once, in order.
+func kinds(steps []Step) string {
+	var out []string
+	for i := range steps {
+		if k := steps[i].kind(); !slices.Contains(out, k) {
+			out = append(out, k)
+		}
+	}
+	return strings.Join(out, " and ")
 }
 
 // Batch markers of nfnetlink, and the subsystem a batch is for.
@@ -184,14 +218,9 @@ func (s *Step) collect(fd int, waits map[uint32]bool, batchSeq, start, end uint3
 }
 
 func (s *Step) refusal(refused []string) error {
-	kind := "netlink requests"
-	switch {
-	case s.Batch:
-		kind = "nf_tables transaction (nothing of it applied)"
-	case s.Proto == unix.NETLINK_ROUTE:
-		kind = "routing requests"
-	case s.Proto == unix.NETLINK_NETFILTER:
-		kind = "ipset requests"
+	kind := s.kind()
+	if s.Batch {
+		kind += " (nothing of it applied)"
 	}
 	if len(refused) > 3 {
 		refused = append(refused[:3], fmt.Sprintf("%d more", len(refused)-3))

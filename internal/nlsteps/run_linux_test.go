@@ -1,6 +1,7 @@
 package nlsteps_test
 
 import (
+	"encoding/binary"
 	"os"
 	"runtime"
 	"strings"
@@ -80,7 +81,8 @@ func TestRunInTheNamespace(t *testing.T) {
 	undo := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
 	tableMsg(&undo, "undone")
 	_, err = nlsteps.RunIn(f, &nlsteps.Txn{Steps: append(routes, again), Undo: []nlsteps.Step{undo}})
-	if err == nil || !strings.Contains(err.Error(), "table inet two: file exists") || !strings.Contains(err.Error(), "nothing of it applied") {
+	if err == nil || !strings.Contains(err.Error(), "table inet two: file exists") || !strings.Contains(err.Error(), "nothing of it applied") ||
+		!strings.Contains(err.Error(), "after the routing requests, which the kernel took; the undo steps ran") {
 		t.Fatalf("a batch over an existing table: %v", err)
 	}
 	if got := testutil.RunIn(t, pod, "nft", "list", "tables"); got != "table inet one\ntable inet two\ntable inet undone\n" {
@@ -92,6 +94,30 @@ func TestRunInTheNamespace(t *testing.T) {
 	}
 	if got := testutil.RunIn(t, pod, "ip", "rule"); strings.Count(got, "fwmark 0x539 lookup 133") != 1 {
 		t.Fatalf("policy rules after two sends:\n%s", got)
+	}
+}
+
+// TestRunSaysWhatLanded: a step refused after a batch the kernel took
+// says so, since the batch's rules stay in the namespace for whoever
+// reads the error (a fallback that then applies in place finds them).
+func TestRunSaysWhatLanded(t *testing.T) {
+	testutil.RequireTools(t, "nft")
+	pod, f := podNS(t)
+	batch := nlsteps.Step{Proto: unix.NETLINK_NETFILTER, Batch: true}
+	tableMsg(&batch, "landed")
+	// A default route through an interface the namespace lacks.
+	route := nlsteps.Step{Proto: unix.NETLINK_ROUTE}
+	body := []byte{unix.AF_INET, 0, 0, 0, 100, unix.RTPROT_BOOT, unix.RT_SCOPE_UNIVERSE, unix.RTN_UNICAST, 0, 0, 0, 0}
+	oif := make([]byte, 4)
+	binary.NativeEndian.PutUint32(oif, 9999)
+	route.Add(unix.RTM_NEWROUTE, nlsteps.FlagCreate|nlsteps.FlagExcl, nlsteps.Attr(body, unix.RTA_OIF, oif), "route default dev #9999 table 100")
+	_, err := nlsteps.RunIn(f, &nlsteps.Txn{Steps: []nlsteps.Step{batch, route}})
+	if err == nil || !strings.Contains(err.Error(), "route default dev #9999 table 100") ||
+		!strings.HasSuffix(err.Error(), "(after the nf_tables transaction, which the kernel took)") {
+		t.Fatalf("a route refused after a batch: %v", err)
+	}
+	if got := testutil.RunIn(t, pod, "nft", "list", "tables"); got != "table inet landed\n" {
+		t.Fatalf("the namespace holds %q", got)
 	}
 }
 
