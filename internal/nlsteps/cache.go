@@ -2,6 +2,7 @@ package nlsteps
 
 import (
 	"container/list"
+	"fmt"
 	"sync"
 )
 
@@ -60,6 +61,19 @@ func (c *Cache) Get(key string, prepare func() (*Txn, error)) (txn *Txn, hit boo
 	c.pending[key] = p
 	c.mu.Unlock()
 
+	// A panicking prepare (which the agent recovers from, failing that
+	// command) must not leave the key pending: every later caller of it
+	// would wait for ever, holding its namespace's locks.
+	defer func() {
+		if r := recover(); r != nil {
+			c.mu.Lock()
+			delete(c.pending, key)
+			c.mu.Unlock()
+			p.txn, p.err = nil, fmt.Errorf("preparing the requests panicked: %v", r)
+			close(p.done)
+			panic(r)
+		}
+	}()
 	p.txn, p.err = prepare()
 	if p.err == nil {
 		if size := p.txn.Size(); size > MaxTxn {

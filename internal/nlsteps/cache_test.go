@@ -4,6 +4,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 func txnOf(size int) *Txn {
@@ -84,5 +85,46 @@ func TestCacheOnePreparationPerKey(t *testing.T) {
 	}
 	if !strings.Contains(got[0].Describe(), "x") {
 		t.Fatalf("describe: %q", got[0].Describe())
+	}
+}
+
+// TestCachePanickingPreparation: a preparation that panics passes the
+// panic to its caller, fails the callers waiting for it, and leaves the
+// key to be prepared again: nothing waits for it for ever.
+func TestCachePanickingPreparation(t *testing.T) {
+	c := NewCache(1 << 20)
+	started, release := make(chan struct{}), make(chan struct{})
+	recovered := make(chan any, 1)
+	go func() {
+		defer func() { recovered <- recover() }()
+		_, _, _ = c.Get("k", func() (*Txn, error) {
+			close(started)
+			<-release
+			panic("compile bug")
+		})
+	}()
+	<-started
+	// Waiting for the panicking preparation, or, arriving after it,
+	// preparing anew: either way it returns.
+	waited := make(chan error, 1)
+	go func() {
+		_, _, err := c.Get("k", func() (*Txn, error) { return txnOf(10), nil })
+		waited <- err
+	}()
+	close(release)
+	if r := <-recovered; r != "compile bug" {
+		t.Fatalf("the preparing caller recovered %v", r)
+	}
+	select {
+	case err := <-waited:
+		if err != nil && !strings.Contains(err.Error(), "panicked: compile bug") {
+			t.Fatalf("a waiting caller: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a caller of the key still waits for a preparation that panicked")
+	}
+	txn, _, err := c.Get("k", func() (*Txn, error) { return txnOf(10), nil })
+	if err != nil || txn == nil {
+		t.Fatalf("preparing the key again: %v", err)
 	}
 }

@@ -21,27 +21,32 @@ const replyTimeout = 10
 // Run sends the transaction's steps in order from the calling thread,
 // which must be in the pod's network namespace and stay there (a locked
 // OS thread). A step the kernel refuses fails the run with the message's
-// name and the kernel's words; the undo steps then run.
+// name and the kernel's words; the undo steps then run, unless a rule
+// batch had landed (its rules use what the undo would remove).
 func Run(t *Txn) error {
 	if err := t.Validate(); err != nil {
 		return fmt.Errorf("prepared rules: %w", err)
 	}
+	batched := false
 	for i := range t.Steps {
-		if err := runStep(&t.Steps[i]); err != nil {
+		err := runStep(&t.Steps[i])
+		if err == nil {
+			batched = batched || t.Steps[i].Batch
+			continue
+		}
+		undone := ""
+		if !batched && len(t.Undo) > 0 {
 			for j := range t.Undo {
 				_ = runStep(&t.Undo[j])
 			}
-			if i > 0 {
-				// The kernel took the steps before this one, and whoever
-				// reads the error next may find them in the namespace.
-				undone := ""
-				if len(t.Undo) > 0 {
-					undone = "; the undo steps ran"
-				}
-				return fmt.Errorf("%w (after the %s, which the kernel took%s)", err, kinds(t.Steps[:i]), undone)
-			}
+			undone = "; the undo steps ran"
+		}
+		if i == 0 {
 			return err
 		}
+		// The kernel took the steps before this one, and whoever reads
+		// the error next may find them in the namespace.
+		return fmt.Errorf("%w (after the %s, which the kernel took%s)", err, kinds(t.Steps[:i]), undone)
 	}
 	return nil
 }
