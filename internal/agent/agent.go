@@ -377,9 +377,9 @@ func (a *Agent) startRepair(ctx context.Context, cfg *Config, pods *podcache.Cac
 		a.log.Warn("repair is enabled but no mode is: set repair-repair-pods, repair-delete-pods or repair-label-pods")
 		return nil
 	}
-	// Repair writes rules under the same per-namespace lock as the CNI
-	// commands, so the start-up scan and an ADD never race.
-	rules := &lockedRules{Rules: iptablesRules(cfg), locker: a.locker}
+	// Repair writes rules under the same per-namespace locks as the CNI
+	// commands and the relays, so the start-up scan and an ADD never race.
+	rules := &lockedRules{Rules: iptablesRules(cfg), locker: a.locker, runDir: cfg.Loop.Install.RunDir, log: a.log}
 	if cfg.Loop.Install.Entry.NativeNftables {
 		rules.Rules = nftablesRules()
 	}

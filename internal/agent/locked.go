@@ -1,7 +1,9 @@
 package agent
 
 import (
+	"log/slog"
 	"net/netip"
+	"os"
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
@@ -12,10 +14,15 @@ import (
 )
 
 // lockedRules is a rule backend whose reads-then-writes of a namespace
-// hold that namespace's lock, shared with the CNI server's commands.
+// hold that namespace's lock, shared with the CNI server's commands, and
+// whose writes also hold the namespace's writers' lock under runDir,
+// shared with the relays and the fallback (nslock.LockWriters), taken
+// after the first as the CNI server's commands take them.
 type lockedRules struct {
 	plugin.Rules
 	locker *nslock.Locker
+	runDir string
+	log    *slog.Logger
 }
 
 var _ plugin.Rules = (*lockedRules)(nil)
@@ -31,7 +38,32 @@ func (r *lockedRules) lock(netnsPath string) func() {
 
 func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
 	defer r.lock(netnsPath)()
+	if r.runDir != "" {
+		defer r.lockWriters(netnsPath)()
+	}
 	return r.Rules.Apply(netnsPath, plan)
+}
+
+// lockWriters takes the namespace's writers' lock, so that a relay
+// sending a prepared transaction into the namespace at the same moment
+// (a sandbox made again, whose pod the start-up scan repairs) finds the
+// rules in rather than has its transaction refused. A lock that cannot be
+// taken leaves the write unlocked, with a warning, as the plugin does.
+func (r *lockedRules) lockWriters(netnsPath string) func() {
+	netns, err := os.Open(netnsPath) //nolint:gosec // G304: a pod's namespace found under the host's /proc
+	if err != nil {
+		// The backend reports the missing namespace itself.
+		return func() {}
+	}
+	defer netns.Close()
+	unlock, err := nslock.LockWriters(r.runDir, netns)
+	if err != nil {
+		if r.log != nil {
+			r.log.Warn(plugin.UnlockedWarning, "netns", netnsPath, "error", err.Error())
+		}
+		return func() {}
+	}
+	return unlock
 }
 
 func (r *lockedRules) Check(netnsPath string, plan *ruleset.Plan) error {

@@ -70,9 +70,11 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		// too: plugin.Add); the next relay then finds our tables and asks
 		// the agent. Held until the rules are in, or the relay turns to
 		// the agent; a lock that cannot be taken leaves the ADD as it was
-		// before the lock.
+		// before the lock, and the agent's log says why.
 		if unlock, err := nslock.LockWriters(runDir, netns); err == nil {
 			defer unlock()
+		} else {
+			done.Unlocked = err.Error()
 		}
 		sent := false
 		err := nlsteps.InNetNS(netns, func() error {

@@ -274,7 +274,7 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 	n := testutil.NewNS(t)
 	testutil.RunIn(t, n, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
 	testutil.RunIn(t, n, "ip", "addr", "add", "10.1.0.2/24", "dev", "eth0", "nodad")
-	a := startAgent(t, nil, nil)
+	a := startAgent(t, nil, nil, nil)
 	stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir + `","prevResult":` + prev + `}`
 	conf, err := prepared.ParseConfig([]byte(stdin))
 	if err != nil {
@@ -303,7 +303,7 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 		}()
 		return done
 	}
-	served := func(done chan error) {
+	served := func(done chan error) *Done {
 		t.Helper()
 		select {
 		case err := <-done:
@@ -318,9 +318,11 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 		default:
 			t.Fatal("the relay did not send")
 		}
-		if got := <-a.got; got.req.Done == nil {
+		got := <-a.got
+		if got.req.Done == nil {
 			t.Fatalf("the agent heard %+v, want the account of an ADD served from the record", got.req)
 		}
+		return got.req.Done
 	}
 
 	// The pod's own file, locked as a process of the pod could.
@@ -331,7 +333,9 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 	if err := unix.Flock(int(podHeld.Fd()), unix.LOCK_EX); err != nil {
 		t.Fatal(err)
 	}
-	served(add())
+	if d := served(add()); d.Unlocked != "" {
+		t.Fatalf("served without the lock: %s", d.Unlocked)
+	}
 	_ = podHeld.Close()
 
 	unlock, err := nslock.LockWriters(a.runDir, openNS(t, n.Path()))
@@ -370,6 +374,15 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 	}
 	unlock()
 	served(done)
+
+	// A lock directory others may write to is not used: the rules go in
+	// without the lock, and the agent hears why.
+	if err := os.Chmod(filepath.Join(a.runDir, nslock.WritersDir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if d := served(add()); !strings.Contains(d.Unlocked, "is not a directory private to uid") {
+		t.Fatalf("served with an unusable lock directory, the agent heard %+v", d)
+	}
 }
 
 // openNS opens the namespace at path, closed with the test.

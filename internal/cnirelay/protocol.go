@@ -87,6 +87,9 @@ type Done struct {
 	IPv6    bool   `json:"ipv6,omitempty"`
 	// Error is why sending the rules failed, which failed the ADD.
 	Error string `json:"error,omitempty"`
+	// Unlocked is why the namespace's writers' lock could not be taken
+	// (the rules were sent without it), for a warning in the agent's log.
+	Unlocked string `json:"unlocked,omitempty"`
 	// Took is the send's time, Total the relay's from its start, and CPU
 	// the relay's CPU time (nanoseconds).
 	Took  time.Duration `json:"took,omitempty"`

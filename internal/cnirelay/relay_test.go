@@ -494,7 +494,7 @@ func TestRequestAsJSON(t *testing.T) {
 		{Command: "DEL"},
 		{Command: "ADD", Args: "a", Done: &Done{}},
 		{Command: "ADD", Args: "a", Unprepared: "no entry for \"this\" config"},
-		{Command: "ADD", Args: "a", Done: &Done{Skip: "s\"", Mode: "REDIRECT", Summary: "nftables", IPv6: true, Error: "e\n", Took: 1, Total: -2, CPU: 3}},
+		{Command: "ADD", Args: "a", Done: &Done{Skip: "s\"", Mode: "REDIRECT", Summary: "nftables", IPv6: true, Error: "e\n", Unlocked: "dir \"x\"", Took: 1, Total: -2, CPU: 3}},
 		{Command: "ADD", Args: "K=\"q\"\\;\n\t\x01\x1f\u2028é<&>", Stdin: []byte{0, 0xff}, Netns: "bad \xff\xfe utf-8"},
 	} {
 		checkRequestJSON(t, req)

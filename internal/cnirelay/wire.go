@@ -180,6 +180,7 @@ func (d *Done) appendJSON(b []byte) []byte {
 		b = append(b, "true"...)
 	}
 	str("error", d.Error)
+	str("unlocked", d.Unlocked)
 	num("took", d.Took)
 	num("total", d.Total)
 	num("cpu", d.CPU)

@@ -90,19 +90,8 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 	}
 	_, err := p.inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		// A pod new to the node goes first: its sandbox is being made.
-		AddFunc: func(obj any) { p.enqueue(obj, true) },
-		UpdateFunc: func(old, obj any) {
-			// The kubelet's status updates of a pod it is starting come
-			// as its sandbox is made, in a burst while the agent's
-			// container is shortest of CPU: a record they cannot change
-			// is not prepared again.
-			if o, ok := old.(*corev1.Pod); ok {
-				if n, ok := obj.(*corev1.Pod); ok && sameForADD(o, n) {
-					return
-				}
-			}
-			p.enqueue(obj, false)
-		},
+		AddFunc:    func(obj any) { p.enqueue(obj, true) },
+		UpdateFunc: p.updated,
 		DeleteFunc: func(obj any) {
 			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = t.Obj
@@ -142,6 +131,25 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 		close(p.done)
 	}()
 	return nil
+}
+
+// updated takes a pod's update. The kubelet's status updates of a pod it
+// is starting come as its sandbox is made, in a burst while the agent's
+// container is shortest of CPU: a record they cannot change is not
+// prepared again. One they change (an annotation, or the pod started) is
+// removed at once, before the worker, which may be behind, writes the new
+// one: until then the pod's relay asks the agent, which reads the pod as
+// it is now, rather than send what its old version asked for.
+func (p *preparer) updated(old, obj any) {
+	if o, ok := old.(*corev1.Pod); ok {
+		if n, ok := obj.(*corev1.Pod); ok {
+			if sameForADD(o, n) {
+				return
+			}
+			p.forget(n)
+		}
+	}
+	p.enqueue(obj, false)
 }
 
 func (p *preparer) enqueue(obj any, first bool) {
@@ -440,6 +448,9 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 		return
 	}
 	d := req.Done
+	if d.Unlocked != "" {
+		l.Warn(unlockedWarning, "error", d.Unlocked, "prepared", true)
+	}
 	result := "ok"
 	if d.Error != "" {
 		result = "999"
@@ -461,6 +472,11 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 			"plugin_cpu", d.CPU.String())
 	}
 }
+
+// unlockedWarning is the agent's line for a relay that sent a pod's rules
+// without the namespace's writers' lock (plugin.Add's for the agent and
+// the fallback says the same).
+const unlockedWarning = plugin.UnlockedWarning
 
 // prepQueue is the preparer's queue of pod keys, each waiting once: the
 // pods new to the node first, then the rest (updates, and every pending

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -100,5 +101,36 @@ func TestAddHoldsNamespaceLock(t *testing.T) {
 				t.Fatal("the namespace's lock outlived the ADD")
 			}
 		})
+	}
+}
+
+// TestAddWarnsWithoutLock: a lock directory others may write to is not
+// used; the ADD still programs the pod's rules, and its log says the
+// lock was not taken and why.
+func TestAddWarnsWithoutLock(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "netns")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runDir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(runDir, nslock.WritersDir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(filepath.Join(runDir, nslock.WritersDir), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	rules := &lockRules{held: func() bool { return false }}
+	var out, logs bytes.Buffer
+	src := &fakeSource{pod: injected(nil)}
+	p := &Plugin{Log: logging.New(&logs), Stdout: &out, Rules: rules,
+		NewSource: func(*Config, string) (podinfo.Source, error) { return src, nil }}
+	err := p.Add(&skel.CmdArgs{ContainerID: "c1", Netns: path, IfName: "eth0",
+		Args: cniArgs("default", "web"), StdinData: ambientConf(false, `"cni_agent_run_dir":"`+runDir+`"`)})
+	checkAdd(t, err, &out, nil)
+	if rules.appliedIn != path {
+		t.Fatalf("rules applied in %q, want %s", rules.appliedIn, path)
+	}
+	if !strings.Contains(logs.String(), UnlockedWarning) || !strings.Contains(logs.String(), "is not a directory private to uid") {
+		t.Fatalf("the ADD's log does not say the lock was not taken, and why:\n%s", logs.String())
 	}
 }

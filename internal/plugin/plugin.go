@@ -362,7 +362,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	// namespace at once (a runtime's retry) never both find it fresh and
 	// both send a fresh namespace's rules; the second finds ours. The
 	// agent's own mutex serialises only its own work.
-	defer lockWriters(req.conf.CNIAgentRunDir, args.Netns)()
+	defer lockWriters(req.log, req.conf.CNIAgentRunDir, args.Netns)()
 	if p.StoredPlans && p.Commit == nil {
 		fb = p.fallbackRequests(req, args.Netns, d.Params)
 		plan = fb.plan
@@ -496,18 +496,23 @@ func (p *Plugin) fallbackRequests(req *request, netnsPath string, params redirec
 	return f
 }
 
+// UnlockedWarning is logged for an ADD that writes a pod's rules without
+// the namespace's writers' lock: two writers of one namespace at once
+// may then both find it fresh, and the kernel refuses the second's rules.
+const UnlockedWarning = "the namespace's writers' lock could not be taken; writing the pod's rules without it"
+
 // lockWriters takes the writers' lock of the namespace at netnsPath
 // (nslock.LockWriters) and returns its release. A namespace that cannot
-// be opened or locked is left unlocked: the ADD goes on as it would
-// without the lock.
-func lockWriters(runDir, netnsPath string) (unlock func()) {
+// be opened or locked is left unlocked, with a warning: the ADD goes on
+// as it would without the lock.
+func lockWriters(log *slog.Logger, runDir, netnsPath string) (unlock func()) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
-	if err != nil {
-		return func() {}
+	if err == nil {
+		defer netns.Close()
+		unlock, err = nslock.LockWriters(runDir, netns)
 	}
-	defer netns.Close()
-	unlock, err = nslock.LockWriters(runDir, netns)
 	if err != nil {
+		log.Warn(UnlockedWarning, "error", err.Error())
 		return func() {}
 	}
 	return unlock
