@@ -51,7 +51,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
@@ -70,6 +70,10 @@ type clusterArm struct {
 	// again marks a second arm without the plugin, compared with
 	// `without` as the plugin's arms are: the alternation's own drift.
 	again bool
+	// plain runs every pod of the burst through the plain runtime
+	// handler, with the chart installed: what the agent's presence on
+	// the node costs a burst whose pods the plugin never serves.
+	plain bool
 }
 
 // clusterArms are the arms the series knows. Each with-plugin arm is the
@@ -86,6 +90,8 @@ var clusterArms = map[string]clusterArm{
 		again: true},
 	"mixed-none": {name: "mixed-none", about: "no istio-cni, the burst split as mixed splits it (every other pod through the plain handler): the comparison's own spread, both halves without the plugin",
 		mixed: true},
+	"chart-only": {name: "chart-only", about: "istio-cni installed (chart defaults), but every pod of the burst through a runtime handler without it: the agent's presence alone",
+		values: func(map[string]any) {}, plain: true},
 	"mixed-waiting": {name: "mixed-waiting", about: "mixed, but relays with no record wait for the agent however long it takes (CNI_AGENT_WAIT=0), as before relays left a slow agent",
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_AGENT_WAIT"] = "0" }, mixed: true},
 }
@@ -173,7 +179,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	for _, name := range parseArms(cfg.arms) {
 		arm, ok := clusterArms[name]
 		if !ok {
-			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again)", name)
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only)", name)
 		}
 		res.arms = append(res.arms, arm)
 	}
@@ -249,6 +255,14 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 		classes = mixedClasses(index)
 	}
 	ps := sidecarPods(round, cfg.pods, classes)
+	if arm.plain {
+		// Named as a plugin arm's pods, so the burst is compared with
+		// `without` as theirs are.
+		plain := testenv.PlainRuntimeClass
+		for _, p := range ps {
+			p.Spec.RuntimeClassName = &plain
+		}
+	}
 	if arm.values == nil {
 		return burst(ctx, one, ps, "")
 	}
@@ -272,6 +286,9 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 	pl := pluginLines(agent, round)
 	f.pluginCPU, f.agentTime, f.agentOwn, f.fallback, f.prepared = pl.cpu, pl.took, pl.own, pl.fallback, pl.prepared
 	f.left, f.fallbackTime, f.fallbackLookup, f.fallbackCPU = pl.left, pl.fbTook, pl.fbLookup, pl.fbCPU
+	if arm.plain && len(f.pluginCPU)+f.fallback > 0 {
+		return burstFigures{}, fmt.Errorf("round %s: the plugin served %d ADDs of pods of the plain runtime handler", round, len(f.pluginCPU)+f.fallback)
+	}
 	if arm.mixed {
 		// Each half is what it says: the plugin served every pod of its
 		// half, and never saw one of the other.
