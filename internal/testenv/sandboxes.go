@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -157,4 +158,24 @@ func runtimeTimes(ctx context.Context, rt runtimeapi.RuntimeServiceClient, ns st
 		out[name] = t
 	}
 	return out, nil
+}
+
+// CNIConfigNames reports whether the CNI config the runtime has loaded
+// (its CRI status, verbose) names s: a config file written is taken up
+// by the runtime a moment later, through its own file watch.
+func (n *KubeNode) CNIConfigNames(ctx context.Context, s string) (bool, error) {
+	var names bool
+	err := n.withRuntime(func(rt runtimeapi.RuntimeServiceClient) error {
+		st, err := rt.Status(ctx, &runtimeapi.StatusRequest{Verbose: true})
+		if err != nil {
+			return err
+		}
+		for k, v := range st.Info {
+			if strings.HasPrefix(k, "cniconfig") && strings.Contains(v, s) {
+				names = true
+			}
+		}
+		return nil
+	})
+	return names, err
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -51,7 +52,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
-	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only")
+	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only, chained-tuning")
 }
 
 // maxPods is the kubelet's default limit of pods on a node.
@@ -74,6 +75,10 @@ type clusterArm struct {
 	// handler, with the chart installed: what the agent's presence on
 	// the node costs a burst whose pods the plugin never serves.
 	plain bool
+	// tuning chains the reference tuning plugin, configured to do
+	// nothing, after the primary, with no istio-cni: what any chained
+	// plugin's process costs a burst, beside what the relay costs.
+	tuning bool
 }
 
 // clusterArms are the arms the series knows. Each with-plugin arm is the
@@ -92,6 +97,8 @@ var clusterArms = map[string]clusterArm{
 		mixed: true},
 	"chart-only": {name: "chart-only", about: "istio-cni installed (chart defaults), but every pod of the burst through a runtime handler without it: the agent's presence alone",
 		values: func(map[string]any) {}, plain: true},
+	"chained-tuning": {name: "chained-tuning", about: "no istio-cni, but the reference tuning plugin chained after the primary, doing nothing: one more plugin process per pod, as the relay is",
+		tuning: true},
 	"mixed-waiting": {name: "mixed-waiting", about: "mixed, but relays with no record wait for the agent however long it takes (CNI_AGENT_WAIT=0), as before relays left a slow agent",
 		values: func(v map[string]any) { v["env"].(map[string]any)["CNI_AGENT_WAIT"] = "0" }, mixed: true},
 }
@@ -179,7 +186,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	for _, name := range parseArms(cfg.arms) {
 		arm, ok := clusterArms[name]
 		if !ok {
-			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only)", name)
+			return nil, fmt.Errorf("unknown cluster arm %q (known: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only, chained-tuning)", name)
 		}
 		res.arms = append(res.arms, arm)
 	}
@@ -262,6 +269,17 @@ func armBurst(ctx context.Context, one *testenv.OneNode, cfg clusterConfig, arm 
 		for _, p := range ps {
 			p.Spec.RuntimeClassName = &plain
 		}
+	}
+	if arm.tuning {
+		restore, err := chainTuning(ctx, one.Node)
+		if err != nil {
+			return burstFigures{}, err
+		}
+		f, err := burst(ctx, one, ps, "")
+		if rerr := restore(); err == nil {
+			err = rerr
+		}
+		return f, err
 	}
 	if arm.values == nil {
 		return burst(ctx, one, ps, "")
@@ -845,4 +863,58 @@ func monoSpan() (end func(label string)) {
 		_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &t1)
 		fmt.Fprintf(os.Stderr, "%s: CLOCK_MONOTONIC %d.%06d,%d.%06d\n", label, t0.Sec, t0.Nsec/1000, t1.Sec, t1.Nsec/1000)
 	}
+}
+
+// chainTuning puts the reference tuning plugin, with nothing to tune,
+// after the primary in the node's CNI config, and waits for the runtime
+// to load it; restore puts the config back as it was and waits again.
+func chainTuning(ctx context.Context, n *testenv.KubeNode) (restore func() error, err error) {
+	path := filepath.Join(n.ConfDir, "10-ptp.conflist")
+	orig, err := os.ReadFile(path) //nolint:gosec // G304: the test node's own config
+	if err != nil {
+		return nil, err
+	}
+	var list map[string]any
+	if err := json.Unmarshal(orig, &list); err != nil {
+		return nil, err
+	}
+	plugins, _ := list["plugins"].([]any)
+	list["plugins"] = append(plugins, map[string]any{"type": "tuning"})
+	chained, err := json.Marshal(list)
+	if err != nil {
+		return nil, err
+	}
+	bin := filepath.Join(n.BinDir, "tuning")
+	if _, err := os.Lstat(bin); err != nil {
+		if err := os.Symlink(filepath.Join(testenv.ReferencePluginDir, "tuning"), bin); err != nil {
+			return nil, err
+		}
+	}
+	write := func(data []byte, loaded bool) error {
+		tmp := path + ".new"
+		if err := os.WriteFile(tmp, data, 0o644); err != nil { //nolint:gosec // G306: a CNI config, world-readable as the runtime's are
+			return err
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			return err
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			names, err := n.CNIConfigNames(ctx, `tuning`)
+			if err != nil {
+				return err
+			}
+			if names == loaded {
+				return nil
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("the runtime did not take up the CNI config with tuning %v in 30 s", loaded)
+			}
+			time.Sleep(20 * time.Millisecond) // polling the runtime's loaded config, bounded
+		}
+	}
+	if err := write(chained, true); err != nil {
+		return nil, err
+	}
+	return func() error { return write(orig, false) }, nil
 }

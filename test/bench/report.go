@@ -329,7 +329,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				// Its own bursts' plain half, started side by side.
 				against, base = "its plain half", plainHalves(r.bursts[size][a.name])
 			}
-			if (a.values == nil && !a.mixed && !a.again) || len(base) == 0 {
+			if (a.values == nil && !a.mixed && !a.again && !a.tuning) || len(base) == 0 {
 				continue
 			}
 			baseAll, baseLasts, _ := burstStats(base)
