@@ -3,7 +3,6 @@ package agent
 import (
 	"log/slog"
 	"net/netip"
-	"os"
 
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
@@ -39,31 +38,13 @@ func (r *lockedRules) lock(netnsPath string) func() {
 func (r *lockedRules) Apply(netnsPath string, plan *ruleset.Plan) (podnet.Report, error) {
 	defer r.lock(netnsPath)()
 	if r.runDir != "" {
-		defer r.lockWriters(netnsPath)()
+		// A relay sending a prepared transaction into the namespace at
+		// the same moment (a sandbox made again, whose pod the start-up
+		// scan repairs) then finds the rules in, rather than has its
+		// transaction refused.
+		defer plugin.LockWriters(r.log, r.runDir, netnsPath)()
 	}
 	return r.Rules.Apply(netnsPath, plan)
-}
-
-// lockWriters takes the namespace's writers' lock, so that a relay
-// sending a prepared transaction into the namespace at the same moment
-// (a sandbox made again, whose pod the start-up scan repairs) finds the
-// rules in rather than has its transaction refused. A lock that cannot be
-// taken leaves the write unlocked, with a warning, as the plugin does.
-func (r *lockedRules) lockWriters(netnsPath string) func() {
-	netns, err := os.Open(netnsPath) //nolint:gosec // G304: a pod's namespace found under the host's /proc
-	if err != nil {
-		// The backend reports the missing namespace itself.
-		return func() {}
-	}
-	defer netns.Close()
-	unlock, err := nslock.LockWriters(r.runDir, netns)
-	if err != nil {
-		if r.log != nil {
-			r.log.Warn(plugin.UnlockedWarning, "netns", netnsPath, "error", err.Error())
-		}
-		return func() {}
-	}
-	return unlock
 }
 
 func (r *lockedRules) Check(netnsPath string, plan *ruleset.Plan) error {

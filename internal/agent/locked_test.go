@@ -1,19 +1,17 @@
 package agent
 
 import (
-	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // heldRules notes whether the namespace's writers' lock was held when
@@ -40,22 +38,7 @@ func TestRepairHoldsWritersLock(t *testing.T) {
 		t.Fatal(err)
 	}
 	runDir := t.TempDir()
-	held := func() bool {
-		locks, _ := filepath.Glob(filepath.Join(runDir, nslock.WritersDir, "*.lock"))
-		if len(locks) != 1 {
-			return false
-		}
-		f, err := os.Open(locks[0])
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err != nil && !errors.Is(err, unix.EWOULDBLOCK) {
-			t.Fatal(err)
-		}
-		return err != nil
-	}
+	held := func() bool { return testutil.WritersLockHeld(t, filepath.Join(runDir, nslock.WritersDir)) }
 	inner := &heldRules{held: held}
 	var logs strings.Builder
 	r := &lockedRules{Rules: inner, locker: nslock.New(), runDir: runDir, log: slog.New(slog.NewJSONHandler(&logs, nil))}

@@ -449,7 +449,9 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 	}
 	d := req.Done
 	if d.Unlocked != "" {
-		l.Warn(unlockedWarning, "error", d.Unlocked, "prepared", true)
+		// The line plugin.LockWriters logs for the agent, the fallback
+		// and repair.
+		l.Warn(plugin.UnlockedWarning, "error", d.Unlocked, "prepared", true)
 	}
 	result := "ok"
 	if d.Error != "" {
@@ -472,11 +474,6 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 			"plugin_cpu", d.CPU.String())
 	}
 }
-
-// unlockedWarning is the agent's line for a relay that sent a pod's rules
-// without the namespace's writers' lock (plugin.Add's for the agent and
-// the fallback says the same).
-const unlockedWarning = plugin.UnlockedWarning
 
 // prepQueue is the preparer's queue of pod keys, each waiting once: the
 // pods new to the node first, then the rest (updates, and every pending

@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
@@ -68,7 +69,7 @@ func TestNoteDoneWarnsWithoutLock(t *testing.T) {
 	s := &Server{Log: slog.New(slog.NewJSONHandler(&logs, nil))}
 	s.noteDone(&cnirelay.Request{Command: "ADD", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
 		Done: &cnirelay.Done{Mode: "REDIRECT", Summary: "nftables", Unlocked: "/run/locks is not a directory private to uid 0"}})
-	if !strings.Contains(logs.String(), `"level":"WARN","msg":"`+unlockedWarning) || !strings.Contains(logs.String(), "/run/locks is not a directory private") {
+	if !strings.Contains(logs.String(), `"level":"WARN","msg":"`+plugin.UnlockedWarning) || !strings.Contains(logs.String(), "/run/locks is not a directory private") {
 		t.Fatalf("the agent's log:\n%s", logs.String())
 	}
 }

@@ -2,7 +2,6 @@ package plugin
 
 import (
 	"bytes"
-	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -10,7 +9,6 @@ import (
 	"testing"
 
 	"github.com/containernetworking/cni/pkg/skel"
-	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
@@ -18,6 +16,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 // lockRules is fakeRules noting whether the namespace's lock is held
@@ -54,28 +53,7 @@ func TestAddHoldsNamespaceLock(t *testing.T) {
 				t.Fatal(err)
 			}
 			runDir := t.TempDir()
-			held := func() bool {
-				locks, err := filepath.Glob(filepath.Join(runDir, nslock.WritersDir, "*.lock"))
-				if err != nil || len(locks) > 1 {
-					t.Fatalf("lock files %v (%v), want at most the namespace's one", locks, err)
-				}
-				if len(locks) == 0 {
-					return false
-				}
-				f, err := os.Open(locks[0])
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer f.Close()
-				err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-				if err == nil {
-					return false
-				}
-				if !errors.Is(err, unix.EWOULDBLOCK) {
-					t.Fatal(err)
-				}
-				return true
-			}
+			held := func() bool { return testutil.WritersLockHeld(t, filepath.Join(runDir, nslock.WritersDir)) }
 			rules := &lockRules{held: held}
 			var out bytes.Buffer
 			src := &fakeSource{pod: injected(nil)}

@@ -362,7 +362,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	// namespace at once (a runtime's retry) never both find it fresh and
 	// both send a fresh namespace's rules; the second finds ours. The
 	// agent's own mutex serialises only its own work.
-	defer lockWriters(req.log, req.conf.CNIAgentRunDir, args.Netns)()
+	defer LockWriters(req.log, req.conf.CNIAgentRunDir, args.Netns)()
 	if p.StoredPlans && p.Commit == nil {
 		fb = p.fallbackRequests(req, args.Netns, d.Params)
 		plan = fb.plan
@@ -501,18 +501,21 @@ func (p *Plugin) fallbackRequests(req *request, netnsPath string, params redirec
 // may then both find it fresh, and the kernel refuses the second's rules.
 const UnlockedWarning = "the namespace's writers' lock could not be taken; writing the pod's rules without it"
 
-// lockWriters takes the writers' lock of the namespace at netnsPath
-// (nslock.LockWriters) and returns its release. A namespace that cannot
-// be opened or locked is left unlocked, with a warning: the ADD goes on
-// as it would without the lock.
-func lockWriters(log *slog.Logger, runDir, netnsPath string) (unlock func()) {
+// LockWriters takes the writers' lock of the namespace at netnsPath
+// under runDir (nslock.LockWriters) and returns its release: the ADD's
+// (agent or fallback) and repair's. A namespace that cannot be opened is
+// left unlocked (the backend reports it), and one whose lock cannot be
+// taken is left unlocked with a warning: the write goes on as it would
+// without the lock.
+func LockWriters(log *slog.Logger, runDir, netnsPath string) (unlock func()) {
 	netns, err := os.Open(netnsPath) //nolint:gosec // G304: the runtime's netns path, as every backend opens it
-	if err == nil {
-		defer netns.Close()
-		unlock, err = nslock.LockWriters(runDir, netns)
-	}
 	if err != nil {
-		log.Warn(UnlockedWarning, "error", err.Error())
+		return func() {}
+	}
+	defer netns.Close()
+	unlock, err = nslock.LockWriters(runDir, netns)
+	if err != nil {
+		log.Warn(UnlockedWarning, "netns", netnsPath, "error", err.Error())
 		return func() {}
 	}
 	return unlock
