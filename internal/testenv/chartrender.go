@@ -22,7 +22,10 @@ const ChartDir = "deployments/helm/istio-cni"
 // the cluster version the templates see (e.g. "v1.33.2-gke.1111"; empty
 // means Helm's default). It returns template file name -> manifest text;
 // a render failure (such as a value the chart rejects) is the error.
-func RenderChart(valuesYAML string, kubeVersion string) (map[string]string, error) {
+// Each of over is a values text merged on top, as a later -f or --set is
+// (an operator's values file, then the hub of this project's image), and
+// values that name no registry for the image get TestHub (WithTestHub).
+func RenderChart(valuesYAML string, kubeVersion string, over ...string) (map[string]string, error) {
 	root, err := RepoRoot()
 	if err != nil {
 		return nil, err
@@ -31,9 +34,9 @@ func RenderChart(valuesYAML string, kubeVersion string) (map[string]string, erro
 	if err != nil {
 		return nil, err
 	}
-	vals, err := chartutil.ReadValues([]byte(valuesYAML))
+	vals, err := ChartValues(valuesYAML, over...)
 	if err != nil {
-		return nil, fmt.Errorf("values: %w", err)
+		return nil, err
 	}
 	var caps *chartutil.Capabilities
 	if kubeVersion != "" {
@@ -49,6 +52,64 @@ func RenderChart(valuesYAML string, kubeVersion string) (map[string]string, erro
 		return nil, err
 	}
 	return engine.Render(ch, rv)
+}
+
+// ChartValues are the values RenderChart renders with: valuesYAML, each of
+// over merged on top, and TestHub when they name no registry.
+func ChartValues(valuesYAML string, over ...string) (chartutil.Values, error) {
+	vals, err := chartutil.ReadValues([]byte(valuesYAML))
+	if err != nil {
+		return nil, fmt.Errorf("values: %w", err)
+	}
+	for _, o := range over {
+		ov, err := chartutil.ReadValues([]byte(o))
+		if err != nil {
+			return nil, fmt.Errorf("values: %w", err)
+		}
+		mergeValues(vals, ov)
+	}
+	WithTestHub(vals)
+	return vals, nil
+}
+
+// TestHub is the registry the tests name for the agent's image when their
+// values name none: the chart has no default (Istio's registries hold
+// Istio's agent), so an operator always names one.
+const TestHub = "example.com/mesh"
+
+// WithTestHub gives vals TestHub as hub when they name no registry for the
+// agent's image (hub, global.hub or cni.hub, even empty, or an image
+// reference with a "/"), so that a test of another value renders as the
+// operator's install would.
+func WithTestHub(vals map[string]any) {
+	names := func(m map[string]any) bool {
+		if m == nil {
+			return false
+		}
+		_, hub := m["hub"]
+		image, _ := m["image"].(string)
+		return hub || strings.Contains(image, "/")
+	}
+	sub := func(key string) map[string]any {
+		m, _ := vals[key].(map[string]any)
+		return m
+	}
+	if !names(vals) && !names(sub("global")) && !names(sub("cni")) {
+		vals["hub"] = TestHub
+	}
+}
+
+// mergeValues merges over into vals, over winning, maps merged key by key.
+func mergeValues(vals, over map[string]any) {
+	for k, v := range over {
+		if om, ok := v.(map[string]any); ok {
+			if vm, ok := vals[k].(map[string]any); ok {
+				mergeValues(vm, om)
+				continue
+			}
+		}
+		vals[k] = v
+	}
 }
 
 // RenderedObjects splits rendered manifests into YAML documents, keyed by

@@ -70,9 +70,9 @@ type rendered struct {
 	objs  map[string]string // "Kind/name" -> YAML document
 }
 
-func renderSet(t *testing.T, values, kube string) *rendered {
+func renderSet(t *testing.T, values, kube string, over ...string) *rendered {
 	t.Helper()
-	files, err := testenv.RenderChart(values, kube)
+	files, err := testenv.RenderChart(values, kube, over...)
 	if err != nil {
 		t.Fatalf("render: %v", err)
 	}
@@ -239,6 +239,31 @@ func wantRequests(cpu, memory string) func(*testing.T, *rendered) {
 	}
 }
 
+// wantResources checks the container's requests and limits, entry by
+// entry, and that no null reached the rendered DaemonSet.
+func wantResources(requests, limits map[string]string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		res := r.container(t).Resources
+		for _, part := range []struct {
+			name string
+			got  corev1.ResourceList
+			want map[string]string
+		}{{"requests", res.Requests, requests}, {"limits", res.Limits, limits}} {
+			got := map[string]string{}
+			for k, q := range part.got {
+				got[string(k)] = q.String()
+			}
+			if len(part.want) == 0 {
+				part.want = map[string]string{}
+			}
+			eq(t, part.name, got, part.want)
+		}
+		if ds := r.objs["DaemonSet/istio-cni-node"]; strings.Contains(ds, ": null") {
+			t.Errorf("the DaemonSet renders a null:\n%s", ds)
+		}
+	}
+}
+
 // wantAppArmor checks which of the two forms of "unconfined" is rendered.
 func wantAppArmor(annotation bool) func(*testing.T, *rendered) {
 	return func(t *testing.T, r *rendered) {
@@ -304,6 +329,8 @@ type valueSet struct {
 	values string
 	// kube is the cluster version the templates see; empty is Helm's default.
 	kube string
+	// over is merged on top of values, as an operator's --set is.
+	over string
 	// golden: the whole render is compared with testdata/<name>.golden.yaml.
 	golden bool
 	check  func(*testing.T, *rendered)
@@ -351,6 +378,10 @@ global:
     level: "default:info"
 `
 
+// ourHub is what an operator with istioValuesFile sets on top: the hub of
+// this project's image, in the file's cni.* layout, which wins over hub.
+const ourHub = "cni:\n  hub: " + testenv.TestHub + "\n"
+
 var valueSets = map[string]valueSet{
 	"default": {golden: true, check: all(
 		wantObjects(defaultObjects...),
@@ -360,7 +391,7 @@ var valueSets = map[string]valueSet{
 		wantArgs("--log_output_level=info"),
 		wantDirs("/opt/cni/bin", "/etc/cni/net.d"),
 		wantAppArmor(true),
-		wantImage("registry.istio.io/release/install-cni:latest", ""),
+		wantImage(testenv.TestHub+"/install-cni:latest", ""),
 		wantRequests("100m", "100Mi"),
 		wantConfig("REPAIR_REPAIR_PODS", "true", "PLUGIN_LOG_LEVEL", "<absent>", "CHAINED_CNI_PLUGIN", "true", "EXCLUDE_NAMESPACES", "kube-system"),
 		func(t *testing.T, r *rendered) {
@@ -381,9 +412,10 @@ var valueSets = map[string]valueSet{
 				}
 			}
 		})},
-	"istio-values-file": {values: istioValuesFile, golden: true, check: all(
+	// With the hub of this project's image on top: the file's is Istio's.
+	"istio-values-file": {values: istioValuesFile, over: ourHub, golden: true, check: all(
 		wantArgs("--log_output_level=cni:debug,default:warn", "--log_as_json"),
-		wantImage("docker.io/istio/install-cni:1.30.1-distroless", ""),
+		wantImage(testenv.TestHub+"/install-cni:1.30.1-distroless", ""),
 		wantConfig("EXCLUDE_NAMESPACES", "istio-system,kube-system", "CNI_CONF_GROUP_READ", "true"),
 		wantQuota(100),
 		func(t *testing.T, r *rendered) {
@@ -460,9 +492,12 @@ env:
 		wantConfig("EXCLUDE_NAMESPACES", "kube-system,istio-system"))},
 	// cni.* wins over the same key at the top level, as in Istio.
 	"istio-layout-precedence": {values: "cniConfDir: /top\ncni:\n  cniConfDir: /legacy\n", check: wantDirs("/opt/cni/bin", "/legacy")},
-	"image":                   {values: "hub: example.com/mesh\ntag: 1.2.3\nvariant: distroless\npullPolicy: Always\n", check: wantImage("example.com/mesh/install-cni:1.2.3-distroless", "Always")},
-	"image-global":            {values: "global:\n  hub: example.org/istio\n  tag: 1.29.0\n  variant: debug\n  imagePullPolicy: IfNotPresent\n", check: wantImage("example.org/istio/install-cni:1.29.0-debug", "IfNotPresent")},
-	"image-reference":         {values: "image: mirror.example/cni/agent:v7\ntag: ignored\n", check: wantImage("mirror.example/cni/agent:v7", "")},
+	// CURRENT_AGENT_VERSION is the tag, as Istio's chart writes it.
+	"image": {values: "hub: example.com/mesh\ntag: 1.2.3\nvariant: distroless\npullPolicy: Always\n",
+		check: all(wantImage("example.com/mesh/install-cni:1.2.3-distroless", "Always"), wantConfig("CURRENT_AGENT_VERSION", "1.2.3"))},
+	"image-global": {values: "global:\n  hub: example.org/istio\n  tag: 1.29.0\n  variant: debug\n  imagePullPolicy: IfNotPresent\n",
+		check: all(wantImage("example.org/istio/install-cni:1.29.0-debug", "IfNotPresent"), wantConfig("CURRENT_AGENT_VERSION", "1.29.0"))},
+	"image-reference": {values: "image: mirror.example/cni/agent:v7\ntag: ignored\n", check: wantImage("mirror.example/cni/agent:v7", "")},
 
 	"logging-level":          {values: "logging:\n  level: warn\n", check: wantArgs("--log_output_level=warn")},
 	"logging-default-scoped": {values: "cni:\n  logging:\n    level: default:info\n", check: wantArgs("--log_output_level=default:info")},
@@ -568,6 +603,12 @@ env:
 	// global.defaultResources applies when resources is empty, as in Istio.
 	"default-resources":        {values: "resources: null\nglobal:\n  defaultResources:\n    requests:\n      cpu: 250m\n      memory: 64Mi\n", check: wantRequests("250m", "64Mi")},
 	"default-resources-unused": {values: "global:\n  defaultResources:\n    requests:\n      cpu: 250m\n", check: wantRequests("100m", "100Mi")},
+	// A null entry removes the default's, as Helm's null does elsewhere,
+	// rather than render "cpu: null"; a section left empty goes.
+	"resources-null": {values: "resources:\n  requests:\n    cpu: null\n  limits:\n    memory: null\n",
+		check: wantResources(map[string]string{"memory": "100Mi"}, nil)},
+	"resources-null-limit": {values: "resources:\n  limits:\n    cpu: null\n    memory: 1Gi\n",
+		check: wantResources(map[string]string{"cpu": "100m", "memory": "100Mi"}, map[string]string{"memory": "1Gi"})},
 	"image-pull-secrets-object": {values: "global:\n  imagePullSecrets: [a, {name: b}]\n", check: func(t *testing.T, r *rendered) {
 		var sa corev1.ServiceAccount
 		r.decode(t, "ServiceAccount/istio-cni", &sa)
@@ -586,7 +627,7 @@ env:
 	"profile-remote":      {values: "profile: remote\n", check: wantSameAs("")},
 	"profile-openshift": {values: "profile: openshift\n", check: all(
 		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"), sccRule(true), wantSELinux(nil))},
-	"profile-ambient-sidecar": {values: "profile: ambient\nambient:\n  enabled: false\n", check: wantImage("registry.istio.io/release/install-cni:latest-distroless", "")},
+	"profile-ambient-sidecar": {values: "profile: ambient\nambient:\n  enabled: false\n", check: wantImage(testenv.TestHub+"/install-cni:latest-distroless", "")},
 	"compat-1.28": {values: "compatibilityVersion: \"1.28\"\n", check: all(wantNoAmbient,
 		wantConfig("AMBIENT_ENABLED", "false", "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", "false", "AMBIENT_DNS_CAPTURE", "true"))},
 	"compat-unquoted": {values: "compatibilityVersion: 1.30\nprofile: demo\n", check: wantSameAs("profile: demo\n")},
@@ -601,14 +642,14 @@ env:
 		wantAmbientPod(false), wantAmbientRBAC,
 		wantConfig(append([]string{"AMBIENT_ENABLED", "true"}, ambientDefaultConfig[2:]...)...),
 		wantSelectors(defaultSelectors),
-		wantImage("registry.istio.io/release/install-cni:latest", ""))},
+		wantImage(testenv.TestHub+"/install-cni:latest", ""))},
 	// Istio's chart: the agent in the node's network namespace.
 	"profile-ambient-host-network": {values: "profile: ambient\nambient:\n  shareHostNetworkNamespace: true\n", golden: true, check: all(
 		wantObjects(ambientObjects()...),
 		wantAmbientPod(true), wantAmbientRBAC,
 		wantConfig("AMBIENT_ENABLED", "true"),
 		wantSelectors(defaultSelectors),
-		wantImage("registry.istio.io/release/install-cni:latest-distroless", ""))},
+		wantImage(testenv.TestHub+"/install-cni:latest-distroless", ""))},
 	"ambient-legacy-layout": {values: "cni:\n  ambient:\n    enabled: true\n", check: wantSameAs("ambient:\n  enabled: true\n")},
 	// Every ambient value, from an Istio values file.
 	"ambient-settings": {values: `ambient:
@@ -666,7 +707,7 @@ env:
 		wantAmbientPod(false), wantAmbientRBAC, sccRule(true),
 		wantDirs("/var/lib/cni/bin", "/etc/cni/multus/net.d"),
 		wantSELinux(&corev1.SELinuxOptions{Type: "spc_t"}),
-		wantImage("registry.istio.io/release/install-cni:latest-distroless", ""))},
+		wantImage(testenv.TestHub+"/install-cni:latest-distroless", ""))},
 	"global-profile-ambient-windows": {values: "global:\n  profile: ambient-windows\n", check: all(wantAmbientPod(false), wantAmbientRBAC)},
 	// The role is cluster-scoped: resourceScope decides, as for the others.
 	"ambient-scope-namespace": {values: "ambient:\n  enabled: true\nglobal:\n  resourceScope: namespace\n", check: all(
@@ -922,7 +963,7 @@ func TestRenderGoldenAndDryRun(t *testing.T) {
 	for _, name := range sortedSets() {
 		set := valueSets[name]
 		t.Run(name, func(t *testing.T) {
-			r := renderSet(t, set.values, set.kube)
+			r := renderSet(t, set.values, set.kube, set.over)
 			for _, key := range r.kinds() {
 				obj := &unstructured.Unstructured{}
 				if err := yaml.Unmarshal([]byte(r.objs[key]), &obj.Object); err != nil {
@@ -963,6 +1004,13 @@ func TestRenderFailures(t *testing.T) {
 		{"global:\n  compatibilityVersion: \"1.10\"\n", "global.compatibilityVersion=1.10: unknown compatibility version"},
 		{"defaults:\n  hub: x\n", "defaults="},
 		{"global:\n  resourceScope: everything\n", "global.resourceScope=everything"},
+		// No registry, or one of Istio's, whose install-cni is Istio's agent.
+		{"hub: \"\"\n", "hub: no registry for the agent's image"},
+		{"hub: docker.io/istio\n", "hub=docker.io/istio: docker.io/istio/install-cni:latest is Istio's own install-cni image"},
+		{"cni:\n  hub: registry.istio.io/release\n  tag: 1.30.1\n", "hub=registry.istio.io/release: registry.istio.io/release/install-cni:1.30.1 is Istio's own"},
+		{"global:\n  hub: gcr.io/istio-release\n  variant: distroless\n", "global.hub=gcr.io/istio-release: gcr.io/istio-release/install-cni:latest-distroless is Istio's own"},
+		{"image: istio/install-cni:1.30.1\n", "image=istio/install-cni:1.30.1: istio/install-cni:1.30.1 is Istio's own"},
+		{"image: docker.io/istio/install-cni@sha256:0123\n", "image=docker.io/istio/install-cni@sha256:0123"},
 	} {
 		t.Run(strings.TrimSpace(strings.ReplaceAll(tc.values, "\n", " ")), func(t *testing.T) {
 			_, err := testenv.RenderChart(tc.values, "")
@@ -1113,7 +1161,7 @@ func checkIstioValues(t *testing.T, base string, table []istioValue) {
 // TestAgentInvocation: the command line and environment the kubelet would
 // give the agent, for another package to run the agent with.
 func TestAgentInvocation(t *testing.T) {
-	files, err := testenv.RenderChart(istioValuesFile+"env:\n  CNI_CONF_GROUP_READ: \"false\"\n  EXTRA: \"$(EXCLUDE_NAMESPACES);$$(KEPT)\"\n  REPAIR_ENABLED: \"false\"\n", "")
+	files, err := testenv.RenderChart(istioValuesFile+"env:\n  CNI_CONF_GROUP_READ: \"false\"\n  EXTRA: \"$(EXCLUDE_NAMESPACES);$$(KEPT)\"\n  REPAIR_ENABLED: \"false\"\n", "", ourHub)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1176,7 +1224,8 @@ func TestAgentInvocationAmbient(t *testing.T) {
 		}, ambient.DefaultSelectors().Source()},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			files, err := testenv.RenderChart(tc.values, "")
+			// ourHub: the values file's hub is Istio's.
+			files, err := testenv.RenderChart(tc.values, "", ourHub)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -1268,7 +1317,7 @@ func ensureTestCluster(ctx context.Context, t *testing.T) {
 func TestLint(t *testing.T) {
 	for _, name := range sortedSets() {
 		set := valueSets[name]
-		v, err := chartutil.ReadValues([]byte(set.values))
+		v, err := testenv.ChartValues(set.values, set.over)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -139,16 +139,52 @@ which, as in Istio, counts only with ambient mode on. */}}
 {{- if not $r.enabled }}{{ else if $r.repairPods }}repair{{ else if $r.deletePods }}delete{{ else if $r.labelPods }}label{{ end -}}
 {{- end -}}
 
+{{/* The agent's image. This chart runs this project's agent, which no
+     registry of Istio's holds: an image from one of them is Istio's own
+     agent, whose probes and settings this DaemonSet does not fit (it would
+     restart for ever on the liveness probe), so the render fails, naming
+     the value that chose it, as it does without a hub. */}}
 {{- define "istio-cni.image" -}}
 {{- $image := .Values.image | default "install-cni" | toString -}}
-{{- if contains "/" $image -}}{{ $image }}
-{{- else -}}
-{{- $variant := .Values.variant | default .Values.global.variant -}}
-{{ .Values.hub | default .Values.global.hub }}/{{ $image }}:{{ .Values.tag | default .Values.global.tag }}{{ with $variant }}-{{ . }}{{ end }}
+{{- $ref := $image -}}
+{{- $what := printf "image=%s" $image -}}
+{{- if not (contains "/" $image) -}}
+{{- $hub := .Values.hub | default .Values.global.hub | default "" | toString -}}
+{{- $what = ternary (printf "hub=%s" $hub) (printf "global.hub=%s" $hub) (not (empty .Values.hub)) -}}
+{{- if not $hub -}}
+{{- fail "hub: no registry for the agent's image; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's install-cni image was pushed (make image builds it)" -}}
 {{- end -}}
+{{- $variant := .Values.variant | default .Values.global.variant -}}
+{{- $ref = printf "%s/%s:%s%s" $hub $image (toString (.Values.tag | default .Values.global.tag)) (ternary (printf "-%s" $variant) "" (not (empty $variant))) -}}
+{{- end -}}
+{{- $repo := regexReplaceAll "/[^/]*$" (regexReplaceAll "@.*$" $ref "") "" -}}
+{{- if regexMatch "^((docker\\.io|index\\.docker\\.io|mirror\\.gcr\\.io)/)?istio$|^gcr\\.io/istio-(release|testing)$|^registry\\.istio\\.io(/|$)|^us-docker\\.pkg\\.dev/istio-(release|testing)/" $repo -}}
+{{- fail (printf "%s: %s is Istio's own install-cni image, not this project's agent, which this chart runs; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's image was pushed (make image builds it)" $what $ref) -}}
+{{- end -}}
+{{- $ref -}}
 {{- end -}}
 
 {{/* An env value as a string; null is empty, as in Istio's chart. */}}
 {{- define "istio-cni.envString" -}}
 {{- if not (kindIs "invalid" .) }}{{ toString . }}{{ end -}}
+{{- end -}}
+
+{{/* The container's resources as YAML, without the entries a values file
+     set to null or left empty (resources.limits.cpu=null removes the
+     default's limit rather than render "cpu: null", which the API server
+     would read as 0). */}}
+{{- define "istio-cni.resources" -}}
+{{- $out := dict -}}
+{{- range $k, $v := . -}}
+{{- if kindIs "map" $v -}}
+{{- $kept := dict -}}
+{{- range $name, $q := $v -}}
+{{- if not (kindIs "invalid" $q) }}{{ $_ := set $kept $name $q }}{{ end -}}
+{{- end -}}
+{{- if $kept }}{{ $_ := set $out $k $kept }}{{ end -}}
+{{- else if $v -}}
+{{- $_ := set $out $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
