@@ -77,7 +77,7 @@ func ChartValues(valuesYAML string, over ...string) (chartutil.Values, error) {
 // Istio's agent), so an operator always names one.
 const TestHub = "example.com/mesh"
 
-// WithTestHub gives vals TestHub as hub when they name no registry for the
+// WithTestHub gives vals TestHub as global.hub when they name no registry for the
 // agent's image (hub, global.hub or cni.hub, even empty, or an image
 // reference with a "/"), so that a test of another value renders as the
 // operator's install would.
@@ -94,8 +94,15 @@ func WithTestHub(vals map[string]any) {
 		m, _ := vals[key].(map[string]any)
 		return m
 	}
-	if !names(vals) && !names(sub("global")) && !names(sub("cni")) {
-		vals["hub"] = TestHub
+	if names(vals) || names(sub("global")) || names(sub("cni")) {
+		return
+	}
+	// global.hub, the weakest of the keys: anything the values or a named
+	// value set give still wins.
+	if g := sub("global"); g != nil {
+		g["hub"] = TestHub
+	} else {
+		vals["global"] = map[string]any{"hub": TestHub}
 	}
 }
 

@@ -498,6 +498,9 @@ env:
 	"image-global": {values: "global:\n  hub: example.org/istio\n  tag: 1.29.0\n  variant: debug\n  imagePullPolicy: IfNotPresent\n",
 		check: all(wantImage("example.org/istio/install-cni:1.29.0-debug", "IfNotPresent"), wantConfig("CURRENT_AGENT_VERSION", "1.29.0"))},
 	"image-reference": {values: "image: mirror.example/cni/agent:v7\ntag: ignored\n", check: wantImage("mirror.example/cni/agent:v7", "")},
+	// Only Istio's own registries are refused: a mirror's path may say istio.
+	"image-mirror-istio": {values: "hub: quay.io/istio\ntag: \"1.30\"\n", check: wantImage("quay.io/istio/install-cni:1.30", "")},
+	"image-mirror-port":  {values: "image: localhost:5000/istio/install-cni:dev\n", check: wantImage("localhost:5000/istio/install-cni:dev", "")},
 
 	"logging-level":          {values: "logging:\n  level: warn\n", check: wantArgs("--log_output_level=warn")},
 	"logging-default-scoped": {values: "cni:\n  logging:\n    level: default:info\n", check: wantArgs("--log_output_level=default:info")},
@@ -1007,7 +1010,11 @@ func TestRenderFailures(t *testing.T) {
 		// No registry, or one of Istio's, whose install-cni is Istio's agent.
 		{"hub: \"\"\n", "hub: no registry for the agent's image"},
 		{"hub: docker.io/istio\n", "hub=docker.io/istio: docker.io/istio/install-cni:latest is Istio's own install-cni image"},
-		{"cni:\n  hub: registry.istio.io/release\n  tag: 1.30.1\n", "hub=registry.istio.io/release: registry.istio.io/release/install-cni:1.30.1 is Istio's own"},
+		{"cni:\n  hub: registry.istio.io/release\n  tag: 1.30.1\n", "cni.hub=registry.istio.io/release: registry.istio.io/release/install-cni:1.30.1 is Istio's own"},
+		{"hub: ours.example/mesh\ncni:\n  hub: docker.io/istio\n", "cni.hub=docker.io/istio: docker.io/istio/install-cni:latest is Istio's own"},
+		{"hub: Docker.io/Istio\n", "hub=Docker.io/Istio: Docker.io/Istio/install-cni:latest is Istio's own"},
+		{"hub: registry-1.docker.io/istio\n", "hub=registry-1.docker.io/istio"},
+		{"cni:\n  image: gcr.io/istio-testing/install-cni:1.31-dev\n", "cni.image=gcr.io/istio-testing/install-cni:1.31-dev"},
 		{"global:\n  hub: gcr.io/istio-release\n  variant: distroless\n", "global.hub=gcr.io/istio-release: gcr.io/istio-release/install-cni:latest-distroless is Istio's own"},
 		{"image: istio/install-cni:1.30.1\n", "image=istio/install-cni:1.30.1: istio/install-cni:1.30.1 is Istio's own"},
 		{"image: docker.io/istio/install-cni@sha256:0123\n", "image=docker.io/istio/install-cni@sha256:0123"},

@@ -36,7 +36,9 @@ func ptpHost(t *testing.T, subnet string) *host {
 
 // TestIstioManifestsRunTheAgent renders the chart with each platform
 // profile and with values files as operators write them for Istio's
-// istio-cni chart, then runs the rendered DaemonSet's container: its
+// istio-cni chart (with the registry of this project's image, which the
+// chart has no default for: testenv.WithTestHub), then runs the rendered
+// DaemonSet's container: its
 // command line and environment exactly (the ConfigMap through envFrom, the
 // container's env, the downward API's values), with only what the
 // container's mounts would provide added. The agent must start, become

@@ -50,6 +50,12 @@ values under defaults.
 {{- end -}}
 {{- end -}}
 {{- $_ := mustMergeOverwrite $v (omit $user "cni") $userCNI -}}
+{{- /* Which layer named the image, for the image's error to name it. */ -}}
+{{- $from := dict "hub" "hub" "image" "image" -}}
+{{- range $k := list "hub" "image" -}}
+{{- if get $userCNI $k }}{{ $_ := set $from $k (printf "cni.%s" $k) }}{{ end -}}
+{{- end -}}
+{{- $_ := set $ "IstioCNIImageKeys" $from -}}
 {{- $_ := unset $v "cni" -}}
 {{- if not (kindIs "map" $v.global) }}{{ $_ := set $v "global" dict }}{{ end -}}
 {{- $scope := lower (toString ($v.global.resourceScope | default "all")) -}}
@@ -147,18 +153,18 @@ which, as in Istio, counts only with ambient mode on. */}}
 {{- define "istio-cni.image" -}}
 {{- $image := .Values.image | default "install-cni" | toString -}}
 {{- $ref := $image -}}
-{{- $what := printf "image=%s" $image -}}
+{{- $what := printf "%s=%s" .IstioCNIImageKeys.image $image -}}
 {{- if not (contains "/" $image) -}}
 {{- $hub := .Values.hub | default .Values.global.hub | default "" | toString -}}
-{{- $what = ternary (printf "hub=%s" $hub) (printf "global.hub=%s" $hub) (not (empty .Values.hub)) -}}
+{{- $what = ternary (printf "%s=%s" .IstioCNIImageKeys.hub $hub) (printf "global.hub=%s" $hub) (not (empty .Values.hub)) -}}
 {{- if not $hub -}}
 {{- fail "hub: no registry for the agent's image; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's install-cni image was pushed (make image builds it)" -}}
 {{- end -}}
 {{- $variant := .Values.variant | default .Values.global.variant -}}
 {{- $ref = printf "%s/%s:%s%s" $hub $image (toString (.Values.tag | default .Values.global.tag)) (ternary (printf "-%s" $variant) "" (not (empty $variant))) -}}
 {{- end -}}
-{{- $repo := regexReplaceAll "/[^/]*$" (regexReplaceAll "@.*$" $ref "") "" -}}
-{{- if regexMatch "^((docker\\.io|index\\.docker\\.io|mirror\\.gcr\\.io)/)?istio$|^gcr\\.io/istio-(release|testing)$|^registry\\.istio\\.io(/|$)|^us-docker\\.pkg\\.dev/istio-(release|testing)/" $repo -}}
+{{- $repo := regexReplaceAll "/[^/]*$" (regexReplaceAll "@.*$" $ref "") "" | lower -}}
+{{- if regexMatch "^((docker\\.io|index\\.docker\\.io|registry-1\\.docker\\.io|registry\\.hub\\.docker\\.com|mirror\\.gcr\\.io)/)?istio$|^gcr\\.io/istio-(release|testing)$|^registry\\.istio\\.io(/|$)|^us-docker\\.pkg\\.dev/istio-(release|testing)/" $repo -}}
 {{- fail (printf "%s: %s is Istio's own install-cni image, not this project's agent, which this chart runs; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's image was pushed (make image builds it)" $what $ref) -}}
 {{- end -}}
 {{- $ref -}}
@@ -170,10 +176,13 @@ which, as in Istio, counts only with ambient mode on. */}}
 {{- end -}}
 
 {{/* The container's resources as YAML, without the entries a values file
-     set to null or left empty (resources.limits.cpu=null removes the
-     default's limit rather than render "cpu: null", which the API server
-     would read as 0). */}}
+     set to null, nor a section left with none (resources.limits.cpu=null
+     removes the default's limit rather than render "cpu: null", which the
+     API server would read as 0). */}}
 {{- define "istio-cni.resources" -}}
+{{- if not (kindIs "map" .) -}}
+{{- fail (printf "resources=%v: must be a map of requests and limits" .) -}}
+{{- end -}}
 {{- $out := dict -}}
 {{- range $k, $v := . -}}
 {{- if kindIs "map" $v -}}
