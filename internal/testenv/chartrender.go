@@ -66,7 +66,9 @@ func ChartValues(valuesYAML string, over ...string) (chartutil.Values, error) {
 		if err != nil {
 			return nil, fmt.Errorf("values: %w", err)
 		}
-		mergeValues(vals, ov)
+		// Helm's own merge of a later values file: ov wins, tables
+		// merged key by key.
+		vals = chartutil.MergeTables(ov, vals)
 	}
 	WithTestHub(vals)
 	return vals, nil
@@ -103,19 +105,6 @@ func WithTestHub(vals map[string]any) {
 		g["hub"] = TestHub
 	} else {
 		vals["global"] = map[string]any{"hub": TestHub}
-	}
-}
-
-// mergeValues merges over into vals, over winning, maps merged key by key.
-func mergeValues(vals, over map[string]any) {
-	for k, v := range over {
-		if om, ok := v.(map[string]any); ok {
-			if vm, ok := vals[k].(map[string]any); ok {
-				mergeValues(vm, om)
-				continue
-			}
-		}
-		vals[k] = v
 	}
 }
 

@@ -151,6 +151,7 @@ which, as in Istio, counts only with ambient mode on. */}}
      restart for ever on the liveness probe), so the render fails, naming
      the value that chose it, as it does without a hub. */}}
 {{- define "istio-cni.image" -}}
+{{- $how := "set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's install-cni image was pushed (make image builds it)" -}}
 {{- $image := .Values.image | default "install-cni" | toString -}}
 {{- $ref := $image -}}
 {{- $what := printf "%s=%s" .IstioCNIImageKeys.image $image -}}
@@ -158,16 +159,21 @@ which, as in Istio, counts only with ambient mode on. */}}
 {{- $hub := .Values.hub | default .Values.global.hub | default "" | toString -}}
 {{- $what = ternary (printf "%s=%s" .IstioCNIImageKeys.hub $hub) (printf "global.hub=%s" $hub) (not (empty .Values.hub)) -}}
 {{- if not $hub -}}
-{{- fail "hub: no registry for the agent's image; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's install-cni image was pushed (make image builds it)" -}}
+{{- fail (printf "hub: no registry for the agent's image; %s" $how) -}}
 {{- end -}}
 {{- $variant := .Values.variant | default .Values.global.variant -}}
-{{- $ref = printf "%s/%s:%s%s" $hub $image (toString (.Values.tag | default .Values.global.tag)) (ternary (printf "-%s" $variant) "" (not (empty $variant))) -}}
+{{- $ref = printf "%s/%s:%s%s" $hub $image (include "istio-cni.tag" .) (ternary (printf "-%s" $variant) "" (not (empty $variant))) -}}
 {{- end -}}
 {{- $repo := regexReplaceAll "/[^/]*$" (regexReplaceAll "@.*$" $ref "") "" | lower -}}
 {{- if regexMatch "^((docker\\.io|index\\.docker\\.io|registry-1\\.docker\\.io|registry\\.hub\\.docker\\.com|mirror\\.gcr\\.io)/)?istio$|^gcr\\.io/istio-(release|testing)$|^registry\\.istio\\.io(/|$)|^us-docker\\.pkg\\.dev/istio-(release|testing)/" $repo -}}
-{{- fail (printf "%s: %s is Istio's own install-cni image, not this project's agent, which this chart runs; set hub and tag (cni.hub and cni.tag in the cni.* layout), or image, to where this project's image was pushed (make image builds it)" $what $ref) -}}
+{{- fail (printf "%s: %s is Istio's own install-cni image, not this project's agent, which this chart runs; %s" $what $ref $how) -}}
 {{- end -}}
 {{- $ref -}}
+{{- end -}}
+
+{{/* The image's tag (tag, else global.tag), as a string. */}}
+{{- define "istio-cni.tag" -}}
+{{- .Values.tag | default .Values.global.tag | default "" | toString -}}
 {{- end -}}
 
 {{/* An env value as a string; null is empty, as in Istio's chart. */}}
