@@ -37,6 +37,9 @@ type clusterConfig struct {
 	// full also measures the burst on a node filled up to maxPods (110)
 	// with idle pods, besides the burst on a node with only the busy pods.
 	full bool
+	// small measures the burst on a node with only the busy pods; off,
+	// with full, only the full node is measured.
+	small bool
 	// arms are the ways the node runs, comma-separated names of
 	// clusterArms.
 	arms string
@@ -51,6 +54,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.busy, "cluster-busy", 2, "pods spinning one CPU thread each while the pods start")
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
+	fs.BoolVar(&c.small, "cluster-small", true, "measure the burst on a node with only the busy pods besides it (off with -cluster-full: the full node alone)")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
 	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only, chained-tuning")
 }
@@ -208,7 +212,10 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 	}
 	// One burst's pods plus the agent and the busy pods; full fills the
 	// node to maxPods with idle pods around the burst.
-	sizes := []int{0}
+	var sizes []int
+	if cfg.small || !cfg.full {
+		sizes = append(sizes, 0)
+	}
 	if cfg.full {
 		sizes = append(sizes, maxPods-cfg.pods-cfg.busy-1)
 	}
