@@ -26,16 +26,16 @@ func TestParseFlags(t *testing.T) {
 		return c
 	}
 	want := config{seqPods: 40, parallel: 20, rounds: 3, listPods: 15, ambientPods: 30, memoryCycles: 3, flat: flatConfig{rounds: 8, pods: 30, listRounds: 150},
-		cluster: clusterConfig{rounds: 3, busy: 2, busyCPU: "600m", full: true, arms: "without,plugin,mixed"}}
+		cluster: clusterConfig{rounds: 3, busy: 2, busyCPU: "600m", full: true, small: true, arms: "without,plugin,mixed"}}
 	if got := parse(); got != want {
 		t.Errorf("defaults: got %+v, want %+v", got, want)
 	}
 	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true, ambientPods: 10, ambientOnly: true, memoryCycles: 12, memoryOnly: true,
-		cluster: clusterConfig{pods: 6, rounds: 7, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, arms: "agent,without", svg: "/tmp/c.svg"},
+		cluster: clusterConfig{pods: 6, rounds: 7, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, small: false, arms: "agent,without", svg: "/tmp/c.svg"},
 		flat:    flatConfig{rounds: 8, pods: 9, listRounds: 11, only: true}}
 	if got := parse("-pods", "1", "-parallel", "2", "-rounds", "4", "-list-pods", "5", "-lists-only", "-ambient-pods", "10", "-ambient-only", "-memory-cycles", "12", "-memory-only",
 		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m", "-cluster-busy", "1", "-cluster-busy-cpu", "1",
-		"-cluster-full=false", "-cluster-arms", "agent,without", "-cluster-svg", "/tmp/c.svg",
+		"-cluster-full=false", "-cluster-small=false", "-cluster-arms", "agent,without", "-cluster-svg", "/tmp/c.svg",
 		"-flat-rounds", "8", "-flat-pods", "9", "-flat-list-rounds", "11", "-flat-only"); got != want {
 		t.Errorf("every flag set: got %+v, want %+v", got, want)
 	}
