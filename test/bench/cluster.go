@@ -45,6 +45,9 @@ type clusterConfig struct {
 	arms string
 	// svg, when set, is where the series is drawn (plot.go).
 	svg string
+	// pool, when set, names logs of earlier runs (comma-separated) to
+	// pool round by round instead of measuring (pool.go).
+	pool string
 }
 
 func (c *clusterConfig) register(fs *flag.FlagSet) {
@@ -56,6 +59,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.BoolVar(&c.small, "cluster-small", true, "measure the burst on a node with only the busy pods besides it (off with -cluster-full: the full node alone)")
 	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
+	fs.StringVar(&c.pool, "cluster-pool", "", "instead of measuring: pool the rounds of earlier cluster runs from their logs (their stderr, comma-separated files), each arm but the mixed ones against without by node size")
 	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only, chained-tuning")
 }
 
@@ -249,9 +253,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 				res.bursts[size][arm.name] = append(res.bursts[size][arm.name], f)
 				// As it goes, on stderr: a run that fails later keeps
 				// what it measured.
-				fmt.Fprintf(os.Stderr, "burst %s done: Ready p50 %.2f s, last %.2f s; started p50 %.2f s; set-up p50 %.2f s; start-up CPU %.0f ms/pod; ADDs from records %d, fallback %d\n",
-					name, burstP50(f).Seconds(), burstLast(f).Seconds(), pct(f.started, .5).Seconds(),
-					pct(f.setup, .5).Seconds(), msf(burstStartCPU(f)), f.prepared, f.fallback)
+				fmt.Fprintln(os.Stderr, burstLine(name, f))
 			}
 		}
 		if err := testenv.DeletePods(ctx, cluster, "bench", append(busy, idlePods...), 5*time.Minute); err != nil {

@@ -73,16 +73,26 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 }
 
 func main() {
-	testenv.EnterNodeNamespace()
 	cfg, err := parseFlags(flag.CommandLine, os.Args[1:])
-	if err == nil {
-		// Interrupted, the series stop at their next API call or pod and
-		// tear down what they started (a cluster left running would load
-		// the machine for whatever runs next).
-		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-		err = run(ctx, cfg)
-		stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
 	}
+	if cfg.cluster.pool != "" {
+		// Reading logs needs no node.
+		if err := reportPooled(os.Stdout, parseArms(cfg.cluster.pool), "without"); err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	testenv.EnterNodeNamespace()
+	// Interrupted, the series stop at their next API call or pod and tear
+	// down what they started (a cluster left running would load the
+	// machine for whatever runs next).
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err = run(ctx, cfg)
+	stop()
 	testenv.RemoveSandboxCgroups()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)

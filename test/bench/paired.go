@@ -20,25 +20,32 @@ type pairedEstimate struct {
 // of base (the arms ran back to back in that round), so the machine's
 // drift from round to round cancels in each ratio.
 func pairRounds(base, arm []burstFigures, stat func(burstFigures) time.Duration, confidence float64) pairedEstimate {
-	var e pairedEstimate
+	var ratios []float64
 	for i := 0; i < min(len(base), len(arm)); i++ {
 		if b := stat(base[i]); b > 0 {
-			e.Ratios = append(e.Ratios, float64(stat(arm[i]))/float64(b))
+			ratios = append(ratios, float64(stat(arm[i]))/float64(b))
 		}
 	}
-	if len(e.Ratios) == 0 {
+	return medianInterval(ratios, confidence)
+}
+
+// medianInterval is the median of per-round ratios and a bootstrap
+// interval around it at confidence.
+func medianInterval(ratios []float64, confidence float64) pairedEstimate {
+	e := pairedEstimate{Ratios: ratios}
+	if len(ratios) == 0 {
 		return e
 	}
-	e.Median = median(e.Ratios)
+	e.Median = median(ratios)
 	// The median of resampled rounds, many times over; a fixed seed, so
 	// the same rounds always print the same interval.
 	r := rand.New(rand.NewPCG(1, 2))
 	const draws = 4000
 	meds := make([]float64, draws)
-	sample := make([]float64, len(e.Ratios))
+	sample := make([]float64, len(ratios))
 	for d := range meds {
 		for i := range sample {
-			sample[i] = e.Ratios[r.IntN(len(e.Ratios))]
+			sample[i] = ratios[r.IntN(len(ratios))]
 		}
 		meds[d] = median(sample)
 	}

@@ -1,0 +1,228 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Runs of the cluster series on the same code, each in its own hour, pool
+// round by round: a round's ratio compares two bursts that ran back to
+// back, so rounds from different runs are alike as samples. Each burst's
+// line on stderr holds what the comparison needs, so a run's log is its
+// record and -cluster-pool pools logs without measuring anything.
+
+// burstLine is a burst's line in the run's log; parseBurstLine reads it.
+func burstLine(name string, f burstFigures) string {
+	return fmt.Sprintf("burst %s done: Ready p50 %.2f s, last %.2f s; started p50 %.2f s; set-up p50 %.2f s; start-up CPU %.0f ms/pod; ADDs from records %d, fallback %d",
+		name, burstP50(f).Seconds(), burstLast(f).Seconds(), pct(f.started, .5).Seconds(),
+		pct(f.setup, .5).Seconds(), msf(burstStartCPU(f)), f.prepared, f.fallback)
+}
+
+// burstLineRE is burstLine's form, the whole line.
+var burstLineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) done: Ready p50 ([0-9.]+) s, last ([0-9.]+) s; ` +
+	`started p50 ([0-9.]+) s; set-up p50 ([0-9.]+) s; start-up CPU ([0-9.]+) ms/pod; ADDs from records ([0-9]+), fallback ([0-9]+)$`)
+
+// loggedBurst is a burst as its log line gives it: times in seconds, the
+// start-up CPU in ms per pod.
+type loggedBurst struct {
+	arm                string
+	pods, round        int
+	ready, last        float64
+	started, setup     float64
+	startCPU           float64
+	prepared, fallback int
+}
+
+// parseBurstLine reads a line of burstLine. A line that is not a burst's
+// end (the log's other lines) gives ok false; one that says it is and
+// does not read as one is an error.
+func parseBurstLine(line string) (b loggedBurst, ok bool, err error) {
+	if !strings.HasPrefix(line, "burst ") || !strings.Contains(line, " done: ") {
+		return b, false, nil
+	}
+	m := burstLineRE.FindStringSubmatch(line)
+	if m == nil {
+		return b, true, fmt.Errorf("not a burst's figures as the cluster series logs them: %q", line)
+	}
+	ints := []*int{&b.pods, &b.round, &b.prepared, &b.fallback}
+	for i, s := range []string{m[2], m[3], m[9], m[10]} {
+		if *ints[i], err = strconv.Atoi(s); err != nil {
+			return b, true, fmt.Errorf("%q: %w", line, err)
+		}
+	}
+	floats := []*float64{&b.ready, &b.last, &b.started, &b.setup, &b.startCPU}
+	for i, s := range m[4:9] {
+		if *floats[i], err = strconv.ParseFloat(s, 64); err != nil {
+			return b, true, fmt.Errorf("%q: figure %q is not a number", line, s)
+		}
+	}
+	if b.pods == 0 {
+		return b, true, fmt.Errorf("%q: a node of 0 pods", line)
+	}
+	b.arm = m[1]
+	return b, true, nil
+}
+
+// loggedStatistics are what pooled rounds compare, each a ratio of a
+// round's arm to its baseline.
+var loggedStatistics = []struct {
+	name string
+	f    func(loggedBurst) float64
+}{
+	{"Ready p50", func(b loggedBurst) float64 { return b.ready }},
+	{"Ready, last pod", func(b loggedBurst) float64 { return b.last }},
+	{"containers started p50", func(b loggedBurst) float64 { return b.started }},
+	{"sandbox set-up p50", func(b loggedBurst) float64 { return b.setup }},
+	{"start-up CPU per pod (runtime + agent)", func(b loggedBurst) float64 { return b.startCPU }},
+}
+
+// pooledArm is an arm's rounds against the baseline at one node size,
+// from every log that has both: ratios by loggedStatistics, in the logs'
+// order and each log's round order (a statistic whose baseline is 0 in a
+// round leaves that round out).
+type pooledArm struct {
+	logs, rounds int
+	ratios       [][]float64
+}
+
+// poolKey is an arm at a node size.
+type poolKey struct {
+	pods int
+	arm  string
+}
+
+// namedLog is a run's log and the name errors give it.
+type namedLog struct {
+	name string
+	r    io.Reader
+}
+
+// poolLogs pairs each log's bursts of every arm with the same round's
+// burst of base at the same node size and pools the rounds over the logs.
+// Arms that split their bursts (mixed) are left out: their line holds the
+// plugin's half alone, and their own comparison is with the other half,
+// which the line does not hold.
+func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
+	out := map[poolKey]*pooledArm{}
+	for _, l := range logs {
+		type roundKey struct {
+			pods  int
+			arm   string
+			round int
+		}
+		seen := map[roundKey]loggedBurst{}
+		sc := bufio.NewScanner(l.r)
+		sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
+		for line := 1; sc.Scan(); line++ {
+			b, ok, err := parseBurstLine(sc.Text())
+			if err != nil {
+				return nil, fmt.Errorf("%s:%d: %w", l.name, line, err)
+			}
+			if !ok {
+				continue
+			}
+			if _, known := clusterArms[b.arm]; !known {
+				return nil, fmt.Errorf("%s:%d: no arm is named %q", l.name, line, b.arm)
+			}
+			k := roundKey{b.pods, b.arm, b.round}
+			if _, dup := seen[k]; dup {
+				return nil, fmt.Errorf("%s:%d: burst %s-%d-%d logged twice (two runs in one log?)", l.name, line, b.arm, b.pods, b.round)
+			}
+			seen[k] = b
+		}
+		if err := sc.Err(); err != nil {
+			return nil, fmt.Errorf("%s: %w", l.name, err)
+		}
+		keys := make([]roundKey, 0, len(seen))
+		for k := range seen {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, func(a, b roundKey) int {
+			return cmp.Or(cmp.Compare(a.pods, b.pods), strings.Compare(a.arm, b.arm), cmp.Compare(a.round, b.round))
+		})
+		counted := map[poolKey]bool{}
+		for _, k := range keys {
+			bb, ok := seen[roundKey{k.pods, base, k.round}]
+			if k.arm == base || clusterArms[k.arm].mixed || !ok {
+				// Without a baseline burst, the run ended first.
+				continue
+			}
+			pk := poolKey{k.pods, k.arm}
+			p := out[pk]
+			if p == nil {
+				p = &pooledArm{ratios: make([][]float64, len(loggedStatistics))}
+				out[pk] = p
+			}
+			if !counted[pk] {
+				counted[pk] = true
+				p.logs++
+			}
+			p.rounds++
+			for i, st := range loggedStatistics {
+				if v := st.f(bb); v > 0 {
+					p.ratios[i] = append(p.ratios[i], st.f(seen[k])/v)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// reportPooled prints, per node size and arm, the pooled rounds of the
+// logs against base, each statistic with its 5% target's verdict.
+func reportPooled(w io.Writer, paths []string, base string) error {
+	if len(paths) == 0 {
+		return fmt.Errorf("-cluster-pool names no log")
+	}
+	logs := make([]namedLog, 0, len(paths))
+	for i, path := range paths {
+		if slices.Contains(paths[:i], path) {
+			return fmt.Errorf("log %s named twice", path)
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		if !bytes.Contains(b, []byte(" done: ")) {
+			return fmt.Errorf("%s holds no burst's line: not a cluster run's stderr?", path)
+		}
+		logs = append(logs, namedLog{path, bytes.NewReader(b)})
+	}
+	pooled, err := poolLogs(logs, base)
+	if err != nil {
+		return err
+	}
+	if len(pooled) == 0 {
+		return fmt.Errorf("no round in %s has a burst of %s and of another arm", strings.Join(paths, ", "), base)
+	}
+	keys := make([]poolKey, 0, len(pooled))
+	for k := range pooled {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(a, b poolKey) int {
+		return cmp.Or(cmp.Compare(a.pods, b.pods), strings.Compare(a.arm, b.arm))
+	})
+	fmt.Fprintf(w, "cluster bursts pooled round by round from %s (each round's ratio to its own %s burst):\n", strings.Join(paths, ", "), base)
+	for _, k := range keys {
+		p := pooled[k]
+		fmt.Fprintf(w, "%d pods on the node, %s against %s, %d rounds from %d of the logs:\n", k.pods, k.arm, base, p.rounds, p.logs)
+		for i, st := range loggedStatistics {
+			e := medianInterval(p.ratios[i], .9)
+			fmt.Fprintf(w, "  %-40s median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s", st.name+":",
+				100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05))
+			if n := len(p.ratios[i]); n != p.rounds {
+				fmt.Fprintf(w, " (%d rounds with a baseline figure)", n)
+			}
+			fmt.Fprintln(w)
+		}
+	}
+	return nil
+}

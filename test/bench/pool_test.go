@@ -1,0 +1,191 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestBurstLine: the line the cluster series logs of a burst, to the
+// byte (the kept logs in docs/bursts are in this form), and what pooling
+// reads back from it, an arm's name with dashes included.
+func TestBurstLine(t *testing.T) {
+	milli := time.Millisecond
+	f := burstFigures{startup: []time.Duration{9000 * milli, 10120 * milli, 12340 * milli}, started: []time.Duration{8 * time.Second},
+		setup: []time.Duration{4500 * milli}, cpu: nodeCPU{runtime: 750 * milli, agent: 30 * milli}, prepared: 2, fallback: 1}
+	line := burstLine("without-again-110-17", f)
+	if want := "burst without-again-110-17 done: Ready p50 10.12 s, last 12.34 s; started p50 8.00 s; set-up p50 4.50 s; start-up CPU 260 ms/pod; ADDs from records 2, fallback 1"; line != want {
+		t.Fatalf("logged\n%s\nwant\n%s", line, want)
+	}
+	b, ok, err := parseBurstLine(line)
+	if err != nil || !ok {
+		t.Fatalf("%q: ok %v, %v", line, ok, err)
+	}
+	want := loggedBurst{arm: "without-again", pods: 110, round: 17, ready: 10.12, last: 12.34, started: 8, setup: 4.5, startCPU: 260, prepared: 2, fallback: 1}
+	if b != want {
+		t.Fatalf("%q read as %+v, want %+v", line, b, want)
+	}
+	for _, other := range []string{"burst warm-0: CLOCK_MONOTONIC 1.0,2.0", "burst plugin-33-1-0: CLOCK_MONOTONIC 1.0,2.0", "I1128 02:42:22.191688 warnings.go:110] burst", ""} {
+		if _, ok, err := parseBurstLine(other); ok || err != nil {
+			t.Errorf("%q: ok %v, %v; want it skipped", other, ok, err)
+		}
+	}
+	for _, bad := range []string{
+		"burst plugin-33-1 done: Ready p50 x s",
+		strings.Replace(line, "without-again-110-17", "plugin-17", 1),
+		strings.Replace(line, "without-again-110-17", "plugin-many-17", 1),
+		strings.Replace(line, "without-again-110-17", "-110-17", 1),
+		strings.Replace(line, "without-again-110-17", "plugin-0-17", 1),
+		strings.Replace(line, "10.12", "-10.12", 1),
+		strings.Replace(line, "10.12", "NaN", 1),
+		strings.Replace(line, "10.12", "1.0.12", 1),
+		line + "burst plugin-110-17 done: Ready p50 1.00 s",
+		line + ".5",
+	} {
+		if _, ok, err := parseBurstLine(bad); !ok || err == nil {
+			t.Errorf("%q: ok %v, err %v; want an error", bad, ok, err)
+		}
+	}
+}
+
+// TestKeptBurstLogs: every burst line of the kept logs reads, and each
+// log pairs rounds, so the figures the documents quote from them can be
+// printed again.
+func TestKeptBurstLogs(t *testing.T) {
+	logs, err := filepath.Glob("../../docs/bursts/*.log")
+	if err != nil || len(logs) == 0 {
+		t.Fatalf("no kept logs: %v", err)
+	}
+	for _, l := range logs {
+		if err := reportPooled(&strings.Builder{}, []string{l}, "without"); err != nil {
+			t.Errorf("%s: %v", l, err)
+		}
+	}
+}
+
+// logLine is a burst's line as the cluster series logs it, each figure
+// its own: containers started 1 s before Ready, set-up 3 s.
+func logLine(arm string, pods, round int, ready, last, setup, cpu float64) string {
+	return fmt.Sprintf("burst %s-%d-%d done: Ready p50 %.2f s, last %.2f s; started p50 %.2f s; set-up p50 %.2f s; start-up CPU %.0f ms/pod; ADDs from records 0, fallback 0\n",
+		arm, pods, round, ready, last, ready-1, setup, cpu)
+}
+
+func logs(texts ...string) []namedLog {
+	out := make([]namedLog, len(texts))
+	for i, s := range texts {
+		out[i] = namedLog{string(rune('a' + i)), strings.NewReader(s)}
+	}
+	return out
+}
+
+// TestPoolLogs: each log's rounds pair within that log, at the same node
+// size; a round whose baseline is missing (a run cut short) is left out;
+// logs pool in order; mixed arms, whose line holds half a burst, are left
+// out.
+func TestPoolLogs(t *testing.T) {
+	a := logLine("without", 33, 0, 10, 12, 3, 250) + logLine("plugin", 33, 0, 11, 12, 3.3, 255) +
+		"burst plugin-33-1-0: CLOCK_MONOTONIC 1.0,2.0\n" +
+		logLine("plugin", 33, 1, 10, 13, 3, 260) + logLine("without", 33, 1, 10, 13, 3, 250) +
+		logLine("mixed", 33, 1, 20, 26, 6, 500) +
+		logLine("without", 110, 0, 20, 25, 3, 300) + logLine("plugin", 110, 0, 22, 25, 3, 309)
+	b := logLine("without", 33, 0, 5, 6, 0, 200) + logLine("plugin", 33, 0, 6, 6, 4, 220) +
+		logLine("plugin", 33, 1, 50, 60, 3, 400)
+	got, err := poolLogs(logs(a, b), "without")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p33 := got[poolKey{33, "plugin"}]
+	if p33 == nil || p33.logs != 2 || p33.rounds != 3 || len(got) != 2 {
+		t.Fatalf("pooled %+v", got)
+	}
+	for i, want := range [][]float64{
+		{1.1, 1, 1.2},        // Ready p50
+		{1, 1, 1},            // last pod
+		{10. / 9, 1, 5. / 4}, // containers started
+		{1.1, 1},             // set-up: b's baseline has none
+		{1.02, 1.04, 1.1},    // CPU
+	} {
+		if !approx(p33.ratios[i], want) {
+			t.Errorf("33 pods, %s: ratios %v, want %v", loggedStatistics[i].name, p33.ratios[i], want)
+		}
+	}
+	if p110 := got[poolKey{110, "plugin"}]; p110 == nil || p110.logs != 1 || !approx(p110.ratios[0], []float64{1.1}) {
+		t.Errorf("110 pods: %+v", p110)
+	}
+	for _, c := range []struct{ log, err string }{
+		{a + logLine("plugin", 33, 1, 1, 1, 1, 1), "a:9: burst plugin-33-1 logged twice"},
+		{"burst plugin-33-0 done: Ready p50 x s\n", "a:1: not a burst's figures"},
+		{logLine("plugins", 33, 0, 1, 1, 1, 1), `a:1: no arm is named "plugins"`},
+	} {
+		if _, err := poolLogs(logs(c.log), "without"); err == nil || !strings.Contains(err.Error(), c.err) {
+			t.Errorf("got %v, want %q", err, c.err)
+		}
+	}
+}
+
+func approx(got, want []float64) bool {
+	if len(got) != len(want) {
+		return false
+	}
+	for i := range got {
+		if d := got[i] - want[i]; d > 1e-9 || d < -1e-9 {
+			return false
+		}
+	}
+	return true
+}
+
+// TestReportPooled: from files, each statistic with its verdict, and the
+// rounds a statistic lacks; what cannot be pooled is an error naming why.
+func TestReportPooled(t *testing.T) {
+	dir := t.TempDir()
+	var log strings.Builder
+	for r := 0; r < 40; r++ {
+		setup := 3.0
+		if r == 0 {
+			setup = 0
+		}
+		log.WriteString(logLine("without", 33, r, 10, 12, setup, 250) + logLine("plugin", 33, r, 10.2, 12.24, 3, 255))
+	}
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a := write("a.log", log.String())
+	var out strings.Builder
+	if err := reportPooled(&out, []string{a}, "without"); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"33 pods on the node, plugin against without, 40 rounds from 1 of the logs:\n",
+		"  Ready p50:                               median +2.0%, 90% interval [+2.0%, +2.0%]; within 5%: met\n",
+		"  Ready, last pod:                         median +2.0%, 90% interval [+2.0%, +2.0%]; within 5%: met\n",
+		"  containers started p50:                  median +2.2%, 90% interval [+2.2%, +2.2%]; within 5%: met\n",
+		"  sandbox set-up p50:                      median +0.0%, 90% interval [+0.0%, +0.0%]; within 5%: met (39 rounds with a baseline figure)\n",
+		"  start-up CPU per pod (runtime + agent):  median +2.0%, 90% interval [+2.0%, +2.0%]; within 5%: met\n",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, out.String())
+		}
+	}
+	for _, c := range []struct {
+		paths []string
+		err   string
+	}{
+		{nil, "names no log"},
+		{[]string{a, a}, "named twice"},
+		{[]string{write("only.log", logLine("without", 33, 0, 10, 12, 3, 250))}, "no round in"},
+		{[]string{a, write("stdout.log", "30 sidecar pods created at once\n")}, "holds no burst's line"},
+		{[]string{filepath.Join(dir, "missing.log")}, "missing.log"},
+	} {
+		if err := reportPooled(&strings.Builder{}, c.paths, "without"); err == nil || !strings.Contains(err.Error(), c.err) {
+			t.Errorf("%v: got %v, want %q", c.paths, err, c.err)
+		}
+	}
+}
