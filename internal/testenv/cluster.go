@@ -231,6 +231,17 @@ func startCluster(dir, address string) (*Cluster, error) {
 	return c, nil
 }
 
+// ControlPlanePIDs are the cluster's own processes (etcd, the API
+// server and, once started, the controller manager), which on this one
+// machine share its CPUs with the node.
+func (c *Cluster) ControlPlanePIDs() []int {
+	out := make([]int, 0, len(c.procs))
+	for _, p := range c.procs {
+		out = append(out, p.Process.Pid)
+	}
+	return out
+}
+
 func (c *Cluster) start(logf *os.File, bin string, args ...string) error {
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf

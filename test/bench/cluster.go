@@ -171,6 +171,10 @@ type nodeCPU struct {
 	// it started and waited for (the CNI plugins, run by hand), and the
 	// kubelet; the rest of it is the shims and the runc they start.
 	containerd, cni, kubelet time.Duration
+	// control is the cluster's own processes (etcd, the API server, the
+	// controller manager): outside the node, but on this machine's CPUs,
+	// serving the node's requests and watches (the agent's among them).
+	control time.Duration
 }
 
 // clusterResult holds every burst by node size (pods on the node with the
@@ -527,6 +531,13 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 			return s, err
 		}
 		s.kubelet += kubeletChildren
+		for _, pid := range one.Cluster.ControlPlanePIDs() {
+			self, children, err := procCPU(pid)
+			if err != nil {
+				return s, err
+			}
+			s.control += self + children
+		}
 		return s, nil
 	}
 	// The kubelet's container GC removes the sandboxes of deleted pods
@@ -597,7 +608,7 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 	}
 	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
 		agent: after.agent - before.agent, containerd: after.containerd - before.containerd,
-		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet}
+		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet, control: after.control - before.control}
 	split.pods = after.pods - before.pods - split.agent
 	f.cpu = split
 	return f, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)

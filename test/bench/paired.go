@@ -123,6 +123,16 @@ func burstStartCPU(b burstFigures) time.Duration {
 	return (b.cpu.runtime + b.cpu.agent) / time.Duration(n)
 }
 
+// burstControlCPU is the CPU per pod the cluster's own processes spent
+// over a burst: what the node's watches and requests cost them.
+func burstControlCPU(b burstFigures) time.Duration {
+	n := b.pods()
+	if n == 0 {
+		return 0
+	}
+	return b.cpu.control / time.Duration(n)
+}
+
 // within says what the interval shows of a target ratio: met when all of
 // it is below, missed when all of it is above, else not settled by these
 // rounds.

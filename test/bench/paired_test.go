@@ -61,6 +61,19 @@ func TestBurstStartCPU(t *testing.T) {
 	}
 }
 
+// TestBurstControlCPU: the cluster's own processes' CPU per pod of both
+// halves, apart from the node's.
+func TestBurstControlCPU(t *testing.T) {
+	b := burstFigures{startup: make([]time.Duration, 10), without: make([]time.Duration, 10),
+		cpu: nodeCPU{runtime: time.Hour, control: 2 * time.Second}}
+	if got := burstControlCPU(b); got != 100*time.Millisecond {
+		t.Fatalf("control plane CPU per pod %s, want 100ms", got)
+	}
+	if got := burstControlCPU(burstFigures{cpu: nodeCPU{control: time.Second}}); got != 0 {
+		t.Fatalf("no pods: %s", got)
+	}
+}
+
 // TestP50Ratio: the ratio of the p50s, with an interval from resampling
 // rounds, so a drift shared by both series within a round does not widen
 // it; a ratio that differs from round to round settles nothing.

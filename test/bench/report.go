@@ -235,6 +235,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				cpu.containerd += b.cpu.containerd
 				cpu.cni += b.cpu.cni
 				cpu.kubelet += b.cpu.kubelet
+				cpu.control += b.cpu.control
 				n += b.pods()
 			}
 			n = max(n, 1)
@@ -293,6 +294,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			}
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
 				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
+			fmt.Printf("  %-8s control plane per pod (etcd, the API server, the controller manager; outside the node's CPU above): %.1f ms\n", "", per(cpu.control))
 			// By round too: which part of the runtime a costly round spent.
 			var split []string
 			for i := range bs {
@@ -364,6 +366,9 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				e := pairRounds(base, r.bursts[size][a.name], burstStartCPU, .9)
 				fmt.Printf("  %-8s start-up CPU per pod (runtime + agent) round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s (rounds %s)\n",
 					a.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05), percents(e.Ratios))
+				e = pairRounds(base, r.bursts[size][a.name], burstControlCPU, .9)
+				fmt.Printf("  %-8s control plane CPU per pod round by round: median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%] (rounds %s)\n",
+					a.name, 100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), percents(e.Ratios))
 			}
 		}
 	}
