@@ -162,6 +162,14 @@ type burstFigures struct {
 // pods is how many pods the burst started, both halves of a mixed one.
 func (b *burstFigures) pods() int { return len(b.startup) + len(b.without) }
 
+// perPod is d over the burst's pods, 0 for a burst that started none.
+func (b *burstFigures) perPod(d time.Duration) time.Duration {
+	if n := b.pods(); n > 0 {
+		return d / time.Duration(n)
+	}
+	return 0
+}
+
 // nodeCPU is CPU time over a burst: the whole node, the runtime's
 // cgroup (containerd, kubelet, runc, the CNI plugins they start), the
 // agent's pod, and everything in kubepods besides the agent.
@@ -175,6 +183,18 @@ type nodeCPU struct {
 	// controller manager): outside the node, but on this machine's CPUs,
 	// serving the node's requests and watches (the agent's among them).
 	control time.Duration
+}
+
+// plus and minus add and subtract readings field by field, so that a new
+// field cannot be left out of a difference or a sum.
+func (c nodeCPU) plus(o nodeCPU) nodeCPU {
+	return nodeCPU{node: c.node + o.node, runtime: c.runtime + o.runtime, agent: c.agent + o.agent, pods: c.pods + o.pods,
+		containerd: c.containerd + o.containerd, cni: c.cni + o.cni, kubelet: c.kubelet + o.kubelet, control: c.control + o.control}
+}
+
+func (c nodeCPU) minus(o nodeCPU) nodeCPU {
+	return nodeCPU{node: c.node - o.node, runtime: c.runtime - o.runtime, agent: c.agent - o.agent, pods: c.pods - o.pods,
+		containerd: c.containerd - o.containerd, cni: c.cni - o.cni, kubelet: c.kubelet - o.kubelet, control: c.control - o.control}
 }
 
 // clusterResult holds every burst by node size (pods on the node with the
@@ -606,10 +626,9 @@ func burst(ctx context.Context, one *testenv.OneNode, ps []*corev1.Pod, agentCgr
 	if f.events, f.eventText, err = podEvents(ctx, one.Cluster, ps); err != nil {
 		return burstFigures{}, err
 	}
-	split := nodeCPU{node: after.node - before.node, runtime: after.runtime - before.runtime,
-		agent: after.agent - before.agent, containerd: after.containerd - before.containerd,
-		cni: after.cni - before.cni, kubelet: after.kubelet - before.kubelet, control: after.control - before.control}
-	split.pods = after.pods - before.pods - split.agent
+	split := after.minus(before)
+	// The agent's pod is one of the pods; its CPU is shown on its own.
+	split.pods -= split.agent
 	f.cpu = split
 	return f, testenv.DeletePods(ctx, one.Cluster, "bench", ps, 3*time.Minute)
 }

@@ -115,23 +115,11 @@ func burstLast(b burstFigures) time.Duration {
 // runtime's cgroup (containerd, the kubelet, the CNI plugins, the shims)
 // and the agent's pod. The pods' own cgroups are left out: the busy pods
 // spin in them and take whatever CPU the start leaves.
-func burstStartCPU(b burstFigures) time.Duration {
-	n := b.pods()
-	if n == 0 {
-		return 0
-	}
-	return (b.cpu.runtime + b.cpu.agent) / time.Duration(n)
-}
+func burstStartCPU(b burstFigures) time.Duration { return b.perPod(b.cpu.runtime + b.cpu.agent) }
 
 // burstControlCPU is the CPU per pod the cluster's own processes spent
 // over a burst: what the node's watches and requests cost them.
-func burstControlCPU(b burstFigures) time.Duration {
-	n := b.pods()
-	if n == 0 {
-		return 0
-	}
-	return b.cpu.control / time.Duration(n)
-}
+func burstControlCPU(b burstFigures) time.Duration { return b.perPod(b.cpu.control) }
 
 // within says what the interval shows of a target ratio: met when all of
 // it is below, missed when all of it is above, else not settled by these

@@ -74,6 +74,18 @@ func TestBurstControlCPU(t *testing.T) {
 	}
 }
 
+// TestNodeCPUArithmetic: every field takes part in a sum and a
+// difference of readings.
+func TestNodeCPUArithmetic(t *testing.T) {
+	a := nodeCPU{node: 1, runtime: 2, agent: 3, pods: 4, containerd: 5, cni: 6, kubelet: 7, control: 8}
+	if got := a.plus(a).minus(a); got != a {
+		t.Errorf("a + a - a = %+v, want %+v", got, a)
+	}
+	if got := a.minus(a); got != (nodeCPU{}) {
+		t.Errorf("a - a = %+v", got)
+	}
+}
+
 // TestP50Ratio: the ratio of the p50s, with an interval from resampling
 // rounds, so a drift shared by both series within a round does not widen
 // it; a ratio that differs from round to round settles nothing.

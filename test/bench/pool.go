@@ -141,6 +141,9 @@ func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
 		if err := sc.Err(); err != nil {
 			return nil, fmt.Errorf("%s: %w", l.name, err)
 		}
+		if len(seen) == 0 {
+			return nil, fmt.Errorf("%s holds no burst's line: not a cluster run's stderr?", l.name)
+		}
 		keys := make([]roundKey, 0, len(seen))
 		for k := range seen {
 			keys = append(keys, k)
@@ -190,9 +193,6 @@ func reportPooled(w io.Writer, paths []string, base string) error {
 		b, err := os.ReadFile(path)
 		if err != nil {
 			return err
-		}
-		if !bytes.Contains(b, []byte(" done: ")) {
-			return fmt.Errorf("%s holds no burst's line: not a cluster run's stderr?", path)
 		}
 		logs = append(logs, namedLog{path, bytes.NewReader(b)})
 	}

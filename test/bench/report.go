@@ -228,14 +228,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 			n := 0
 			for i := range bs {
 				b := &bs[i]
-				cpu.node += b.cpu.node
-				cpu.runtime += b.cpu.runtime
-				cpu.agent += b.cpu.agent
-				cpu.pods += b.cpu.pods
-				cpu.containerd += b.cpu.containerd
-				cpu.cni += b.cpu.cni
-				cpu.kubelet += b.cpu.kubelet
-				cpu.control += b.cpu.control
+				cpu = cpu.plus(b.cpu)
 				n += b.pods()
 			}
 			n = max(n, 1)
