@@ -28,6 +28,10 @@ type clusterConfig struct {
 	pods int
 	// rounds of each arm per node size.
 	rounds int
+	// roundsFor, when not zero, bounds the rounds by time: once this long
+	// has passed since a node size's first round began, no other round of
+	// it begins (each size has its first round whatever the time).
+	roundsFor time.Duration
 	// agentCPU is the agent's CPU request; empty keeps the chart's.
 	agentCPU string
 	// busy pods each keep one CPU thread spinning with busyCPU requested:
@@ -53,6 +57,7 @@ type clusterConfig struct {
 func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.pods, "cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, in each arm")
 	fs.IntVar(&c.rounds, "cluster-rounds", 3, "rounds of each arm per node size in the cluster series")
+	fs.DurationVar(&c.roundsFor, "cluster-rounds-for", 0, "if not 0: begin no round of a node size once this long has passed since its first round began (at most -cluster-rounds; set both before the run, as a machine's speed is not known before it)")
 	fs.StringVar(&c.agentCPU, "cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
 	fs.IntVar(&c.busy, "cluster-busy", 2, "pods spinning one CPU thread each while the pods start")
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
@@ -197,6 +202,15 @@ func (c nodeCPU) minus(o nodeCPU) nodeCPU {
 		containerd: c.containerd - o.containerd, cni: c.cni - o.cni, kubelet: c.kubelet - o.kubelet, control: c.control - o.control}
 }
 
+// roundDue says whether round (from 0) of a node size begins, elapsed
+// after its first round began.
+func (c *clusterConfig) roundDue(round int, elapsed time.Duration) bool {
+	if round >= c.rounds {
+		return false
+	}
+	return round == 0 || c.roundsFor <= 0 || elapsed < c.roundsFor
+}
+
 // clusterResult holds every burst by node size (pods on the node with the
 // burst) and arm, in the order measured.
 type clusterResult struct {
@@ -206,6 +220,18 @@ type clusterResult struct {
 	// busyPods and idle are what shared the node with each burst.
 	busyPods int
 	idle     map[int]int
+}
+
+// roundsDone is the fewest rounds an arm ran at any node size: set, or
+// fewer where -cluster-rounds-for stopped them.
+func (r *clusterResult) roundsDone(set int) int {
+	done := set
+	for _, size := range r.sizes {
+		for _, a := range r.arms {
+			done = min(done, len(r.bursts[size][a.name]))
+		}
+	}
+	return done
 }
 
 // clusterStartup measures pod start-up on a real kubelet+containerd node
@@ -266,7 +292,12 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 				return nil, fmt.Errorf("busy pods: %w", err)
 			}
 		}
+		first := time.Now()
 		for round := 0; round < cfg.rounds; round++ {
+			if !cfg.roundDue(round, time.Since(first)) {
+				fmt.Fprintf(os.Stderr, "%d pods on the node: %d of %d rounds in the %s -cluster-rounds-for gave them\n", size, round, cfg.rounds, cfg.roundsFor)
+				break
+			}
 			for _, i := range armOrder(len(res.arms), round) {
 				arm := res.arms[i]
 				name := fmt.Sprintf("%s-%d-%d", arm.name, size, round)
@@ -278,6 +309,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 				// As it goes, on stderr: a run that fails later keeps
 				// what it measured.
 				fmt.Fprintln(os.Stderr, burstLine(name, f))
+				fmt.Fprintln(os.Stderr, burstCPULine(name, f))
 			}
 		}
 		if err := testenv.DeletePods(ctx, cluster, "bench", append(busy, idlePods...), 5*time.Minute); err != nil {

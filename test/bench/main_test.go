@@ -31,10 +31,10 @@ func TestParseFlags(t *testing.T) {
 		t.Errorf("defaults: got %+v, want %+v", got, want)
 	}
 	want = config{seqPods: 1, parallel: 2, rounds: 4, listPods: 5, listsOnly: true, ambientPods: 10, ambientOnly: true, memoryCycles: 12, memoryOnly: true,
-		cluster: clusterConfig{pods: 6, rounds: 7, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, small: false, arms: "agent,without", svg: "/tmp/c.svg", pool: "a.log,b.log"},
+		cluster: clusterConfig{pods: 6, rounds: 7, roundsFor: 90 * time.Minute, agentCPU: "250m", busy: 1, busyCPU: "1", full: false, small: false, arms: "agent,without", svg: "/tmp/c.svg", pool: "a.log,b.log"},
 		flat:    flatConfig{rounds: 8, pods: 9, listRounds: 11, only: true}}
 	if got := parse("-pods", "1", "-parallel", "2", "-rounds", "4", "-list-pods", "5", "-lists-only", "-ambient-pods", "10", "-ambient-only", "-memory-cycles", "12", "-memory-only",
-		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-agent-cpu", "250m", "-cluster-busy", "1", "-cluster-busy-cpu", "1",
+		"-cluster-pods", "6", "-cluster-rounds", "7", "-cluster-rounds-for", "1h30m", "-cluster-agent-cpu", "250m", "-cluster-busy", "1", "-cluster-busy-cpu", "1",
 		"-cluster-full=false", "-cluster-small=false", "-cluster-arms", "agent,without", "-cluster-svg", "/tmp/c.svg", "-cluster-pool", "a.log,b.log",
 		"-flat-rounds", "8", "-flat-pods", "9", "-flat-list-rounds", "11", "-flat-only"); got != want {
 		t.Errorf("every flag set: got %+v, want %+v", got, want)

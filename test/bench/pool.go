@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Runs of the cluster series on the same code, each in its own hour, pool
@@ -26,6 +27,59 @@ func burstLine(name string, f burstFigures) string {
 		pct(f.setup, .5).Seconds(), msf(burstStartCPU(f)), f.prepared, f.fallback)
 }
 
+// cpuParts name the parts of a burst's CPU per pod that burstCPULine
+// logs, in its order.
+var cpuParts = [...]string{"runtime's cgroup", "containerd", "processes it waited for", "kubelet", "shims and runc", "agent", "other pods", "control plane"}
+
+// burstCPULine is the burst's CPU per pod by part, logged after its
+// burstLine, so that a run cut short, or a pool of runs, keeps where the
+// CPU went as well as how much there was.
+func burstCPULine(name string, f burstFigures) string {
+	c := f.cpu
+	per := func(d time.Duration) float64 { return msf(f.perPod(d)) }
+	return fmt.Sprintf("burst %s cpu per pod, ms: runtime %.1f (containerd %.1f, processes it waited for %.1f, kubelet %.1f, shims and runc %.1f), agent %.1f, other pods %.1f, control plane %.1f",
+		name, per(c.runtime), per(c.containerd), per(c.cni), per(c.kubelet), per(c.runtime-c.containerd-c.cni-c.kubelet),
+		per(c.agent), per(c.pods), per(c.control))
+}
+
+// burstCPULineRE is burstCPULine's form, the whole line. The shims' part
+// is the runtime's rest and the other pods' the node's, so either may
+// come out below 0 by the readings' rounding.
+var burstCPULineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) cpu per pod, ms: runtime ([0-9.]+) \(containerd ([0-9.]+), ` +
+	`processes it waited for ([0-9.]+), kubelet ([0-9.]+), shims and runc (-?[0-9.]+)\), agent ([0-9.]+), other pods (-?[0-9.]+), control plane ([0-9.]+)$`)
+
+// loggedCPU is a burst's CPU line: which burst, and its parts by cpuParts.
+type loggedCPU struct {
+	arm         string
+	pods, round int
+	parts       [len(cpuParts)]float64
+}
+
+// parseBurstCPULine reads a line of burstCPULine; ok false for any other
+// line, an error for one that says it is one and does not read as one.
+func parseBurstCPULine(line string) (c loggedCPU, ok bool, err error) {
+	if !strings.HasPrefix(line, "burst ") || !strings.Contains(line, " cpu per pod, ms: ") {
+		return c, false, nil
+	}
+	m := burstCPULineRE.FindStringSubmatch(line)
+	if m == nil {
+		return c, true, fmt.Errorf("not a burst's CPU as the cluster series logs it: %q", line)
+	}
+	if c.pods, err = strconv.Atoi(m[2]); err == nil {
+		c.round, err = strconv.Atoi(m[3])
+	}
+	if err != nil {
+		return c, true, fmt.Errorf("%q: %w", line, err)
+	}
+	for i, s := range m[4:] {
+		if c.parts[i], err = strconv.ParseFloat(s, 64); err != nil {
+			return c, true, fmt.Errorf("%q: figure %q is not a number", line, s)
+		}
+	}
+	c.arm = m[1]
+	return c, true, nil
+}
+
 // burstLineRE is burstLine's form, the whole line.
 var burstLineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) done: Ready p50 ([0-9.]+) s, last ([0-9.]+) s; ` +
 	`started p50 ([0-9.]+) s; set-up p50 ([0-9.]+) s; start-up CPU ([0-9.]+) ms/pod; ADDs from records ([0-9]+), fallback ([0-9]+)$`)
@@ -39,6 +93,10 @@ type loggedBurst struct {
 	started, setup     float64
 	startCPU           float64
 	prepared, fallback int
+	// cpu is the burst's CPU line's parts, when hasCPU (logs before run
+	// BG have none).
+	cpu    [len(cpuParts)]float64
+	hasCPU bool
 }
 
 // parseBurstLine reads a line of burstLine. A line that is not a burst's
@@ -91,6 +149,12 @@ var loggedStatistics = []struct {
 type pooledArm struct {
 	logs, rounds int
 	ratios       [][]float64
+	// cpuRounds are the rounds whose bursts of both arms logged their CPU
+	// by part: the sums of the parts over them, and each round's
+	// difference, arm minus baseline, by part.
+	cpuRounds       int
+	cpuBase, cpuArm [len(cpuParts)]float64
+	cpuDiff         [len(cpuParts)][]float64
 }
 
 // poolKey is an arm at a node size.
@@ -122,6 +186,24 @@ func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
 		sc := bufio.NewScanner(l.r)
 		sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
 		for line := 1; sc.Scan(); line++ {
+			c, ok, err := parseBurstCPULine(sc.Text())
+			if err != nil {
+				return nil, fmt.Errorf("%s:%d: %w", l.name, line, err)
+			}
+			if ok {
+				// burstCPULine follows its burst's line.
+				k := roundKey{c.pods, c.arm, c.round}
+				b, done := seen[k]
+				switch {
+				case !done:
+					return nil, fmt.Errorf("%s:%d: the CPU of burst %s-%d-%d, whose figures come before it in no line", l.name, line, c.arm, c.pods, c.round)
+				case b.hasCPU:
+					return nil, fmt.Errorf("%s:%d: the CPU of burst %s-%d-%d logged twice", l.name, line, c.arm, c.pods, c.round)
+				}
+				b.cpu, b.hasCPU = c.parts, true
+				seen[k] = b
+				continue
+			}
 			b, ok, err := parseBurstLine(sc.Text())
 			if err != nil {
 				return nil, fmt.Errorf("%s:%d: %w", l.name, line, err)
@@ -169,9 +251,18 @@ func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
 				p.logs++
 			}
 			p.rounds++
+			b := seen[k]
 			for i, st := range loggedStatistics {
 				if v := st.f(bb); v > 0 {
-					p.ratios[i] = append(p.ratios[i], st.f(seen[k])/v)
+					p.ratios[i] = append(p.ratios[i], st.f(b)/v)
+				}
+			}
+			if b.hasCPU && bb.hasCPU {
+				p.cpuRounds++
+				for i := range cpuParts {
+					p.cpuBase[i] += bb.cpu[i]
+					p.cpuArm[i] += b.cpu[i]
+					p.cpuDiff[i] = append(p.cpuDiff[i], b.cpu[i]-bb.cpu[i])
 				}
 			}
 		}
@@ -222,6 +313,17 @@ func reportPooled(w io.Writer, paths []string, base string) error {
 				fmt.Fprintf(w, " (%d rounds with a baseline figure)", n)
 			}
 			fmt.Fprintln(w)
+		}
+		if p.cpuRounds == 0 {
+			continue
+		}
+		// Differences, not ratios: a part can be 0 in the baseline (the
+		// agent's) and the parts of one burst add up.
+		fmt.Fprintf(w, "  CPU per pod by part, %d rounds that logged it, ms: %s's mean, %s's, and the round-by-round difference (median, 90%% interval):\n", p.cpuRounds, base, k.arm)
+		n := float64(p.cpuRounds)
+		for i, part := range cpuParts {
+			e := medianInterval(p.cpuDiff[i], .9)
+			fmt.Fprintf(w, "    %-26s %7.1f %7.1f   %+6.1f [%+.1f, %+.1f]\n", part+":", p.cpuBase[i]/n, p.cpuArm[i]/n, e.Median, e.Low, e.High)
 		}
 	}
 	return nil

@@ -51,6 +51,94 @@ func TestBurstLine(t *testing.T) {
 	}
 }
 
+// The CPU line splits the burst's CPU per pod by part, the shims as the
+// runtime's rest, and is not a burst's figures to the pool.
+func TestBurstCPULine(t *testing.T) {
+	milli := time.Millisecond
+	f := burstFigures{startup: []time.Duration{1, 2, 3, 4}, cpu: nodeCPU{runtime: 2000 * milli, containerd: 400 * milli, cni: 100 * milli,
+		kubelet: 600 * milli, agent: 20 * milli, pods: 800 * milli, control: 1000 * milli, node: 4000 * milli}}
+	line := burstCPULine("plugin-110-3", f)
+	if want := "burst plugin-110-3 cpu per pod, ms: runtime 500.0 (containerd 100.0, processes it waited for 25.0, kubelet 150.0, shims and runc 225.0), agent 5.0, other pods 200.0, control plane 250.0"; line != want {
+		t.Fatalf("logged\n%s\nwant\n%s", line, want)
+	}
+	if _, ok, err := parseBurstLine(line); ok || err != nil {
+		t.Errorf("the CPU line: ok %v, %v; want it skipped by the pool", ok, err)
+	}
+	if got := burstCPULine("without-33-0", burstFigures{}); !strings.Contains(got, "runtime 0.0 (") {
+		t.Errorf("a burst of no pods: %q", got)
+	}
+	c, ok, err := parseBurstCPULine(line)
+	if err != nil || !ok {
+		t.Fatalf("%q: ok %v, %v", line, ok, err)
+	}
+	if want := (loggedCPU{arm: "plugin", pods: 110, round: 3, parts: [len(cpuParts)]float64{500, 100, 25, 150, 225, 5, 200, 250}}); c != want {
+		t.Fatalf("%q read as %+v, want %+v", line, c, want)
+	}
+	if c, _, err := parseBurstCPULine(strings.Replace(line, "shims and runc 225.0", "shims and runc -0.1", 1)); err != nil || c.parts[4] != -0.1 {
+		t.Errorf("a rest below 0 by rounding: %+v, %v", c, err)
+	}
+	if _, ok, err := parseBurstCPULine(logLine("plugin", 110, 3, 1, 1, 1, 1)); ok || err != nil {
+		t.Errorf("a burst's figures read as its CPU: ok %v, %v", ok, err)
+	}
+	for _, bad := range []string{
+		strings.Replace(line, "runtime 500.0", "runtime x", 1),
+		strings.Replace(line, "agent 5.0", "agent -5.0", 1),
+		strings.Replace(line, "plugin-110-3", "plugin-3", 1),
+		line + ", kubelet 1.0",
+	} {
+		if _, ok, err := parseBurstCPULine(bad); !ok || err == nil {
+			t.Errorf("%q: ok %v, err %v; want an error", bad, ok, err)
+		}
+	}
+}
+
+// cpuLogLine is a burst's CPU line with the given runtime and agent parts
+// (the runtime's all containerd's).
+func cpuLogLine(arm string, pods, round int, runtime, agent float64) string {
+	return fmt.Sprintf("burst %s-%d-%d cpu per pod, ms: runtime %.1f (containerd %.1f, processes it waited for 0.0, kubelet 0.0, shims and runc 0.0), agent %.1f, other pods 100.0, control plane 50.0\n",
+		arm, pods, round, runtime, runtime, agent)
+}
+
+// -cluster-rounds-for stops the rounds by time, never before the first
+// and never beyond -cluster-rounds.
+func TestRoundDue(t *testing.T) {
+	c := clusterConfig{rounds: 5}
+	for r := range 5 {
+		if !c.roundDue(r, 100*time.Hour) {
+			t.Errorf("no time bound: round %d not due", r)
+		}
+	}
+	if c.roundDue(5, 0) {
+		t.Error("round 5 of 5 due")
+	}
+	c.roundsFor = time.Hour
+	for _, tc := range []struct {
+		round   int
+		elapsed time.Duration
+		due     bool
+	}{{0, 2 * time.Hour, true}, {1, 59 * time.Minute, true}, {1, time.Hour, false}, {4, 10 * time.Minute, true}, {5, 0, false}} {
+		if got := c.roundDue(tc.round, tc.elapsed); got != tc.due {
+			t.Errorf("round %d after %s: due %v, want %v", tc.round, tc.elapsed, got, tc.due)
+		}
+	}
+}
+
+// The report's header gives the rounds each arm ran, not the rounds set.
+func TestRoundsDone(t *testing.T) {
+	r := &clusterResult{sizes: []int{33, 110}, arms: []clusterArm{{name: "without"}, {name: "plugin"}},
+		bursts: map[int]map[string][]burstFigures{
+			33:  {"without": make([]burstFigures, 5), "plugin": make([]burstFigures, 5)},
+			110: {"without": make([]burstFigures, 3), "plugin": make([]burstFigures, 2)}}}
+	if got := r.roundsDone(5); got != 2 {
+		t.Errorf("rounds done %d, want 2", got)
+	}
+	r.bursts[110]["plugin"] = make([]burstFigures, 5)
+	r.bursts[110]["without"] = make([]burstFigures, 5)
+	if got := r.roundsDone(5); got != 5 {
+		t.Errorf("rounds done %d, want 5", got)
+	}
+}
+
 // TestKeptBurstLogs: every burst line of the kept logs reads, and each
 // log pairs rounds, so the figures the documents quote from them can be
 // printed again.
@@ -115,8 +203,25 @@ func TestPoolLogs(t *testing.T) {
 	if p110 := got[poolKey{110, "plugin"}]; p110 == nil || p110.logs != 1 || !approx(p110.ratios[0], []float64{1.1}) {
 		t.Errorf("110 pods: %+v", p110)
 	}
+	// The CPU by part, where both bursts of a round logged it.
+	c := logLine("without", 33, 0, 10, 12, 3, 250) + cpuLogLine("without", 33, 0, 240, 0) +
+		logLine("plugin", 33, 0, 11, 12, 3, 260) + cpuLogLine("plugin", 33, 0, 250, 3) +
+		logLine("without", 33, 1, 10, 12, 3, 250) + cpuLogLine("without", 33, 1, 250, 0) +
+		logLine("plugin", 33, 1, 11, 12, 3, 260) + cpuLogLine("plugin", 33, 1, 254, 4) +
+		logLine("without", 33, 2, 10, 12, 3, 250) + logLine("plugin", 33, 2, 11, 12, 3, 260) + cpuLogLine("plugin", 33, 2, 300, 9)
+	got, err = poolLogs(logs(c), "without")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := got[poolKey{33, "plugin"}]; p == nil || p.rounds != 3 || p.cpuRounds != 2 || p.cpuBase[0] != 490 || p.cpuArm[0] != 504 ||
+		!approx(p.cpuDiff[0], []float64{10, 4}) || !approx(p.cpuDiff[5], []float64{3, 4}) || !approx(p.cpuDiff[7], []float64{0, 0}) {
+		t.Errorf("the CPU by part: %+v", p)
+	}
 	for _, c := range []struct{ log, err string }{
 		{a + logLine("plugin", 33, 1, 1, 1, 1, 1), "a:9: burst plugin-33-1 logged twice"},
+		{cpuLogLine("plugin", 33, 0, 1, 1) + logLine("plugin", 33, 0, 1, 1, 1, 1), "a:1: the CPU of burst plugin-33-0, whose figures come before it in no line"},
+		{logLine("plugin", 33, 0, 1, 1, 1, 1) + cpuLogLine("plugin", 33, 0, 1, 1) + cpuLogLine("plugin", 33, 0, 1, 1), "a:3: the CPU of burst plugin-33-0 logged twice"},
+		{"burst plugin-33-0 cpu per pod, ms: runtime x\n", "a:1: not a burst's CPU"},
 		{"burst plugin-33-0 done: Ready p50 x s\n", "a:1: not a burst's figures"},
 		{logLine("plugins", 33, 0, 1, 1, 1, 1), `a:1: no arm is named "plugins"`},
 	} {
@@ -148,7 +253,8 @@ func TestReportPooled(t *testing.T) {
 		if r == 0 {
 			setup = 0
 		}
-		log.WriteString(logLine("without", 33, r, 10, 12, setup, 250) + logLine("plugin", 33, r, 10.2, 12.24, 3, 255))
+		log.WriteString(logLine("without", 33, r, 10, 12, setup, 250) + cpuLogLine("without", 33, r, 250, 0) +
+			logLine("plugin", 33, r, 10.2, 12.24, 3, 255) + cpuLogLine("plugin", 33, r, 250, 5))
 	}
 	write := func(name, text string) string {
 		p := filepath.Join(dir, name)
@@ -169,6 +275,10 @@ func TestReportPooled(t *testing.T) {
 		"  containers started p50:                  median +2.2%, 90% interval [+2.2%, +2.2%]; within 5%: met\n",
 		"  sandbox set-up p50:                      median +0.0%, 90% interval [+0.0%, +0.0%]; within 5%: met (39 rounds with a baseline figure)\n",
 		"  start-up CPU per pod (runtime + agent):  median +2.0%, 90% interval [+2.0%, +2.0%]; within 5%: met\n",
+		"  CPU per pod by part, 40 rounds that logged it, ms: without's mean, plugin's, and the round-by-round difference (median, 90% interval):\n",
+		"    runtime's cgroup:            250.0   250.0     +0.0 [+0.0, +0.0]\n",
+		"    agent:                         0.0     5.0     +5.0 [+5.0, +5.0]\n",
+		"    control plane:                50.0    50.0     +0.0 [+0.0, +0.0]\n",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("report lacks %q:\n%s", want, out.String())

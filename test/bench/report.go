@@ -207,10 +207,14 @@ func reportLists(r *results) {
 // pod by cgroup, and each arm against the node without the plugin.
 func reportCluster(cfg clusterConfig, r *clusterResult) {
 	fmt.Printf("%d sidecar pods created at once on one kubelet+containerd node with a node's cgroups (QoS tree, runtime in its own cgroup),\n", cfg.pods)
-	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm,\n",
-		r.busyPods, cfg.busyCPU, cmp.Or(cfg.agentCPU, "100m (chart default)"), cfg.rounds)
+	rounds, of := r.roundsDone(cfg.rounds), ""
+	if rounds < cfg.rounds {
+		of = fmt.Sprintf(" (of %d; the rest past -cluster-rounds-for %s)", cfg.rounds, cfg.roundsFor)
+	}
+	fmt.Printf("%d busy pods spinning a thread each (%s requested each), agent CPU request %s; creation to Ready, %d rounds per arm%s,\n",
+		r.busyPods, cfg.busyCPU, cmp.Or(cfg.agentCPU, "100m (chart default)"), rounds, of)
 	balance := "every arm follows every other equally often"
-	if design := designRounds(len(r.arms)); len(r.arms) > 1 && cfg.rounds%design != 0 {
+	if design := designRounds(len(r.arms)); len(r.arms) > 1 && rounds%design != 0 {
 		balance = fmt.Sprintf("balanced only over multiples of %d rounds", design)
 	}
 	fmt.Printf("arms in a Williams design's order by round (%s):\n", balance)
