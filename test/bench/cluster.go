@@ -57,7 +57,7 @@ type clusterConfig struct {
 func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.pods, "cluster-pods", 0, "instead: start this many sidecar pods at once on a real kubelet node, in each arm")
 	fs.IntVar(&c.rounds, "cluster-rounds", 3, "rounds of each arm per node size in the cluster series")
-	fs.DurationVar(&c.roundsFor, "cluster-rounds-for", 0, "if not 0: begin no round of a node size once this long has passed since its first round began (at most -cluster-rounds; set both before the run, as a machine's speed is not known before it)")
+	fs.DurationVar(&c.roundsFor, "cluster-rounds-for", 0, "if not 0: begin no round of a node size once this long has passed since its first round began, but the rounds of a balanced order of the arms already begun (at most -cluster-rounds; set both before the run, as a machine's speed is not known before it)")
 	fs.StringVar(&c.agentCPU, "cluster-agent-cpu", "", "the agent's CPU request in the cluster series (the chart's default when empty)")
 	fs.IntVar(&c.busy, "cluster-busy", 2, "pods spinning one CPU thread each while the pods start")
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
@@ -203,12 +203,15 @@ func (c nodeCPU) minus(o nodeCPU) nodeCPU {
 }
 
 // roundDue says whether round (from 0) of a node size begins, elapsed
-// after its first round began.
-func (c *clusterConfig) roundDue(round int, elapsed time.Duration) bool {
+// after its first round began, with design rounds balancing the arms'
+// order (designRounds): past the time bound the rounds still run to the
+// end of a design, so that every arm has followed every other equally
+// often.
+func (c *clusterConfig) roundDue(round int, elapsed time.Duration, design int) bool {
 	if round >= c.rounds {
 		return false
 	}
-	return round == 0 || c.roundsFor <= 0 || elapsed < c.roundsFor
+	return round == 0 || c.roundsFor <= 0 || elapsed < c.roundsFor || round%max(design, 1) != 0
 }
 
 // clusterResult holds every burst by node size (pods on the node with the
@@ -294,7 +297,7 @@ func clusterStartup(ctx context.Context, cfg clusterConfig) (*clusterResult, err
 		}
 		first := time.Now()
 		for round := 0; round < cfg.rounds; round++ {
-			if !cfg.roundDue(round, time.Since(first)) {
+			if !cfg.roundDue(round, time.Since(first), designRounds(len(res.arms))) {
 				fmt.Fprintf(os.Stderr, "%d pods on the node: %d of %d rounds in the %s -cluster-rounds-for gave them\n", size, round, cfg.rounds, cfg.roundsFor)
 				break
 			}

@@ -39,7 +39,7 @@ func writeClusterSVG(path string, cfg clusterConfig, r *clusterResult) error {
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
 	fmt.Fprintf(&b, `<text x="%d" y="18" font-size="14">%d sidecar pods created at once: time to Ready, by share of the burst Ready (%d rounds pooled)</text>`+"\n",
-		left, cfg.pods, cfg.rounds)
+		left, cfg.pods, r.roundsDone(cfg.rounds))
 	for i, size := range r.sizes {
 		x0 := left + i*(panelW+gap)
 		y0 := top

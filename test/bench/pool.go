@@ -42,11 +42,12 @@ func burstCPULine(name string, f burstFigures) string {
 		per(c.agent), per(c.pods), per(c.control))
 }
 
-// burstCPULineRE is burstCPULine's form, the whole line. The shims' part
-// is the runtime's rest and the other pods' the node's, so either may
-// come out below 0 by the readings' rounding.
-var burstCPULineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) cpu per pod, ms: runtime ([0-9.]+) \(containerd ([0-9.]+), ` +
-	`processes it waited for ([0-9.]+), kubelet ([0-9.]+), shims and runc (-?[0-9.]+)\), agent ([0-9.]+), other pods (-?[0-9.]+), control plane ([0-9.]+)$`)
+// burstCPULineRE is burstCPULine's form, the whole line. Every part is a
+// difference of two readings, and the shims' and the other pods' are
+// rests, so a part may come out below 0 (by rounding, or a process
+// started again between the readings) and still be the line as written.
+var burstCPULineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) cpu per pod, ms: runtime (-?[0-9.]+) \(containerd (-?[0-9.]+), ` +
+	`processes it waited for (-?[0-9.]+), kubelet (-?[0-9.]+), shims and runc (-?[0-9.]+)\), agent (-?[0-9.]+), other pods (-?[0-9.]+), control plane (-?[0-9.]+)$`)
 
 // loggedCPU is a burst's CPU line: which burst, and its parts by cpuParts.
 type loggedCPU struct {

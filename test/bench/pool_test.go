@@ -77,12 +77,16 @@ func TestBurstCPULine(t *testing.T) {
 	if c, _, err := parseBurstCPULine(strings.Replace(line, "shims and runc 225.0", "shims and runc -0.1", 1)); err != nil || c.parts[4] != -0.1 {
 		t.Errorf("a rest below 0 by rounding: %+v, %v", c, err)
 	}
+	if c, _, err := parseBurstCPULine(strings.Replace(line, "control plane 250.0", "control plane -2.5", 1)); err != nil || c.parts[7] != -2.5 {
+		t.Errorf("a part below 0: %+v, %v", c, err)
+	}
 	if _, ok, err := parseBurstCPULine(logLine("plugin", 110, 3, 1, 1, 1, 1)); ok || err != nil {
 		t.Errorf("a burst's figures read as its CPU: ok %v, %v", ok, err)
 	}
 	for _, bad := range []string{
 		strings.Replace(line, "runtime 500.0", "runtime x", 1),
-		strings.Replace(line, "agent 5.0", "agent -5.0", 1),
+		strings.Replace(line, "agent 5.0", "agent 5.0.0", 1),
+		strings.Replace(line, "agent 5.0", "agent --5.0", 1),
 		strings.Replace(line, "plugin-110-3", "plugin-3", 1),
 		line + ", kubelet 1.0",
 	} {
@@ -92,33 +96,42 @@ func TestBurstCPULine(t *testing.T) {
 	}
 }
 
-// cpuLogLine is a burst's CPU line with the given runtime and agent parts
-// (the runtime's all containerd's).
+// cpuLogLine is a burst's CPU line with the given runtime and agent parts;
+// the runtime's parts are its fixed shares (containerd 1/2, processes
+// 1/10, kubelet 1/4, shims the rest), the other pods 4 and the control
+// plane 1/5 times it, so that each part's pooling is told apart.
 func cpuLogLine(arm string, pods, round int, runtime, agent float64) string {
-	return fmt.Sprintf("burst %s-%d-%d cpu per pod, ms: runtime %.1f (containerd %.1f, processes it waited for 0.0, kubelet 0.0, shims and runc 0.0), agent %.1f, other pods 100.0, control plane 50.0\n",
-		arm, pods, round, runtime, runtime, agent)
+	return fmt.Sprintf("burst %s-%d-%d cpu per pod, ms: runtime %.1f (containerd %.1f, processes it waited for %.1f, kubelet %.1f, shims and runc %.1f), agent %.1f, other pods %.1f, control plane %.1f\n",
+		arm, pods, round, runtime, runtime/2, runtime/10, runtime/4, runtime*3/20, agent, 4*runtime, runtime/5)
 }
 
-// -cluster-rounds-for stops the rounds by time, never before the first
-// and never beyond -cluster-rounds.
+// -cluster-rounds-for stops the rounds by time, never before the first,
+// never beyond -cluster-rounds, and only where a balanced order of the
+// arms ends.
 func TestRoundDue(t *testing.T) {
 	c := clusterConfig{rounds: 5}
 	for r := range 5 {
-		if !c.roundDue(r, 100*time.Hour) {
+		if !c.roundDue(r, 100*time.Hour, 2) {
 			t.Errorf("no time bound: round %d not due", r)
 		}
 	}
-	if c.roundDue(5, 0) {
+	if c.roundDue(5, 0, 1) {
 		t.Error("round 5 of 5 due")
 	}
-	c.roundsFor = time.Hour
+	c.rounds, c.roundsFor = 20, time.Hour
 	for _, tc := range []struct {
-		round   int
-		elapsed time.Duration
-		due     bool
-	}{{0, 2 * time.Hour, true}, {1, 59 * time.Minute, true}, {1, time.Hour, false}, {4, 10 * time.Minute, true}, {5, 0, false}} {
-		if got := c.roundDue(tc.round, tc.elapsed); got != tc.due {
-			t.Errorf("round %d after %s: due %v, want %v", tc.round, tc.elapsed, got, tc.due)
+		round, design int
+		elapsed       time.Duration
+		due           bool
+	}{
+		{0, 1, 2 * time.Hour, true}, {1, 1, 59 * time.Minute, true}, {1, 1, time.Hour, false}, {4, 1, 10 * time.Minute, true},
+		// Three arms balance over six rounds: past the bound, rounds 7
+		// to 11 finish the design begun, and 12 is not begun.
+		{7, 6, 2 * time.Hour, true}, {11, 6, 2 * time.Hour, true}, {12, 6, 2 * time.Hour, false}, {6, 6, time.Hour, false},
+		{12, 6, 59 * time.Minute, true}, {19, 6, 3 * time.Hour, true}, {20, 6, 0, false}, {3, 0, 2 * time.Hour, false},
+	} {
+		if got := c.roundDue(tc.round, tc.elapsed, tc.design); got != tc.due {
+			t.Errorf("round %d (design of %d) after %s: due %v, want %v", tc.round, tc.design, tc.elapsed, got, tc.due)
 		}
 	}
 }
@@ -213,9 +226,27 @@ func TestPoolLogs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p := got[poolKey{33, "plugin"}]; p == nil || p.rounds != 3 || p.cpuRounds != 2 || p.cpuBase[0] != 490 || p.cpuArm[0] != 504 ||
-		!approx(p.cpuDiff[0], []float64{10, 4}) || !approx(p.cpuDiff[5], []float64{3, 4}) || !approx(p.cpuDiff[7], []float64{0, 0}) {
-		t.Errorf("the CPU by part: %+v", p)
+	p := got[poolKey{33, "plugin"}]
+	if p == nil || p.rounds != 3 || p.cpuRounds != 2 {
+		t.Fatalf("the CPU by part: %+v", p)
+	}
+	// Rounds 0 and 1: runtime 240 -> 250 and 250 -> 254, agent 0 -> 3 and 0 -> 4.
+	for i, share := range []float64{1, 1. / 2, 1. / 10, 1. / 4, 3. / 20, 0, 4, 1. / 5} {
+		base, arm, diff := 490*share, 504*share, []float64{10 * share, 4 * share}
+		if i == 5 {
+			base, arm, diff = 0, 7, []float64{3, 4}
+		}
+		if d := p.cpuBase[i] - base; d > 0.11 || d < -0.11 {
+			t.Errorf("%s: without's sum %.2f, want %.2f", cpuParts[i], p.cpuBase[i], base)
+		}
+		if d := p.cpuArm[i] - arm; d > 0.11 || d < -0.11 {
+			t.Errorf("%s: plugin's sum %.2f, want %.2f", cpuParts[i], p.cpuArm[i], arm)
+		}
+		for j := range diff {
+			if d := p.cpuDiff[i][j] - diff[j]; d > 0.11 || d < -0.11 {
+				t.Errorf("%s: differences %v, want %v", cpuParts[i], p.cpuDiff[i], diff)
+			}
+		}
 	}
 	for _, c := range []struct{ log, err string }{
 		{a + logLine("plugin", 33, 1, 1, 1, 1, 1), "a:9: burst plugin-33-1 logged twice"},
