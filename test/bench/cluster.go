@@ -190,6 +190,10 @@ type nodeCPU struct {
 	control time.Duration
 }
 
+// shims is the runtime's cgroup but containerd, the processes it waited
+// for and the kubelet: the shims and the runc they start.
+func (c nodeCPU) shims() time.Duration { return c.runtime - c.containerd - c.cni - c.kubelet }
+
 // plus and minus add and subtract readings field by field, so that a new
 // field cannot be left out of a difference or a sum.
 func (c nodeCPU) plus(o nodeCPU) nodeCPU {

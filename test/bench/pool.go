@@ -38,7 +38,7 @@ func burstCPULine(name string, f burstFigures) string {
 	c := f.cpu
 	per := func(d time.Duration) float64 { return msf(f.perPod(d)) }
 	return fmt.Sprintf("burst %s cpu per pod, ms: runtime %.1f (containerd %.1f, processes it waited for %.1f, kubelet %.1f, shims and runc %.1f), agent %.1f, other pods %.1f, control plane %.1f",
-		name, per(c.runtime), per(c.containerd), per(c.cni), per(c.kubelet), per(c.runtime-c.containerd-c.cni-c.kubelet),
+		name, per(c.runtime), per(c.containerd), per(c.cni), per(c.kubelet), per(c.shims()),
 		per(c.agent), per(c.pods), per(c.control))
 }
 
@@ -46,7 +46,7 @@ func burstCPULine(name string, f burstFigures) string {
 // difference of two readings, and the shims' and the other pods' are
 // rests, so a part may come out below 0 (by rounding, or a process
 // started again between the readings) and still be the line as written.
-var burstCPULineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) cpu per pod, ms: runtime (-?[0-9.]+) \(containerd (-?[0-9.]+), ` +
+var burstCPULineRE = regexp.MustCompile(burstNameRE + ` cpu per pod, ms: runtime (-?[0-9.]+) \(containerd (-?[0-9.]+), ` +
 	`processes it waited for (-?[0-9.]+), kubelet (-?[0-9.]+), shims and runc (-?[0-9.]+)\), agent (-?[0-9.]+), other pods (-?[0-9.]+), control plane (-?[0-9.]+)$`)
 
 // loggedCPU is a burst's CPU line: which burst, and its parts by cpuParts.
@@ -59,30 +59,67 @@ type loggedCPU struct {
 // parseBurstCPULine reads a line of burstCPULine; ok false for any other
 // line, an error for one that says it is one and does not read as one.
 func parseBurstCPULine(line string) (c loggedCPU, ok bool, err error) {
-	if !strings.HasPrefix(line, "burst ") || !strings.Contains(line, " cpu per pod, ms: ") {
-		return c, false, nil
+	m, ok, err := matchBurstLine(line, " cpu per pod, ms: ", burstCPULineRE, "a burst's CPU")
+	if !ok || err != nil {
+		return c, ok, err
 	}
-	m := burstCPULineRE.FindStringSubmatch(line)
-	if m == nil {
-		return c, true, fmt.Errorf("not a burst's CPU as the cluster series logs it: %q", line)
+	if c.arm, c.pods, c.round, err = burstName(line, m); err != nil {
+		return c, true, err
 	}
-	if c.pods, err = strconv.Atoi(m[2]); err == nil {
-		c.round, err = strconv.Atoi(m[3])
+	parts := make([]*float64, len(c.parts))
+	for i := range c.parts {
+		parts[i] = &c.parts[i]
+	}
+	return c, true, parseFigures(line, m[4:], parts)
+}
+
+// burstNameRE is the head of a burst's lines: "burst arm-pods-round",
+// submatches 1 to 3.
+const burstNameRE = `^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+)`
+
+// matchBurstLine matches line against re, a form of one kind of a burst's
+// lines, which marker tells from the log's other lines: ok false for a
+// line without it, an error (naming what the kind holds) for one with it
+// that does not match.
+func matchBurstLine(line, marker string, re *regexp.Regexp, what string) (m []string, ok bool, err error) {
+	if !strings.HasPrefix(line, "burst ") || !strings.Contains(line, marker) {
+		return nil, false, nil
+	}
+	if m = re.FindStringSubmatch(line); m == nil {
+		return nil, true, fmt.Errorf("not %s as the cluster series logs it: %q", what, line)
+	}
+	return m, true, nil
+}
+
+// burstName reads the arm, node size and round of a line's burstNameRE
+// submatches m.
+func burstName(line string, m []string) (arm string, pods, round int, err error) {
+	if pods, err = strconv.Atoi(m[2]); err == nil {
+		round, err = strconv.Atoi(m[3])
 	}
 	if err != nil {
-		return c, true, fmt.Errorf("%q: %w", line, err)
+		return "", 0, 0, fmt.Errorf("%q: %w", line, err)
 	}
-	for i, s := range m[4:] {
-		if c.parts[i], err = strconv.ParseFloat(s, 64); err != nil {
-			return c, true, fmt.Errorf("%q: figure %q is not a number", line, s)
+	if pods == 0 {
+		return "", 0, 0, fmt.Errorf("%q: a node of 0 pods", line)
+	}
+	return m[1], pods, round, nil
+}
+
+// parseFigures reads the figures ss of line into dst, in order.
+func parseFigures(line string, ss []string, dst []*float64) error {
+	for i, s := range ss {
+		v, err := strconv.ParseFloat(s, 64)
+		if err != nil {
+			return fmt.Errorf("%q: figure %q is not a number", line, s)
 		}
+		*dst[i] = v
 	}
-	c.arm = m[1]
-	return c, true, nil
+	return nil
 }
 
 // burstLineRE is burstLine's form, the whole line.
-var burstLineRE = regexp.MustCompile(`^burst ([a-z][a-z-]*)-([0-9]+)-([0-9]+) done: Ready p50 ([0-9.]+) s, last ([0-9.]+) s; ` +
+var burstLineRE = regexp.MustCompile(burstNameRE + ` done: Ready p50 ([0-9.]+) s, last ([0-9.]+) s; ` +
 	`started p50 ([0-9.]+) s; set-up p50 ([0-9.]+) s; start-up CPU ([0-9.]+) ms/pod; ADDs from records ([0-9]+), fallback ([0-9]+)$`)
 
 // loggedBurst is a burst as its log line gives it: times in seconds, the
@@ -104,30 +141,20 @@ type loggedBurst struct {
 // end (the log's other lines) gives ok false; one that says it is and
 // does not read as one is an error.
 func parseBurstLine(line string) (b loggedBurst, ok bool, err error) {
-	if !strings.HasPrefix(line, "burst ") || !strings.Contains(line, " done: ") {
-		return b, false, nil
+	m, ok, err := matchBurstLine(line, " done: ", burstLineRE, "a burst's figures")
+	if !ok || err != nil {
+		return b, ok, err
 	}
-	m := burstLineRE.FindStringSubmatch(line)
-	if m == nil {
-		return b, true, fmt.Errorf("not a burst's figures as the cluster series logs them: %q", line)
+	if b.arm, b.pods, b.round, err = burstName(line, m); err != nil {
+		return b, true, err
 	}
-	ints := []*int{&b.pods, &b.round, &b.prepared, &b.fallback}
-	for i, s := range []string{m[2], m[3], m[9], m[10]} {
-		if *ints[i], err = strconv.Atoi(s); err != nil {
+	counts := []*int{&b.prepared, &b.fallback}
+	for i, s := range m[9:11] {
+		if *counts[i], err = strconv.Atoi(s); err != nil {
 			return b, true, fmt.Errorf("%q: %w", line, err)
 		}
 	}
-	floats := []*float64{&b.ready, &b.last, &b.started, &b.setup, &b.startCPU}
-	for i, s := range m[4:9] {
-		if *floats[i], err = strconv.ParseFloat(s, 64); err != nil {
-			return b, true, fmt.Errorf("%q: figure %q is not a number", line, s)
-		}
-	}
-	if b.pods == 0 {
-		return b, true, fmt.Errorf("%q: a node of 0 pods", line)
-	}
-	b.arm = m[1]
-	return b, true, nil
+	return b, true, parseFigures(line, m[4:9], []*float64{&b.ready, &b.last, &b.started, &b.setup, &b.startCPU})
 }
 
 // loggedStatistics are what pooled rounds compare, each a ratio of a

@@ -290,7 +290,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				}
 			}
 			fmt.Printf("  %-8s runtime per pod: containerd %.1f, processes it waited for (CNI plugins, shim starts) %.1f, kubelet %.1f, shims and runc %.1f ms\n", "",
-				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.runtime-cpu.containerd-cpu.cni-cpu.kubelet))
+				per(cpu.containerd), per(cpu.cni), per(cpu.kubelet), per(cpu.shims()))
 			fmt.Printf("  %-8s control plane per pod (etcd, the API server, the controller manager; outside the node's CPU above): %.1f ms\n", "", per(cpu.control))
 			// By round too: which part of the runtime a costly round spent.
 			var split []string
@@ -299,7 +299,7 @@ func reportCluster(cfg clusterConfig, r *clusterResult) {
 				n := float64(max(b.pods(), 1))
 				c := b.cpu
 				split = append(split, fmt.Sprintf("%.0f/%.0f/%.0f/%.0f", msf(c.containerd)/n, msf(c.cni)/n, msf(c.kubelet)/n,
-					msf(c.runtime-c.containerd-c.cni-c.kubelet)/n))
+					msf(c.shims())/n))
 			}
 			fmt.Printf("  %-8s the same by round, ms: %s\n", "", strings.Join(split, " "))
 			var pluginCPU, fallbackCPU []time.Duration
