@@ -47,7 +47,7 @@ type clusterConfig struct {
 	// arms are the ways the node runs, comma-separated names of
 	// clusterArms.
 	arms string
-	// svg, when set, is where the series is drawn (plot.go).
+	// svg, when set, is where the series, or the pool, is drawn (plot.go).
 	svg string
 	// pool, when set, names logs of earlier runs (comma-separated) to
 	// pool round by round instead of measuring (pool.go).
@@ -63,7 +63,7 @@ func (c *clusterConfig) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.busyCPU, "cluster-busy-cpu", "600m", "CPU each busy pod requests")
 	fs.BoolVar(&c.full, "cluster-full", true, "also measure the burst on a node holding maxPods (110) pods")
 	fs.BoolVar(&c.small, "cluster-small", true, "measure the burst on a node with only the busy pods besides it (off with -cluster-full: the full node alone)")
-	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series into this SVG file")
+	fs.StringVar(&c.svg, "cluster-svg", "", "also draw the cluster series (or, with -cluster-pool, the pooled changes) into this SVG file")
 	fs.StringVar(&c.pool, "cluster-pool", "", "instead of measuring: pool the rounds of earlier cluster runs from their logs (their stderr, comma-separated files), each arm but the mixed ones against without by node size")
 	fs.StringVar(&c.arms, "cluster-arms", "without,plugin,mixed", "the ways the node runs, in a balanced order by round: without, plugin, agent, mixed, mixed-waiting, mixed-none, without-again, chart-only, chained-tuning")
 }

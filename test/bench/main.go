@@ -80,7 +80,12 @@ func main() {
 	}
 	if cfg.cluster.pool != "" {
 		// Reading logs needs no node.
-		if err := reportPooled(os.Stdout, parseArms(cfg.cluster.pool), "without"); err != nil {
+		paths := parseArms(cfg.cluster.pool)
+		err := reportPooled(os.Stdout, paths, "without")
+		if err == nil && cfg.cluster.svg != "" {
+			err = writePooledSVG(cfg.cluster.svg, paths, "without")
+		}
+		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}

@@ -2,15 +2,17 @@ package main
 
 import (
 	"fmt"
+	"html"
 	"math"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"time"
 )
 
 // armColours keep an arm's colour the same in every panel.
-var armColours = map[string]string{"without": "#4d4d4d", "plugin": "#1b9e77", "agent": "#d95f02"}
+var armColours = map[string]string{"without": "#4d4d4d", "plugin": "#1b9e77", "agent": "#d95f02", "chart-only": "#7570b3"}
 
 // writeClusterSVG draws the cluster series as one panel per node size:
 // for each arm, the share of the burst Ready (x) against the time since
@@ -81,6 +83,91 @@ func writeClusterSVG(path string, cfg clusterConfig, r *clusterResult) error {
 	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
 
+// writePooledSVG draws what reportPooled prints: for each node size and
+// arm, each statistic's round-by-round change against base, its median
+// and 90% interval, beside the 5% target, so the verdicts read at a
+// glance and the node sizes side by side.
+func writePooledSVG(path string, paths []string, base string) error {
+	pooled, keys, err := readPooled(paths, base)
+	if err != nil {
+		return err
+	}
+	const (
+		labelW, plotW, numW = 270, 420, 230
+		top, groupH, rowH   = 56, 26, 20
+	)
+	width := labelW + plotW + numW
+	lo, hi := -5.0, 5.0
+	type row struct {
+		name string
+		e    pairedEstimate
+	}
+	rows := make([][]row, len(keys))
+	height := top + 40
+	for i, k := range keys {
+		for j, st := range loggedStatistics {
+			e := medianInterval(pooled[k].ratios[j], .9)
+			if len(e.Ratios) == 0 {
+				continue
+			}
+			rows[i] = append(rows[i], row{st.name, e})
+			lo, hi = min(lo, 100*(e.Low-1)), max(hi, 100*(e.High-1))
+		}
+		height += groupH + len(rows[i])*rowH
+	}
+	step := niceStep((hi - lo) / 6)
+	lo, hi = math.Floor(lo/step)*step, math.Ceil(hi/step)*step
+	xOf := func(pc float64) float64 { return labelW + (pc-lo)/(hi-lo)*plotW }
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
+	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	fmt.Fprintf(&b, `<text x="10" y="18" font-size="14">Each burst against the same round's burst %s: median change and 90%% interval over the rounds</text>`+"\n", armLegend(clusterArms[base]))
+	names := make([]string, len(paths))
+	for i, p := range paths {
+		names[i] = filepath.Base(p)
+	}
+	fmt.Fprintf(&b, `<text x="10" y="36" fill="#555">pooled from %s</text>`+"\n", html.EscapeString(strings.Join(names, ", ")))
+	bottom := height - 30
+	for v := lo; v <= hi+1e-9; v += step {
+		x := xOf(v)
+		stroke := "#eee"
+		if math.Abs(v) < 1e-9 {
+			stroke = "#888"
+		}
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="%s"/>`+"\n", x, x, top, bottom, stroke)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">%+g%%</text>`+"\n", x, bottom+16, v)
+	}
+	fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#d62728" stroke-dasharray="5 3"/>`+"\n", xOf(5), xOf(5), top, bottom)
+	fmt.Fprintf(&b, `<text x="%.1f" y="%d" fill="#d62728">target: within 5%%</text>`+"\n", xOf(5)+4, top-4)
+	y := top
+	for i, k := range keys {
+		p := pooled[k]
+		y += groupH
+		runs := "runs"
+		if p.logs == 1 {
+			runs = "run"
+		}
+		fmt.Fprintf(&b, `<text x="10" y="%d" font-weight="bold">%d pods on the node: %s, %d rounds from %d %s</text>`+"\n",
+			y-8, k.pods, html.EscapeString(armLegend(clusterArms[k.arm])), p.rounds, p.logs, runs)
+		for _, r := range rows[i] {
+			cy := float64(y) + rowH/2
+			colour := armColours[k.arm]
+			if colour == "" {
+				colour = "#000"
+			}
+			fmt.Fprintf(&b, `<text x="20" y="%.1f">%s</text>`+"\n", cy+4, html.EscapeString(r.name))
+			fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.1f" y2="%.1f" stroke="%s" stroke-width="3"/>`+"\n",
+				xOf(100*(r.e.Low-1)), xOf(100*(r.e.High-1)), cy, cy, colour)
+			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="4" fill="%s"/>`+"\n", xOf(100*(r.e.Median-1)), cy, colour)
+			fmt.Fprintf(&b, `<text x="%d" y="%.1f">%+.1f%% [%+.1f%%, %+.1f%%] %s</text>`+"\n", labelW+plotW+10, cy+4,
+				100*(r.e.Median-1), 100*(r.e.Low-1), 100*(r.e.High-1), r.e.within(1.05))
+			y += rowH
+		}
+	}
+	b.WriteString("</svg>\n")
+	return os.WriteFile(path, []byte(b.String()), 0o644)
+}
+
 func armLegend(a clusterArm) string {
 	switch a.name {
 	case "without":
@@ -95,6 +182,8 @@ func armLegend(a clusterArm) string {
 		return "half of a mixed burst, neither with istio-cni"
 	case "without-again":
 		return "without istio-cni, a second arm"
+	case "chart-only":
+		return "the chart installed, the pods not through it"
 	}
 	return a.name
 }

@@ -298,29 +298,30 @@ func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
 	return out, nil
 }
 
-// reportPooled prints, per node size and arm, the pooled rounds of the
-// logs against base, each statistic with its 5% target's verdict.
-func reportPooled(w io.Writer, paths []string, base string) error {
+// readPooled reads the logs at paths and pools their rounds against base
+// (poolLogs), with the arms' keys in the order reports and plots give
+// them: by node size, then arm.
+func readPooled(paths []string, base string) (map[poolKey]*pooledArm, []poolKey, error) {
 	if len(paths) == 0 {
-		return fmt.Errorf("-cluster-pool names no log")
+		return nil, nil, fmt.Errorf("-cluster-pool names no log")
 	}
 	logs := make([]namedLog, 0, len(paths))
 	for i, path := range paths {
 		if slices.Contains(paths[:i], path) {
-			return fmt.Errorf("log %s named twice", path)
+			return nil, nil, fmt.Errorf("log %s named twice", path)
 		}
 		b, err := os.ReadFile(path)
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		logs = append(logs, namedLog{path, bytes.NewReader(b)})
 	}
 	pooled, err := poolLogs(logs, base)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	if len(pooled) == 0 {
-		return fmt.Errorf("no round in %s has a burst of %s and of another arm", strings.Join(paths, ", "), base)
+		return nil, nil, fmt.Errorf("no round in %s has a burst of %s and of another arm", strings.Join(paths, ", "), base)
 	}
 	keys := make([]poolKey, 0, len(pooled))
 	for k := range pooled {
@@ -329,6 +330,16 @@ func reportPooled(w io.Writer, paths []string, base string) error {
 	slices.SortFunc(keys, func(a, b poolKey) int {
 		return cmp.Or(cmp.Compare(a.pods, b.pods), strings.Compare(a.arm, b.arm))
 	})
+	return pooled, keys, nil
+}
+
+// reportPooled prints, per node size and arm, the pooled rounds of the
+// logs against base, each statistic with its 5% target's verdict.
+func reportPooled(w io.Writer, paths []string, base string) error {
+	pooled, keys, err := readPooled(paths, base)
+	if err != nil {
+		return err
+	}
 	fmt.Fprintf(w, "cluster bursts pooled round by round from %s (each round's ratio to its own %s burst):\n", strings.Join(paths, ", "), base)
 	for _, k := range keys {
 		p := pooled[k]

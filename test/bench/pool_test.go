@@ -1,7 +1,10 @@
 package main
 
 import (
+	"encoding/xml"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -328,5 +331,55 @@ func TestReportPooled(t *testing.T) {
 		if err := reportPooled(&strings.Builder{}, c.paths, "without"); err == nil || !strings.Contains(err.Error(), c.err) {
 			t.Errorf("%v: got %v, want %q", c.paths, err, c.err)
 		}
+	}
+}
+
+// The pool's plot has a row per statistic and arm, each with its
+// interval, median and verdict, and is well-formed SVG.
+func TestPooledSVG(t *testing.T) {
+	dir := t.TempDir()
+	var log strings.Builder
+	for r := 0; r < 40; r++ {
+		log.WriteString(logLine("without", 33, r, 10, 12, 3, 250) + logLine("plugin", 33, r, 10.2, 12.24, 3, 255) +
+			logLine("without", 110, r, 20, 24, 6, 400) + logLine("plugin", 110, r, 21.6, 25.92, 6, 420))
+	}
+	logPath := filepath.Join(dir, "a.log")
+	if err := os.WriteFile(logPath, []byte(log.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "p.svg")
+	if err := writePooledSVG(path, []string{logPath}, "without"); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	svg := string(b)
+	if n := strings.Count(svg, "<circle"); n != 2*len(loggedStatistics) {
+		t.Errorf("%d medians drawn, want %d:\n%s", n, 2*len(loggedStatistics), svg)
+	}
+	for _, want := range []string{
+		"pooled from a.log",
+		"33 pods on the node: istio-cni, the relay commits (default), 40 rounds from 1 run<",
+		"110 pods on the node: istio-cni, the relay commits (default), 40 rounds from 1 run<",
+		">+2.0% [+2.0%, +2.0%] met<",
+		">+8.0% [+8.0%, +8.0%] missed<",
+		">target: within 5%<",
+	} {
+		if !strings.Contains(svg, want) {
+			t.Errorf("the plot lacks %q:\n%s", want, svg)
+		}
+	}
+	d := xml.NewDecoder(strings.NewReader(svg))
+	for {
+		if _, err := d.Token(); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			t.Fatalf("not well-formed: %v", err)
+		}
+	}
+	if err := writePooledSVG(path, nil, "without"); err == nil || !strings.Contains(err.Error(), "names no log") {
+		t.Errorf("no logs: got %v", err)
 	}
 }
