@@ -80,10 +80,12 @@ func main() {
 	}
 	if cfg.cluster.pool != "" {
 		// Reading logs needs no node.
-		paths := parseArms(cfg.cluster.pool)
-		err := reportPooled(os.Stdout, paths, "without")
-		if err == nil && cfg.cluster.svg != "" {
-			err = writePooledSVG(cfg.cluster.svg, paths, "without")
+		p, err := readPooled(parseArms(cfg.cluster.pool), "without")
+		if err == nil {
+			p.report(os.Stdout)
+			if cfg.cluster.svg != "" {
+				err = p.writeSVG(cfg.cluster.svg)
+			}
 		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)

@@ -83,30 +83,26 @@ func writeClusterSVG(path string, cfg clusterConfig, r *clusterResult) error {
 	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
 
-// writePooledSVG draws what reportPooled prints: for each node size and
+// writeSVG draws what report prints: for each node size and
 // arm, each statistic's round-by-round change against base, its median
 // and 90% interval, beside the 5% target, so the verdicts read at a
 // glance and the node sizes side by side.
-func writePooledSVG(path string, paths []string, base string) error {
-	pooled, keys, err := readPooled(paths, base)
-	if err != nil {
-		return err
-	}
+func (pl *pool) writeSVG(path string) error {
 	const (
 		labelW, plotW, numW = 270, 420, 230
 		top, groupH, rowH   = 56, 26, 20
 	)
 	width := labelW + plotW + numW
-	lo, hi := -5.0, 5.0
+	lo, hi := -100*(burstTarget-1), 100*(burstTarget-1)
 	type row struct {
 		name string
 		e    pairedEstimate
 	}
-	rows := make([][]row, len(keys))
+	rows := make([][]row, len(pl.keys))
 	height := top + 40
-	for i, k := range keys {
+	for i, k := range pl.keys {
 		for j, st := range loggedStatistics {
-			e := medianInterval(pooled[k].ratios[j], .9)
+			e := pl.arms[k].estimates[j]
 			if len(e.Ratios) == 0 {
 				continue
 			}
@@ -121,9 +117,9 @@ func writePooledSVG(path string, paths []string, base string) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
-	fmt.Fprintf(&b, `<text x="10" y="18" font-size="14">Each burst against the same round's burst %s: median change and 90%% interval over the rounds</text>`+"\n", armLegend(clusterArms[base]))
-	names := make([]string, len(paths))
-	for i, p := range paths {
+	fmt.Fprintf(&b, `<text x="10" y="18" font-size="14">Each burst against the same round's burst %s: median change and 90%% interval over the rounds</text>`+"\n", armLegend(clusterArms[pl.base]))
+	names := make([]string, len(pl.paths))
+	for i, p := range pl.paths {
 		names[i] = filepath.Base(p)
 	}
 	fmt.Fprintf(&b, `<text x="10" y="36" fill="#555">pooled from %s</text>`+"\n", html.EscapeString(strings.Join(names, ", ")))
@@ -137,11 +133,16 @@ func writePooledSVG(path string, paths []string, base string) error {
 		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="%s"/>`+"\n", x, x, top, bottom, stroke)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">%+g%%</text>`+"\n", x, bottom+16, v)
 	}
-	fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#d62728" stroke-dasharray="5 3"/>`+"\n", xOf(5), xOf(5), top, bottom)
-	fmt.Fprintf(&b, `<text x="%.1f" y="%d" fill="#d62728">target: within 5%%</text>`+"\n", xOf(5)+4, top-4)
+	target := 100 * (burstTarget - 1)
+	fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#d62728" stroke-dasharray="5 3"/>`+"\n", xOf(target), xOf(target), top, bottom)
+	fmt.Fprintf(&b, `<text x="%.1f" y="%d" fill="#d62728">target: within %g%%</text>`+"\n", xOf(target)+4, top-4, target)
 	y := top
-	for i, k := range keys {
-		p := pooled[k]
+	for i, k := range pl.keys {
+		p := pl.arms[k]
+		colour := armColours[k.arm]
+		if colour == "" {
+			colour = "#000"
+		}
 		y += groupH
 		runs := "runs"
 		if p.logs == 1 {
@@ -151,16 +152,12 @@ func writePooledSVG(path string, paths []string, base string) error {
 			y-8, k.pods, html.EscapeString(armLegend(clusterArms[k.arm])), p.rounds, p.logs, runs)
 		for _, r := range rows[i] {
 			cy := float64(y) + rowH/2
-			colour := armColours[k.arm]
-			if colour == "" {
-				colour = "#000"
-			}
 			fmt.Fprintf(&b, `<text x="20" y="%.1f">%s</text>`+"\n", cy+4, html.EscapeString(r.name))
 			fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.1f" y2="%.1f" stroke="%s" stroke-width="3"/>`+"\n",
 				xOf(100*(r.e.Low-1)), xOf(100*(r.e.High-1)), cy, cy, colour)
 			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="4" fill="%s"/>`+"\n", xOf(100*(r.e.Median-1)), cy, colour)
 			fmt.Fprintf(&b, `<text x="%d" y="%.1f">%+.1f%% [%+.1f%%, %+.1f%%] %s</text>`+"\n", labelW+plotW+10, cy+4,
-				100*(r.e.Median-1), 100*(r.e.Low-1), 100*(r.e.High-1), r.e.within(1.05))
+				100*(r.e.Median-1), 100*(r.e.Low-1), 100*(r.e.High-1), r.e.within(burstTarget))
 			y += rowH
 		}
 	}

@@ -183,6 +183,9 @@ type pooledArm struct {
 	cpuRounds       int
 	cpuBase, cpuArm [len(cpuParts)]float64
 	cpuDiff         [len(cpuParts)][]float64
+	// estimates are the ratios' medians and intervals, by
+	// loggedStatistics (readPooled).
+	estimates []pairedEstimate
 }
 
 // poolKey is an arm at a node size.
@@ -298,56 +301,67 @@ func poolLogs(logs []namedLog, base string) (map[poolKey]*pooledArm, error) {
 	return out, nil
 }
 
-// readPooled reads the logs at paths and pools their rounds against base
-// (poolLogs), with the arms' keys in the order reports and plots give
-// them: by node size, then arm.
-func readPooled(paths []string, base string) (map[poolKey]*pooledArm, []poolKey, error) {
+// pool is the rounds of a set of logs pooled against base, read once
+// for both the report and the plot.
+type pool struct {
+	paths []string
+	base  string
+	arms  map[poolKey]*pooledArm
+	// keys are arms' keys in the order the report and the plot give
+	// them: by node size, then arm.
+	keys []poolKey
+}
+
+// readPooled reads the logs at paths, pools their rounds against base
+// (poolLogs) and estimates each arm's statistics.
+func readPooled(paths []string, base string) (*pool, error) {
 	if len(paths) == 0 {
-		return nil, nil, fmt.Errorf("-cluster-pool names no log")
+		return nil, fmt.Errorf("-cluster-pool names no log")
 	}
 	logs := make([]namedLog, 0, len(paths))
 	for i, path := range paths {
 		if slices.Contains(paths[:i], path) {
-			return nil, nil, fmt.Errorf("log %s named twice", path)
+			return nil, fmt.Errorf("log %s named twice", path)
 		}
 		b, err := os.ReadFile(path)
 		if err != nil {
-			return nil, nil, err
+			return nil, err
 		}
 		logs = append(logs, namedLog{path, bytes.NewReader(b)})
 	}
 	pooled, err := poolLogs(logs, base)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if len(pooled) == 0 {
-		return nil, nil, fmt.Errorf("no round in %s has a burst of %s and of another arm", strings.Join(paths, ", "), base)
+		return nil, fmt.Errorf("no round in %s has a burst of %s and of another arm", strings.Join(paths, ", "), base)
 	}
 	keys := make([]poolKey, 0, len(pooled))
-	for k := range pooled {
+	for k, p := range pooled {
 		keys = append(keys, k)
+		p.estimates = make([]pairedEstimate, len(loggedStatistics))
+		for i := range loggedStatistics {
+			p.estimates[i] = medianInterval(p.ratios[i], .9)
+		}
 	}
 	slices.SortFunc(keys, func(a, b poolKey) int {
 		return cmp.Or(cmp.Compare(a.pods, b.pods), strings.Compare(a.arm, b.arm))
 	})
-	return pooled, keys, nil
+	return &pool{paths: paths, base: base, arms: pooled, keys: keys}, nil
 }
 
-// reportPooled prints, per node size and arm, the pooled rounds of the
-// logs against base, each statistic with its 5% target's verdict.
-func reportPooled(w io.Writer, paths []string, base string) error {
-	pooled, keys, err := readPooled(paths, base)
-	if err != nil {
-		return err
-	}
+// report prints, per node size and arm, the pooled rounds against the
+// base, each statistic with its 5% target's verdict.
+func (pl *pool) report(w io.Writer) {
+	paths, base := pl.paths, pl.base
 	fmt.Fprintf(w, "cluster bursts pooled round by round from %s (each round's ratio to its own %s burst):\n", strings.Join(paths, ", "), base)
-	for _, k := range keys {
-		p := pooled[k]
+	for _, k := range pl.keys {
+		p := pl.arms[k]
 		fmt.Fprintf(w, "%d pods on the node, %s against %s, %d rounds from %d of the logs:\n", k.pods, k.arm, base, p.rounds, p.logs)
 		for i, st := range loggedStatistics {
-			e := medianInterval(p.ratios[i], .9)
+			e := p.estimates[i]
 			fmt.Fprintf(w, "  %-40s median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s", st.name+":",
-				100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(1.05))
+				100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(burstTarget))
 			if n := len(p.ratios[i]); n != p.rounds {
 				fmt.Fprintf(w, " (%d rounds with a baseline figure)", n)
 			}
@@ -365,5 +379,4 @@ func reportPooled(w io.Writer, paths []string, base string) error {
 			fmt.Fprintf(w, "    %-26s %7.1f %7.1f   %+6.1f [%+.1f, %+.1f]\n", part+":", p.cpuBase[i]/n, p.cpuArm[i]/n, e.Median, e.Low, e.High)
 		}
 	}
-	return nil
 }

@@ -164,9 +164,12 @@ func TestKeptBurstLogs(t *testing.T) {
 		t.Fatalf("no kept logs: %v", err)
 	}
 	for _, l := range logs {
-		if err := reportPooled(&strings.Builder{}, []string{l}, "without"); err != nil {
+		p, err := readPooled([]string{l}, "without")
+		if err != nil {
 			t.Errorf("%s: %v", l, err)
+			continue
 		}
+		p.report(&strings.Builder{})
 	}
 }
 
@@ -299,9 +302,11 @@ func TestReportPooled(t *testing.T) {
 	}
 	a := write("a.log", log.String())
 	var out strings.Builder
-	if err := reportPooled(&out, []string{a}, "without"); err != nil {
+	p, err := readPooled([]string{a}, "without")
+	if err != nil {
 		t.Fatal(err)
 	}
+	p.report(&out)
 	for _, want := range []string{
 		"33 pods on the node, plugin against without, 40 rounds from 1 of the logs:\n",
 		"  Ready p50:                               median +2.0%, 90% interval [+2.0%, +2.0%]; within 5%: met\n",
@@ -328,7 +333,7 @@ func TestReportPooled(t *testing.T) {
 		{[]string{a, write("stdout.log", "30 sidecar pods created at once\n")}, "holds no burst's line"},
 		{[]string{filepath.Join(dir, "missing.log")}, "missing.log"},
 	} {
-		if err := reportPooled(&strings.Builder{}, c.paths, "without"); err == nil || !strings.Contains(err.Error(), c.err) {
+		if _, err := readPooled(c.paths, "without"); err == nil || !strings.Contains(err.Error(), c.err) {
 			t.Errorf("%v: got %v, want %q", c.paths, err, c.err)
 		}
 	}
@@ -348,7 +353,11 @@ func TestPooledSVG(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := filepath.Join(dir, "p.svg")
-	if err := writePooledSVG(path, []string{logPath}, "without"); err != nil {
+	p, err := readPooled([]string{logPath}, "without")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.writeSVG(path); err != nil {
 		t.Fatal(err)
 	}
 	b, err := os.ReadFile(path)
@@ -379,7 +388,7 @@ func TestPooledSVG(t *testing.T) {
 			t.Fatalf("not well-formed: %v", err)
 		}
 	}
-	if err := writePooledSVG(path, nil, "without"); err == nil || !strings.Contains(err.Error(), "names no log") {
+	if _, err := readPooled(nil, "without"); err == nil || !strings.Contains(err.Error(), "names no log") {
 		t.Errorf("no logs: got %v", err)
 	}
 }
