@@ -125,6 +125,10 @@ func burstControlCPU(b burstFigures) time.Duration { return b.perPod(b.cpu.contr
 // one without: within 5%.
 const burstTarget = 1.05
 
+// burstTargetPercent is burstTarget as the change the reports and the
+// plot print: 5 (%).
+const burstTargetPercent = 100 * (burstTarget - 1)
+
 // within says what the interval shows of a target ratio: met when all of
 // it is below, missed when all of it is above, else not settled by these
 // rounds.

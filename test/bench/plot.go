@@ -93,7 +93,7 @@ func (pl *pool) writeSVG(path string) error {
 		top, groupH, rowH   = 56, 26, 20
 	)
 	width := labelW + plotW + numW
-	lo, hi := -100*(burstTarget-1), 100*(burstTarget-1)
+	lo, hi := -burstTargetPercent, burstTargetPercent
 	type row struct {
 		name string
 		e    pairedEstimate
@@ -133,9 +133,8 @@ func (pl *pool) writeSVG(path string) error {
 		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="%s"/>`+"\n", x, x, top, bottom, stroke)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">%+g%%</text>`+"\n", x, bottom+16, v)
 	}
-	target := 100 * (burstTarget - 1)
-	fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#d62728" stroke-dasharray="5 3"/>`+"\n", xOf(target), xOf(target), top, bottom)
-	fmt.Fprintf(&b, `<text x="%.1f" y="%d" fill="#d62728">target: within %g%%</text>`+"\n", xOf(target)+4, top-4, target)
+	fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#d62728" stroke-dasharray="5 3"/>`+"\n", xOf(burstTargetPercent), xOf(burstTargetPercent), top, bottom)
+	fmt.Fprintf(&b, `<text x="%.1f" y="%d" fill="#d62728">target: within %g%%</text>`+"\n", xOf(burstTargetPercent)+4, top-4, burstTargetPercent)
 	y := top
 	for i, k := range pl.keys {
 		p := pl.arms[k]

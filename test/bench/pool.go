@@ -360,8 +360,8 @@ func (pl *pool) report(w io.Writer) {
 		fmt.Fprintf(w, "%d pods on the node, %s against %s, %d rounds from %d of the logs:\n", k.pods, k.arm, base, p.rounds, p.logs)
 		for i, st := range loggedStatistics {
 			e := p.estimates[i]
-			fmt.Fprintf(w, "  %-40s median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within 5%%: %s", st.name+":",
-				100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), e.within(burstTarget))
+			fmt.Fprintf(w, "  %-40s median %+.1f%%, 90%% interval [%+.1f%%, %+.1f%%]; within %g%%: %s", st.name+":",
+				100*(e.Median-1), 100*(e.Low-1), 100*(e.High-1), burstTargetPercent, e.within(burstTarget))
 			if n := len(p.ratios[i]); n != p.rounds {
 				fmt.Fprintf(w, " (%d rounds with a baseline figure)", n)
 			}
