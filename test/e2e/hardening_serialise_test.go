@@ -164,14 +164,20 @@ func TestHardeningStartupScanRacesADD(t *testing.T) {
 	h.start("--kubernetes-node-name", testenv.NodeName, "--repair-repair-pods", "--repair-host-proc", "/proc")
 	sock, relay := filepath.Join(h.RunDir, "cni.sock"), filepath.Join(h.BinDir, "istio-cni")
 	deadline := time.Now().Add(20 * time.Second)
-	for { // ADDs go to the agent once it listens and has installed the relay
+	// ADDs go to the agent once it listens and has installed the relay;
+	// a relay it leaves runs the fallback, which needs the kubeconfig the
+	// agent writes after the binaries (a runtime sees the plugin only once
+	// the config entry, written last, is in place).
+	kubeconfig := filepath.Join(h.RunDir, "istio-cni-kubeconfig")
+	for {
 		_, err1 := os.Stat(sock)
 		_, err2 := os.Stat(relay)
-		if err1 == nil && err2 == nil {
+		_, err3 := os.Stat(kubeconfig)
+		if err1 == nil && err2 == nil && err3 == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("no cni.sock")
+			t.Fatalf("after 20s: cni.sock %v, relay %v, kubeconfig %v", err1, err2, err3)
 		}
 		time.Sleep(5 * time.Millisecond) // polling an outside process
 	}

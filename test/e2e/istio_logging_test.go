@@ -81,7 +81,18 @@ func TestIstioLoggingFlags(t *testing.T) {
 		}
 	}
 
-	logs := h.WaitLog(10*time.Second, testenv.LogLine("redirect rules programmed", testNS+"/logging-via-agent"))
+	// The fallback forwards its lines without waiting for the agent to
+	// log them, the last (its DEL's) while ptp's DEL runs: wait for all.
+	logs := h.WaitLog(10*time.Second, func(log string) bool {
+		for _, c := range []string{"via-agent", "via-fallback"} {
+			for _, msg := range []string{"redirect rules programmed", "pod deleted"} {
+				if !testenv.LogLine(msg, testNS+"/logging-"+c)(log) {
+					return false
+				}
+			}
+		}
+		return true
+	})
 	lines := strings.Split(logs, "\n")
 	has := func(level, scope, msg, pod string) bool {
 		for _, l := range lines {

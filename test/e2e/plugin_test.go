@@ -254,7 +254,9 @@ func expectDirect(t *testing.T, listenAddr string, dial func() error) {
 	defer l.Close()
 	done := make(chan error, 1)
 	go func() {
-		c, err := testenv.Accept(l, 5*time.Second)
+		// The deadline also covers dial's start: DialAs starts a helper
+		// process (this test binary, built with -race) first.
+		c, err := testenv.Accept(l, 30*time.Second)
 		if err != nil {
 			done <- err
 			return
@@ -705,6 +707,20 @@ func selectionCases(t *testing.T, path string) {
 		patch := []byte(`{"metadata":{"annotations":{"sidecar.istio.io/interceptionMode":"REDIRECT"}}}`)
 		if _, err := cluster.Client.CoreV1().Pods(testNS).Patch(context.Background(), pod.Name, k8stypes.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 			t.Fatal(err)
+		}
+		// The agent reads pods from its informer's cache: a runtime's
+		// re-ADD comes long after a change, this one at once.
+		if e.server != nil && e.server.Pods != nil {
+			for deadline := time.Now().Add(10 * time.Second); ; {
+				p, err := e.server.Pods.Pod(testNS, pod.Name, pod.UID)
+				if err == nil && p.Annotations["sidecar.istio.io/interceptionMode"] == "REDIRECT" {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the agent's pod cache did not see the patch within 10s: %v", err)
+				}
+				time.Sleep(10 * time.Millisecond) // polling the informer's cache, bounded
+			}
 		}
 		if _, err := e.node.Add(context.Background(), e.node.Chained, pod); err != nil {
 			t.Fatal(err)
