@@ -75,7 +75,7 @@ func backends() []backend {
 		{name: "iptables-nft", pod: ipt, host: ipt, dump: []string{"iptables-nft-save"}, ours: "ISTIO_",
 			flush: []string{"iptables-nft", "-t", "nat", "-F"}},
 		{name: "iptables-legacy", pod: legacy, host: legacy, dump: []string{"iptables-legacy-save"}, ours: "ISTIO_",
-			flush: []string{"iptables-legacy", "-t", "nat", "-F"}},
+			flush: []string{"iptables-legacy", "-w", "30", "-t", "nat", "-F"}},
 		// The test process stands in for the kubelet.
 		{name: "nftables", pod: nft, host: nft, uid: &root, dump: []string{"nft", "list", "ruleset"}, ours: "istio-ambient-",
 			flush: []string{"nft", "flush", "ruleset"}},

@@ -22,7 +22,9 @@ func TestSignalsDoNotStretchTheFirstWait(t *testing.T) {
 	c := &agentConn{fd: fds[0]}
 	defer c.close()
 
-	const first = 200 * time.Millisecond
+	// Long enough for a few signals even when a loaded machine delays
+	// the ticker that sends them.
+	const first = time.Second
 	const signalling = 10 * time.Second
 	tid := make(chan int)
 	type answer struct {

@@ -169,10 +169,17 @@ func TestProtocol(t *testing.T) {
 			wantOut: ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			a := startAgent(t, c.reply(t))
+			reply := c.reply(t)
+			a := startAgent(t, reply)
+			// The bound on every wait for the stub agent: short only where
+			// the case is that it never answers.
+			timeout := 10 * time.Second
+			if string(reply) == "hang" {
+				timeout = 200 * time.Millisecond
+			}
 			var out bytes.Buffer
 			rec := &recorder{res: execrun.Result{Stdout: []byte("from the fallback")}}
-			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: 200 * time.Millisecond, Runner: rec}
+			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: timeout, Runner: rec}
 			args := &Args{ContainerID: "c1", Netns: c.netns, IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
 				Path: "/opt/cni/bin", Stdin: conf(a.runDir)}
 			err := r.Run(withCommand(args, c.command))

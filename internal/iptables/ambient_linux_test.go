@@ -44,7 +44,7 @@ func TestAmbientApplyEveryCase(t *testing.T) {
 				n := newNS(t)
 				a := &Applier{Force: variant}
 				if err := n.Do(func(ns.NetNS) error {
-					return exec.Command("iptables-"+variant, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
+					return exec.Command("iptables-"+variant, "-w", "30", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "RETURN").Run()
 				}); err != nil {
 					t.Fatal(err)
 				}
@@ -168,9 +168,9 @@ func TestHostProbeLifecycle(t *testing.T) {
 			if err != nil || len(ch.Added) != 3 {
 				t.Fatalf("first sync: %+v, %v", ch, err)
 			}
-			run("iptables-"+variant, "-t", "nat", "-F", "ISTIO_POSTRT")
+			run("iptables-"+variant, "-w", "30", "-t", "nat", "-F", "ISTIO_POSTRT")
 			ensure(true)
-			run("iptables-"+variant, "-t", "nat", "-F", "POSTROUTING")
+			run("iptables-"+variant, "-w", "30", "-t", "nat", "-F", "POSTROUTING")
 			ensure(true)
 			ensure(false)
 			have, err := a.ProbeEntries(n.Path())
@@ -267,7 +267,7 @@ func TestHostVariantChoice(t *testing.T) {
 		if !has(t, n, "nft") {
 			t.Fatal("a new node's probe SNAT is not in the nft variant")
 		}
-		runIn(t, n, "iptables-legacy", "-t", "nat", "-L", "-n")
+		runIn(t, n, "iptables-legacy", "-w", "30", "-t", "nat", "-L", "-n")
 		if changed, err := a.EnsureHost(n.Path(), p); err != nil || changed {
 			t.Fatalf("re-assert beside a stray legacy table: wrote %v, %v", changed, err)
 		}
@@ -284,7 +284,7 @@ func TestHostVariantChoice(t *testing.T) {
 	t.Run("goes-where-the-node's-rules-are", func(t *testing.T) {
 		n := newNS(t)
 		for i := 1; i <= 3; i++ {
-			runIn(t, n, "iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-d", fmt.Sprintf("198.18.9.%d", i), "-j", "MASQUERADE")
+			runIn(t, n, "iptables-legacy", "-w", "30", "-t", "nat", "-A", "POSTROUTING", "-d", fmt.Sprintf("198.18.9.%d", i), "-j", "MASQUERADE")
 		}
 		a := &Applier{}
 		if _, err := a.EnsureHost(n.Path(), p); err != nil {

@@ -130,7 +130,7 @@ func TestDetectPrefersExistingLegacy(t *testing.T) {
 
 	seeded := newNS(t)
 	if err := seeded.Do(func(ns.NetNS) error {
-		return exec.Command("iptables-legacy", "-t", "filter", "-A", "INPUT", "-p", "255", "-j", "RETURN").Run()
+		return exec.Command("iptables-legacy", "-w", "30", "-t", "filter", "-A", "INPUT", "-p", "255", "-j", "RETURN").Run()
 	}); err != nil {
 		t.Fatal(err)
 	}

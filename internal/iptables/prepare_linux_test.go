@@ -143,7 +143,7 @@ func TestPrepareRefusesWhatItCannotExpress(t *testing.T) {
 	}{
 		{"nft rules", run("iptables-nft", "-t", "nat", "-N", "OTHER"), "", basic(false), "has iptables rules already"},
 		{"nft rules, IPv6", run("ip6tables-nft", "-t", "mangle", "-N", "OTHER"), "", basic(false), "has iptables rules already"},
-		{"legacy rules", run("iptables-legacy", "-t", "nat", "-N", "OTHER"), "", basic(false), "legacy iptables tables"},
+		{"legacy rules", run("iptables-legacy", "-w", "30", "-t", "nat", "-N", "OTHER"), "", basic(false), "legacy iptables tables"},
 		{"tproxy rule", run("ip", "rule", "add", "fwmark", "1337", "lookup", "133"), "", basic(true), "TPROXY policy rule"},
 		{"ipset", func(t *testing.T, n ns.NetNS) {
 			// Another plan's set: the kernel would number the plan's

@@ -191,7 +191,7 @@ func TestReadFactsForAnswersAsReadFacts(t *testing.T) {
 		}, "", "the namespace holds ipsets", ""},
 		{"iptables-nft's nat table", func() { testutil.RunIn(t, n, "iptables-nft", "-t", "nat", "-N", "SOMEONES") },
 			"the namespace has iptables rules already", "the namespace holds ipsets", ""},
-		{"a legacy table", func() { testutil.RunIn(t, n, "iptables-legacy", "-t", "nat", "-N", "SOMEONES") },
+		{"a legacy table", func() { testutil.RunIn(t, n, "iptables-legacy", "-w", "30", "-t", "nat", "-N", "SOMEONES") },
 			"the namespace has legacy iptables tables", "the namespace has legacy iptables tables", ""},
 		{"our nftables table", func() { testutil.RunIn(t, n, "nft", "add", "table", "inet", "istio-proxy-nat") },
 			"the namespace has legacy iptables tables", "the namespace has legacy iptables tables", "the namespace has tables of ours already"},

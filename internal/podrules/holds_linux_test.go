@@ -43,7 +43,7 @@ func TestHoldsRules(t *testing.T) {
 			}
 			holds(false)
 			// Other writers' tables of every kind.
-			testutil.RunIn(t, n, "iptables-legacy", "-t", "filter", "-L")
+			testutil.RunIn(t, n, "iptables-legacy", "-w", "30", "-t", "filter", "-L")
 			testutil.RunIn(t, n, "nft", "add", "table", "ip", "theirs")
 			testutil.RunIn(t, n, "nft", "add", "table", "inet", "istio")
 			holds(false)
