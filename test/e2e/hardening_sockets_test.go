@@ -220,7 +220,9 @@ func fillDescriptors(t *testing.T, n *agentNode) *filler {
 	// topUp stops once the agent holds its limit, which may count
 	// descriptors it holds only for a moment (its start-up preparing ADDs):
 	// those come back free after, so take them too until a count made
-	// after topUp returned still finds the agent at its limit.
+	// after topUp returned still finds the agent at its limit. A failed
+	// dial ends it at once: retrying would only spin on a port that
+	// does not take connections.
 	deadline := time.Now().Add(15 * time.Second)
 	for {
 		err := f.topUp(time.Until(deadline))
@@ -228,9 +230,9 @@ func fillDescriptors(t *testing.T, n *agentNode) *filler {
 		if got >= f.limit {
 			return f
 		}
-		if time.Now().After(deadline) {
+		if err != nil || time.Now().After(deadline) {
 			f.release()
-			t.Fatalf("the agent holds %d descriptors, could not bring it to its limit %d (last connection: %v)", got, f.limit, err)
+			t.Fatalf("the agent holds %d descriptors, could not bring it to its limit %d (dial: %v)", got, f.limit, err)
 		}
 	}
 }
