@@ -126,6 +126,9 @@ type Controller struct {
 	queue    workqueue.TypedRateLimitingInterface[string]
 	podInf   cache.SharedIndexInformer
 	nsInf    cache.SharedIndexInformer
+	// handled reports whether both handlers have been called for every
+	// object of their informer's first list.
+	handled []cache.InformerSynced
 
 	// serving is closed once the ZDS server is up (srv set); stopped once
 	// Run is returning.
@@ -243,7 +246,11 @@ func (c *Controller) run(ctx context.Context) error {
 		}()
 	}
 	defer c.queue.ShutDown()
-	if !cache.WaitForCacheSync(ctx.Done(), c.podInf.HasSynced, c.nsInf.HasSynced) {
+	// The handlers' sync, not only the stores': an informer's store is
+	// synced before its handlers have been called for the first list, and
+	// such a late call would queue a pod again after the workers took it
+	// over, sending ztunnel a second add of it beside the snapshot's.
+	if !cache.WaitForCacheSync(ctx.Done(), c.handled...) {
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -342,14 +349,15 @@ func (c *Controller) Connected() bool {
 
 func (c *Controller) addHandlers() error {
 	count := func(t string) { c.m.events.WithLabelValues(t).Inc() }
-	if _, err := c.podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+	podReg, err := c.podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { count("add"); c.enqueuePod(obj) },
 		UpdateFunc: func(_, obj any) { count("update"); c.enqueuePod(obj) },
 		DeleteFunc: func(obj any) { count("delete"); c.enqueuePod(obj) },
-	}); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("ambient: pod handlers: %w", err)
 	}
-	if _, err := c.nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+	nsReg, err := c.nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) { count("add"); c.enqueueNamespace(obj) },
 		UpdateFunc: func(old, obj any) {
 			count("update")
@@ -360,9 +368,11 @@ func (c *Controller) addHandlers() error {
 				c.enqueueNamespace(obj)
 			}
 		},
-	}); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("ambient: namespace handlers: %w", err)
 	}
+	c.handled = []cache.InformerSynced{podReg.HasSynced, nsReg.HasSynced}
 	return nil
 }
 
