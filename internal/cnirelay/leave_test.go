@@ -100,6 +100,9 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 		noDir       bool
 		record      bool
 		emptyRecord bool
+		// stale: the pod's record is there, of an agent last seen two
+		// minutes ago.
+		stale bool
 		// silent: the agent never answers; else it answers after delay.
 		silent bool
 		delay  time.Duration
@@ -117,6 +120,8 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 			delay: 150 * time.Millisecond, wantOut: "from the agent"},
 		{name: "a record with no entry: the agent could not prepare", wait: 50 * time.Millisecond, emptyRecord: true,
 			delay: 150 * time.Millisecond, wantOut: "from the agent"},
+		{name: "a record of an agent long unseen is left after its wait", wait: 50 * time.Millisecond, stale: true, silent: true,
+			wantMayLeave: true, wantOut: "from the fallback"},
 		{name: "no UID", wait: 50 * time.Millisecond, args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p",
 			delay: 150 * time.Millisecond, wantOut: "from the agent"},
 		{name: "DEL", command: "DEL", wait: 50 * time.Millisecond, delay: 150 * time.Millisecond, wantOut: "from the agent"},
@@ -132,11 +137,20 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 				if err := dir.Reset(); err != nil {
 					t.Fatal(err)
 				}
+				if err := dir.Beat(); err != nil {
+					t.Fatal(err)
+				}
 				if err := dir.SetAgentWait(c.wait); err != nil {
 					t.Fatal(err)
 				}
 			}
-			if c.record || c.emptyRecord {
+			if c.stale {
+				at := time.Now().Add(-2 * time.Minute)
+				if err := os.Chtimes(filepath.Join(string(dir), ".agent-alive"), at, at); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if c.record || c.emptyRecord || c.stale {
 				name := "p"
 				if c.record {
 					name = "other"
@@ -175,6 +189,9 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 				t.Fatalf("the agent was told MayLeave=%v", got.req.MayLeave)
 			}
 			if c.emptyRecord && got.req.Unprepared != "the agent could not prepare the pod's ADD" {
+				t.Fatalf("the agent was told %q of the record", got.req.Unprepared)
+			}
+			if c.stale && got.req.Unprepared != "the agent that keeps the records was last seen 2m0s ago" {
 				t.Fatalf("the agent was told %q of the record", got.req.Unprepared)
 			}
 			if out.String() != c.wantOut {

@@ -25,34 +25,42 @@ import (
 // fails fails the ADD, as a send of rules the agent handed over does.
 //
 // why says why a record there was not used ("" when there was none), for
-// the agent's log line of the ADD.
-func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (served bool, why string, err error) {
+// the agent's log line of the ADD. stale says the records are not to be
+// trusted (their agent has not been seen for long): the ADD is then, to
+// the relay, one of a pod with no record.
+func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, runDir string, netns *os.File) (served bool, why string, stale bool, err error) {
 	ns, name, uid := podArgs(a.Args)
 	// The result passed on is the previous one as it came, which is the
 	// config's version only when libcni made it so. Arguments the
 	// plugin's checks would refuse go to the agent, which says why.
 	if uid == "" {
-		return false, "", nil
+		return false, "", false, nil
 	}
-	rec, err := prepared.ReadMapped(filepath.Join(runDir, prepared.DirName), uid)
+	dir := filepath.Join(runDir, prepared.DirName)
+	rec, err := prepared.ReadMapped(dir, uid)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return false, "", nil
+		return false, "", false, nil
 	case err != nil:
-		return false, "unreadable record: " + err.Error(), nil
+		return false, "unreadable record: " + err.Error(), false, nil
+	}
+	if why := agentGone(dir, start); why != "" {
+		return false, why, true, nil
+	}
+	switch {
 	case rec.Namespace != ns || rec.Name != name:
-		return false, "the record is of pod " + rec.Namespace + "/" + rec.Name, nil
+		return false, "the record is of pod " + rec.Namespace + "/" + rec.Name, false, nil
 	case !plainArgs(a):
-		return false, "arguments the plugin checks", nil
+		return false, "arguments the plugin checks", false, nil
 	case conf.PrevResult == nil || conf.PrevCNIVersion != conf.CNIVersion:
-		return false, "no prevResult of the config's version", nil
+		return false, "no prevResult of the config's version", false, nil
 	}
 	e := rec.Find(conf.Canonical)
 	switch {
 	case e == nil && len(rec.Entries) == 0:
-		return false, "the agent could not prepare the pod's ADD", nil
+		return false, "the agent could not prepare the pod's ADD", false, nil
 	case e == nil:
-		return false, "no entry for this config", nil
+		return false, "no entry for this config", false, nil
 	}
 	done := &Done{Skip: e.Skip, Mode: e.Mode, Summary: e.Kind}
 	if e.Skip == "" {
@@ -60,7 +68,7 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 			// The runtime's choice of iptables is the agent's to weigh
 			// against its own.
 			if v := r.getenv("FORCE_IPTABLES_BINARY"); v != "" && v != "nft" {
-				return false, "the runtime's FORCE_IPTABLES_BINARY=" + v, nil
+				return false, "the runtime's FORCE_IPTABLES_BINARY=" + v, false, nil
 			}
 		}
 		// Two ADDs of one namespace at once (a runtime's retry, a test's
@@ -112,17 +120,31 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 			if err != nil {
 				why = "entering the namespace: " + err.Error()
 			}
-			return false, why, nil
+			return false, why, false, nil
 		}
 		if err != nil {
 			done.Error = err.Error()
 			r.notify(runDir, a, done, start)
-			return true, "", NewError(ErrInternal, fmt.Sprintf("pod %s/%s: %v", ns, name, err), "")
+			return true, "", false, NewError(ErrInternal, fmt.Sprintf("pod %s/%s: %v", ns, name, err), "")
 		}
 	}
 	_, err = r.Stdout.Write(conf.PrevResult)
 	r.notify(runDir, a, done, start)
-	return true, "", err
+	return true, "", false, err
+}
+
+// agentGone says why the records in dir may be out of date: the agent
+// that keeps them has not been seen for longer than prepared.AliveFor
+// ("" when it has).
+func agentGone(dir string, now time.Time) string {
+	ago, ok := prepared.AgentSeen(dir, now)
+	switch {
+	case !ok:
+		return "no agent keeps the records"
+	case ago > prepared.AliveFor || ago < -prepared.AliveFor:
+		return fmt.Sprintf("the agent that keeps the records was last seen %s ago", ago.Round(time.Second))
+	}
+	return ""
 }
 
 // serveDel answers a DEL as the agent would, without it, when it can: in

@@ -41,16 +41,20 @@ func TestServePrepared(t *testing.T) {
 		name string
 		// args and stdin of the ADD, given the run dir; kind, skip and
 		// fail of the record's entry.
-		args           string
-		stdin          func(runDir string) string
-		kind, skip     string
-		noRecord       bool
-		addrs          []string
-		env            string
-		setup          func(t *testing.T, n ns.NetNS)
-		sendFails      bool
-		containerID    string
-		noTxn46        bool
+		args        string
+		stdin       func(runDir string) string
+		kind, skip  string
+		noRecord    bool
+		addrs       []string
+		env         string
+		setup       func(t *testing.T, n ns.NetNS)
+		sendFails   bool
+		containerID string
+		noTxn46     bool
+		// seen: how long ago the agent last renewed its file (none
+		// with noBeat).
+		seen           time.Duration
+		noBeat         bool
 		wantSent       string // the transaction sent ("" none)
 		wantFromRecord bool
 		wantErr        string
@@ -82,6 +86,10 @@ func TestServePrepared(t *testing.T) {
 			wantSent: "v4", wantFromRecord: true},
 		{name: "a container ID the plugin refuses", containerID: "-bad"},
 		{name: "IPv6 rules the agent could not prepare", addrs: []string{"fd00::2/64"}, noTxn46: true},
+		{name: "an agent last seen 50s ago", seen: 50 * time.Second, wantSent: "v4", wantFromRecord: true},
+		{name: "an agent last seen over a minute ago", seen: 61 * time.Second},
+		{name: "an agent seen over a minute from now (the clock set back)", seen: -61 * time.Second},
+		{name: "no agent ever kept the records", noBeat: true},
 		{name: "a send that fails fails the ADD", sendFails: true, wantSent: "v4", wantFromRecord: true, wantErr: "pod ns/p: refused"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -118,6 +126,15 @@ func TestServePrepared(t *testing.T) {
 			dir := filepath.Join(a.runDir, prepared.DirName)
 			if err := prepared.Dir(dir).Reset(); err != nil {
 				t.Fatal(err)
+			}
+			if !c.noBeat {
+				if err := prepared.Dir(dir).Beat(); err != nil {
+					t.Fatal(err)
+				}
+				at := time.Now().Add(-c.seen)
+				if err := os.Chtimes(filepath.Join(dir, ".agent-alive"), at, at); err != nil {
+					t.Fatal(err)
+				}
 			}
 			if !c.noRecord {
 				e := prepared.Entry{Config: learnt.Canonical, Skip: c.skip, Mode: "REDIRECT", Kind: kind, Txn4: txn("v4"), Txn46: txn("v46")}
@@ -286,6 +303,9 @@ func TestServePreparedLocksNamespace(t *testing.T) {
 	}
 	dir := prepared.Dir(filepath.Join(a.runDir, prepared.DirName))
 	if err := dir.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	if err := dir.Beat(); err != nil {
 		t.Fatal(err)
 	}
 	if err := dir.Put(&prepared.Record{Namespace: "ns", Name: "p", UID: uid, Entries: []prepared.Entry{

@@ -111,14 +111,15 @@ func (r *Relay) Run(a *Args) error {
 	}
 	unprepared, leaveAfter := "", time.Duration(0)
 	if cerr == nil && a.Command == "ADD" && netns != nil && !r.NoSteps {
-		served, why, err := r.servePrepared(start, a, conf, runDir, netns)
+		served, why, stale, err := r.servePrepared(start, a, conf, runDir, netns)
 		if served {
 			return err
 		}
 		unprepared = why
 		// No record for a pod of an agent that prepares them: the agent
-		// has not got to the pod yet, and may not soon.
-		if why == "" && hasUID(a.Args) {
+		// has not got to the pod yet, and may not soon. Nor one of an
+		// agent not seen for long: it may be hung.
+		if (why == "" || stale) && hasUID(a.Args) {
 			leaveAfter = prepared.AgentWait(filepath.Join(runDir, prepared.DirName))
 		}
 	}

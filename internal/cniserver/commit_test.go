@@ -51,6 +51,8 @@ type recordingRules struct {
 	// preparedPlans are the plans PrepareFresh was asked for, as their
 	// IPv4 rules.
 	preparedPlans []string
+	// onPrepare, when set, is called at each PrepareFresh.
+	onPrepare func()
 }
 
 // send records a transaction the agent sends itself (Server.Send).
@@ -102,7 +104,11 @@ func (r *recordingRules) Examine(string) (nsfacts.Facts, string, error) {
 func (r *recordingRules) PrepareFresh(_ nsfacts.Facts, plan *ruleset.Plan) (*nlsteps.Txn, string, error) {
 	r.mu.Lock()
 	r.preparedPlans = append(r.preparedPlans, plan.V4.Restore())
+	hook := r.onPrepare
 	r.mu.Unlock()
+	if hook != nil {
+		hook()
+	}
 	s := nlsteps.Step{Proto: 12}
 	s.Add(1, 0, nil, "nothing")
 	return &nlsteps.Txn{Summary: plan.V4.Restore(), Steps: []nlsteps.Step{s}}, "", nil

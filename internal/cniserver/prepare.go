@@ -8,6 +8,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
 	corev1 "k8s.io/api/core/v1"
@@ -52,8 +53,11 @@ type preparer struct {
 	// after it.
 	done chan struct{}
 
-	mu         sync.Mutex
-	learnt     []learntConfig
+	mu     sync.Mutex
+	learnt []learntConfig
+	// learntGen counts the changes of learnt: a record is written only
+	// under the newest.
+	learntGen  uint64
 	candidates map[string]int
 	// written are the pods (by UID) with a record, and a hash of it
 	// (never zero).
@@ -76,6 +80,9 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 		return err
 	}
 	if err := p.dir.SetAgentWait(s.AgentWait); err != nil {
+		return err
+	}
+	if err := p.dir.Beat(); err != nil {
 		return err
 	}
 	// The configs an earlier agent learnt: pods waiting for this one
@@ -109,6 +116,7 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 		<-ctx.Done()
 		p.work.shutDown()
 	}()
+	go p.beat(ctx, beatEvery)
 	// Two workers: one for pods new to the node alone, so that none waits
 	// behind a backlog item whose plan takes long to prepare (thousands of
 	// ranges, when a config is learnt with many pods waiting).
@@ -133,6 +141,34 @@ func (s *Server) startPreparing(ctx context.Context, dir string) error {
 	return nil
 }
 
+// beatEvery is how often the agent tells relays it is running
+// (prepared.BeatEvery; shorter in tests).
+var beatEvery = prepared.BeatEvery
+
+// beat renews the agent's file every d until ctx ends. A renewal that
+// fails is logged once until one succeeds: relays stop using the records
+// after prepared.AliveFor and ask the agent, which is slower, not wrong.
+func (p *preparer) beat(ctx context.Context, d time.Duration) {
+	t := time.NewTicker(d)
+	defer t.Stop()
+	failing := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		err := p.dir.Beat()
+		switch {
+		case err != nil && !failing:
+			p.log.Warn("cannot tell relays the agent is running; once that is a minute old they stop using the prepared records", "error", err.Error())
+		case err == nil && failing:
+			p.log.Info("telling relays the agent is running again")
+		}
+		failing = err != nil
+	}
+}
+
 // updated takes a pod's update. The kubelet's status updates of a pod it
 // is starting come as its sandbox is made, in a burst while the agent's
 // container is shortest of CPU: a record they cannot change is not
@@ -145,6 +181,11 @@ func (p *preparer) updated(old, obj any) {
 		if n, ok := obj.(*corev1.Pod); ok {
 			if sameForADD(o, n) {
 				return
+			}
+			if o.UID != n.UID {
+				// Deleted and made again under the name while the watch
+				// was down: the relist tells it as an update.
+				p.forget(o)
 			}
 			p.forget(n)
 		}
@@ -182,7 +223,7 @@ func (p *preparer) next(newOnly bool) bool {
 		return true
 	}
 	p.mu.Lock()
-	learnt := p.learnt
+	learnt, gen := p.learnt, p.learntGen
 	p.mu.Unlock()
 	if len(learnt) == 0 {
 		p.forget(pod)
@@ -209,6 +250,13 @@ func (p *preparer) next(newOnly bool) bool {
 	if p.work.isShut() {
 		// The agent is stopping: it writes nothing more.
 		return false
+	}
+	if p.learntGen != gen {
+		// A config learnt meanwhile: the record the other worker may
+		// have written under it must not be replaced by this one, which
+		// lacks it. adopt has queued the pod again.
+		p.work.add(key, false)
+		return true
 	}
 	if p.written[string(pod.UID)] == sum {
 		return true
@@ -385,6 +433,7 @@ func (p *preparer) adopt(canonical []byte, conf *plugin.Config, expected bool) {
 		learnt = learnt[:maxLearnt]
 	}
 	p.learnt = learnt
+	p.learntGen++
 	keep := make([][]byte, len(learnt))
 	for i, lc := range learnt {
 		keep[i] = lc.canonical

@@ -77,6 +77,34 @@ func AgentWait(dir string) time.Duration {
 	return w
 }
 
+// aliveName is the file a running agent renews (Beat); no UID names it.
+const aliveName = ".agent-alive"
+
+// A running agent renews the file every BeatEvery; relays use its records
+// until AliveFor after the last renewal. Records stay when an agent stops
+// (a rollout: pods starting before the next agent still find theirs), but
+// only an agent keeps them up to date with their pods: one stopped for
+// longer, or crashed, may have missed an annotation's change, and the
+// fallback reads the pod as it is now.
+const (
+	BeatEvery = 10 * time.Second
+	AliveFor  = time.Minute
+)
+
+// Beat tells relays that the agent keeping the records is running.
+func (d Dir) Beat() error { return d.write(aliveName, nil) }
+
+// AgentSeen says how long ago the agent last renewed its file (Beat), at
+// now; false when there is none. A renewal after now (the clock set back)
+// gives a negative duration.
+func AgentSeen(dir string, now time.Time) (time.Duration, bool) {
+	fi, err := os.Lstat(filepath.Join(dir, aliveName))
+	if err != nil || !fi.Mode().IsRegular() {
+		return 0, false
+	}
+	return now.Sub(fi.ModTime()), true
+}
+
 // configsMagic starts the configs file; the number is its form's version.
 const configsMagic = "istio-cni prepared configs 1\n"
 

@@ -364,3 +364,44 @@ func TestAgentWait(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentSeen: Beat makes the file AgentSeen times; none, a link to
+// one, or a directory in its place is no agent seen.
+func TestAgentSeen(t *testing.T) {
+	d := Dir(t.TempDir())
+	if _, ok := AgentSeen(string(d), time.Now()); ok {
+		t.Fatal("an agent seen before any beat")
+	}
+	if err := d.Beat(); err != nil {
+		t.Fatal(err)
+	}
+	ago, ok := AgentSeen(string(d), time.Now().Add(time.Minute))
+	if !ok || ago < time.Minute-time.Second || ago > time.Minute+time.Second {
+		t.Fatalf("seen %s ago (%t) a minute after its beat", ago, ok)
+	}
+	p := filepath.Join(string(d), aliveName)
+	other := filepath.Join(t.TempDir(), "beat")
+	if err := os.Rename(p, other); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(other, p); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := AgentSeen(string(d), time.Now()); ok {
+		t.Fatal("a link counted as the agent's beat")
+	}
+	if err := os.Remove(p); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(p, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := AgentSeen(string(d), time.Now()); ok {
+		t.Fatal("a directory counted as the agent's beat")
+	}
+	// A rename does not replace a directory: the renewal fails, which
+	// the agent logs.
+	if err := d.Beat(); err == nil {
+		t.Fatal("a beat over a directory succeeded")
+	}
+}
