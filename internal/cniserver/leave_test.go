@@ -248,3 +248,64 @@ func TestAgentLeftByTheRelay(t *testing.T) {
 		})
 	}
 }
+
+// evictedState is the socket's bookkeeping of a connection it evicted as
+// the request was being read: its claim fails.
+type evictedState struct{ conn *net.UnixConn }
+
+func (evictedState) Claim() bool    { return false }
+func (evictedState) TimedOut()      {}
+func (e evictedState) Close() error { return e.conn.Close() }
+
+// TestEvictedRequestNotServed: a relay's connection evicted by the socket
+// (past its connection limit) as its request was read saw the connection
+// closed and runs the fallback, so the agent neither looks the pod up nor
+// writes its rules, and counts no command. A relay's account of an ADD it
+// served from a record is still taken.
+func TestEvictedRequestNotServed(t *testing.T) {
+	r := newCommitRigWith(t, CommitterAgent, nil)
+	client, server := socketPair(t)
+	f, err := os.Open(r.netns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
+		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := client.WriteMsgUnix(binary.BigEndian.AppendUint32(nil, uint32(len(body))), unixRights(f), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Write(body); err != nil {
+		t.Fatal(err)
+	}
+	r.s.serveConn(server, evictedState{server})
+	if answer, err := io.ReadAll(client); err != nil || len(answer) != 0 {
+		t.Fatalf("the evicted relay got %d bytes (%v)", len(answer), err)
+	}
+	if n := promtest.CollectAndCount(r.s.Lookups); n != 0 {
+		t.Fatalf("the agent looked the pod up for an evicted relay (%d lookup series)", n)
+	}
+	if n := len(r.agent.applied()); n != 0 {
+		t.Fatalf("the agent applied %d plans for an evicted relay", n)
+	}
+	if n := promtest.CollectAndCount(r.s.Commands); n != 0 {
+		t.Fatalf("commands counted for an evicted relay: %d series", n)
+	}
+
+	client, server = socketPair(t)
+	body, err = json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1",
+		Done: &cnirelay.Done{Summary: "nftables", Mode: "REDIRECT"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Write(append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)); err != nil {
+		t.Fatal(err)
+	}
+	r.s.serveConn(server, evictedState{server})
+	if got := promtest.ToFloat64(r.s.Commands.WithLabelValues("ADD", "ok")); got != 1 {
+		t.Fatalf("ADDs served from records counted: %v, want the evicted relay's account taken", got)
+	}
+}

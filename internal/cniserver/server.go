@@ -302,7 +302,9 @@ func (s *Server) Health() (time.Time, error) {
 // is being served (so it is not evicted), timeouts, for the metrics, and
 // its end.
 type connState interface {
-	SetBusy(busy bool)
+	// Claim marks the request read and being served; false when the
+	// connection was evicted before (the relay has gone elsewhere).
+	Claim() bool
 	TimedOut()
 	// Close closes the connection and gives its slot back: a connection
 	// closed any other way stays counted, busy, and once the limit's
@@ -323,7 +325,13 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		st.TimedOut()
 		return
 	}
-	st.SetBusy(true)
+	if !st.Claim() && (err != nil || req.Done == nil) {
+		// Evicted as its request was read: the relay, closed on, runs
+		// the fallback, and serving the command too would do it twice.
+		// An account of an ADD the relay served is still taken.
+		s.Log.Debug("a relay's connection was evicted as its request was read; the relay runs the fallback")
+		return
+	}
 	_ = conn.SetReadDeadline(time.Time{})
 	var resp *cnirelay.Response
 	switch {

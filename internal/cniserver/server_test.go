@@ -39,7 +39,7 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 // closing it closes the connection.
 type nopConnState struct{ conn *net.UnixConn }
 
-func (nopConnState) SetBusy(bool)   {}
+func (nopConnState) Claim() bool    { return true }
 func (nopConnState) TimedOut()      {}
 func (n nopConnState) Close() error { return n.conn.Close() }
 

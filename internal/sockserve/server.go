@@ -99,6 +99,20 @@ type Conn struct {
 // idle again: a busy connection is never evicted to make room.
 func (c *Conn) SetBusy(busy bool) { c.busy.Store(busy) }
 
+// Claim marks the connection busy once its request has been read, unless
+// it was evicted first (false): between the read and SetBusy it would
+// look silent, and its client, closed on, has turned elsewhere (a relay
+// runs the fallback), so its request must not be served as well.
+func (c *Conn) Claim() bool {
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	if _, ok := c.s.conns[c]; !ok {
+		return false
+	}
+	c.busy.Store(true)
+	return true
+}
+
 // TimedOut counts the connection as closed for not sending its request
 // in time.
 func (c *Conn) TimedOut() { c.s.TimedOut() }

@@ -82,3 +82,70 @@ func TestSocketEvictsSilentClients(t *testing.T) {
 	_ = second
 	_ = s2
 }
+
+// TestClaimRacesEviction: a connection whose request has been read looks
+// silent until it is claimed. Evicted before, its claim fails (its client
+// saw the connection closed and went elsewhere); claimed before, it is
+// never evicted.
+func TestClaimRacesEviction(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.sock")
+	s, err := Listen(path, Limits{MaxConns: 1, ReadTimeout: time.Second}, quiet, NewMetrics())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	dial := func() net.Conn {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	accept := func() *Conn {
+		c, err := s.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*Conn)
+	}
+	read := func(c *Conn) {
+		if _, err := io.ReadFull(c, make([]byte, 3)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Read, not yet claimed: the next connection evicts it.
+	a := dial()
+	if _, err := a.Write([]byte("req")); err != nil {
+		t.Fatal(err)
+	}
+	ac := accept()
+	read(ac)
+	b := dial()
+	bc := accept()
+	if ac.Claim() {
+		t.Fatal("an evicted connection was claimed")
+	}
+	_ = a.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := a.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the evicted client is still connected: %v", err)
+	}
+	// Read and claimed: the next connection is refused instead.
+	if _, err := b.Write([]byte("req")); err != nil {
+		t.Fatal(err)
+	}
+	read(bc)
+	if !bc.Claim() {
+		t.Fatal("a connection was not claimed")
+	}
+	late := dial()
+	go func() { _, _ = s.Accept() }()
+	_ = late.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := late.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("a client past the limit was not refused: %v", err)
+	}
+	_ = b.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if _, err := b.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a claimed connection was closed: %v", err)
+	}
+}
