@@ -26,7 +26,9 @@ func (a *Applier) ApplyAmbient(netnsPath string, p ruleset.AmbientParams) (podne
 	plan := ruleset.BuildAmbient(p)
 	if facts, why, err := a.Examine(netnsPath); err == nil && why == "" {
 		// Not stored for the fallback, which serves no ambient pod.
-		if txn, _, err := a.prepareFresh(facts, plan, ""); err == nil && txn != nil {
+		// Rules over a relay's bound are kept as their size alone, with
+		// no requests: those are applied in place.
+		if txn, _, err := a.prepareFresh(facts, plan, ""); err == nil && txn != nil && txn.Oversize == 0 {
 			// A sidecar's routing steps (its IPv6 passthrough address)
 			// are not ambient mode's, which SendAmbient sets itself.
 			rules := &nlsteps.Txn{Undo: txn.Undo, Summary: txn.Summary}

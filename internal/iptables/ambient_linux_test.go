@@ -405,3 +405,39 @@ func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 		}
 	})
 }
+
+// TestAmbientBeyondRelayBound: an enrolling pod whose ambient rules are
+// more requests than the prepared-transaction cache keeps (thousands of
+// rerouted interfaces, two rules each per family) is applied in place,
+// not "sent" as the cache's empty stand-in: the rules are there and
+// CHECK passes.
+func TestAmbientBeyondRelayBound(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "iptables-nft-restore", "ip6tables-nft-restore", "ip")
+	p := ruleset.AmbientParams{IPv6: true}
+	for i := range 3000 {
+		p.RerouteInterfaces = append(p.RerouteInterfaces, fmt.Sprintf("vif%d", i))
+	}
+	a := &Applier{Force: VariantNFT}
+	pod := newNS(t)
+	facts, why, err := a.Examine(pod.Path())
+	if err != nil || why != "" {
+		t.Fatalf("examine a fresh namespace: %v (%s)", err, why)
+	}
+	if txn, _, err := a.prepareFresh(facts, ruleset.BuildAmbient(p), ""); err != nil || txn == nil || txn.Oversize == 0 {
+		t.Fatalf("the prepared requests: %v; want them over the relay's bound (the case this test is for)", err)
+	}
+	rep, err := a.ApplyAmbient(pod.Path(), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Families[0].Note == podnet.NotePrepared {
+		t.Fatalf("applied as prepared requests: %s", rep)
+	}
+	if err := a.CheckAmbient(pod.Path(), p); err != nil {
+		t.Fatalf("check: %.2000s", err)
+	}
+	if save := saveAll(t, pod, VariantNFT); !strings.Contains(save, "vif2999") {
+		t.Fatalf("the last rerouted interface has no rule:\n%.2000s", save)
+	}
+}

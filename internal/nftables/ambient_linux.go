@@ -57,7 +57,9 @@ func sendAmbient(netnsPath string, plan *ruleset.Plan, v6 bool, start time.Time)
 		}
 		return compileRuleset(rs, nil)
 	})
-	if err != nil {
+	if err != nil || txn.Oversize > 0 {
+		// Rules over a relay's bound are kept as their size alone, with
+		// no requests: those are applied in place.
 		return rep, false, nil
 	}
 	if sent, err = podnet.SendAmbient(netnsPath, txn, v6); !sent {

@@ -291,3 +291,35 @@ func TestAmbientPreparedMatchesInPlace(t *testing.T) {
 		}
 	})
 }
+
+// TestAmbientBeyondRelayBound: an enrolling pod whose ambient tables are
+// more requests than the prepared-transaction cache keeps (hundreds of
+// rerouted interfaces) is applied in place, not "sent" as the cache's
+// empty stand-in: the tables are there and CHECK passes.
+func TestAmbientBeyondRelayBound(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireTools(t, "nft", "ip")
+	p := ruleset.AmbientParams{IPv6: true}
+	for i := range 600 {
+		p.RerouteInterfaces = append(p.RerouteInterfaces, fmt.Sprintf("vif%d", i))
+	}
+	pod := newNS(t)
+	a := &Applier{}
+	rep, err := a.ApplyAmbient(pod.Path(), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	txn, hit, err := preparedTxns.Get("ambient "+ruleset.BuildAmbient(p).Fingerprint(), nil)
+	if err != nil || !hit || txn.Oversize == 0 {
+		t.Fatalf("the cached requests (found %t): %v; want them over the relay's bound (the case this test is for)", hit, err)
+	}
+	if rep.Families[0].Note == podnet.NotePrepared {
+		t.Fatalf("applied as prepared requests: %s", rep)
+	}
+	if err := a.CheckAmbient(pod.Path(), p); err != nil {
+		t.Fatalf("check: %.2000s", err)
+	}
+	if rules := inNS(t, pod, "nft", "list", "ruleset"); !strings.Contains(rules, `"vif599"`) {
+		t.Fatalf("the last rerouted interface has no rule:\n%.2000s", rules)
+	}
+}

@@ -178,6 +178,12 @@ func ParseMessages(b []byte) ([]Message, error) {
 // parse, are requests, and are named. The agent builds them; this stops a
 // version skew or a bug from reaching the kernel as garbage.
 func (t *Txn) Validate() error {
+	if t.Oversize > 0 {
+		// Its requests were dropped (Cache): sending nothing would
+		// report rules that are not there. (No steps at all is a plan
+		// with nothing to write: a pod in NONE mode.)
+		return fmt.Errorf("the transaction of %d bytes was kept as its size alone (over %d)", t.Oversize, MaxTxn)
+	}
 	for _, steps := range [][]Step{t.Steps, t.Undo} {
 		for i := range steps {
 			s := &steps[i]

@@ -55,3 +55,16 @@ func FuzzUnmarshalBinary(f *testing.F) {
 		}
 	})
 }
+
+// TestValidateRefusesSizeAlone: a transaction kept as its size alone
+// (Cache, over MaxTxn) is refused before anything is sent, so that no
+// caller reports rules it never sent; one with no steps (a plan with
+// nothing to write) is not.
+func TestValidateRefusesSizeAlone(t *testing.T) {
+	if err := (&Txn{Summary: "nftables", Oversize: MaxTxn + 1}).Validate(); err == nil {
+		t.Error("a transaction kept as its size alone validated")
+	}
+	if err := (&Txn{Summary: "nftables"}).Validate(); err != nil {
+		t.Errorf("a transaction with nothing to write: %v", err)
+	}
+}
