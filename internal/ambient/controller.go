@@ -847,6 +847,23 @@ func (c *Controller) SnapshotAcked(uid string, netns *os.File) {
 	}
 }
 
+// SnapshotRefused records ztunnel's refusal of a pod's namespace in a
+// new connection's snapshot (zds.SnapshotObserver): the pod is no longer
+// acknowledged, even if an earlier ztunnel had taken it, so SnapshotDone
+// retries it (and a refusal again marks it pending). Left acknowledged,
+// it would stay captured with no proxy in the new ztunnel, and verify
+// would count it fine.
+func (c *Controller) SnapshotRefused(uid string, netns *os.File, _ string) {
+	if netns == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st := c.pods[uid]; st != nil && st.netns == netns {
+		st.acked = false
+	}
+}
+
 // SnapshotDone retries, once a new ztunnel has its snapshot, the pods it
 // has not acknowledged (not in the snapshot, refused there, or waiting
 // since before it connected), and those a previous agent left pending.

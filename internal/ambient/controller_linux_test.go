@@ -692,6 +692,40 @@ func TestNackAndZtunnelRestart(t *testing.T) {
 	})
 }
 
+// A restarted ztunnel refuses, in its snapshot, a pod the previous one
+// had taken: the pod is no longer acknowledged, so it is sent again and,
+// refused again, marked pending, rather than left captured with no proxy
+// while everything said enabled; once ztunnel takes it, it is enabled.
+func TestSnapshotRefusalRetried(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		uid, pns := newUID(), e.podNS("10.7.2.9")
+		sim := e.startSim(nil)
+		e.running(uid, pns)
+		e.createPod(nsAmbient, "s", uid, nil, "10.7.2.9")
+		e.waitPod(nsAmbient, "s", "enabled", redirection(RedirectionEnabled))
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+
+		sim.Nack(uid, "failure to start proxy: address in use")
+		sim.Disconnect()
+		e.waitPod(nsAmbient, "s", "pending after the new ztunnel refused it", redirection(RedirectionPending))
+		st := sim.State()
+		refused := 0
+		for _, ev := range st.Events {
+			if ev.Conn == 2 && ev.Req.Kind == zds.KindAdd && ev.Req.UID == uid && ev.Nack != "" {
+				refused++
+			}
+		}
+		if refused < 2 {
+			t.Fatalf("the new connection refused %d adds of the pod, want its snapshot's and the retry's: %+v", refused, st.Events)
+		}
+
+		sim.Nack(uid, "")
+		sim.Disconnect()
+		e.waitPod(nsAmbient, "s", "enabled once taken", redirection(RedirectionEnabled))
+		e.waitSim(sim, "pod added again", hasWorkload(uid, inode(t, pns)))
+	})
+}
+
 // A pod's address reused by a new pod before the old one's deletion is
 // seen: the probe entry is the new pod's, and stays so when the old pod
 // goes.

@@ -61,11 +61,13 @@ type Snapshotter interface {
 }
 
 // SnapshotObserver, when the Snapshotter implements it, hears of each
-// pod a new connection's ztunnel acknowledged in its snapshot (with the
-// namespace handed over, nil for a keep), then of the snapshot's end:
-// what was acknowledged there need not be sent again.
+// pod a new connection's ztunnel acknowledged or refused in its snapshot
+// (with the namespace handed over, nil for a keep), then of the
+// snapshot's end: what was acknowledged there need not be sent again,
+// and what was refused must be, whatever an earlier ztunnel said of it.
 type SnapshotObserver interface {
 	SnapshotAcked(uid string, netns *os.File)
+	SnapshotRefused(uid string, netns *os.File, reason string)
 	SnapshotDone()
 }
 
@@ -677,9 +679,14 @@ func (s *Server) sendSnapshot(c *conn) error {
 		if res.err != nil {
 			return fmt.Errorf("%s of workload %s: %w", req.Kind, p.UID, res.err)
 		}
-		if res.nack != "" {
+		obs, observed := s.cfg.Snapshotter.(SnapshotObserver)
+		switch {
+		case res.nack != "":
 			c.log.Warn("ztunnel refused a pod of the snapshot", "request", req.Kind.String(), "uid", p.UID, "reason", res.nack)
-		} else if obs, ok := s.cfg.Snapshotter.(SnapshotObserver); ok {
+			if observed {
+				obs.SnapshotRefused(p.UID, p.Netns, res.nack)
+			}
+		case observed:
 			obs.SnapshotAcked(p.UID, p.Netns)
 		}
 		if req.Kind == KindAdd {
