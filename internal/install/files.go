@@ -65,7 +65,13 @@ func writeTemp(path string, data []byte, mode os.FileMode, uid, gid int) (string
 		err = os.Chmod(tmp, mode)
 	}
 	if err == nil && uid >= 0 {
-		err = os.Chown(tmp, uid, gid)
+		// Without CAP_CHOWN (the chart does not grant it, as Istio's
+		// does not) a file of another owner cannot be given back to it:
+		// it is then ours, as Istio's installer always leaves it, rather
+		// than never written.
+		if cerr := os.Chown(tmp, uid, gid); cerr != nil && !errors.Is(cerr, fs.ErrPermission) {
+			err = cerr
+		}
 	}
 	if err != nil {
 		_ = os.Remove(tmp)

@@ -8,9 +8,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
@@ -269,5 +272,50 @@ func TestStandaloneNeverOverwritesAnotherNetwork(t *testing.T) {
 	}
 	if got, _ := os.ReadFile(filepath.Join(dir, "10-calico.conflist")); !bytes.Equal(got, calico) {
 		t.Fatal("another network's file changed")
+	}
+}
+
+// TestReplaceWithoutCapChown: in a container without CAP_CHOWN (the
+// chart's), a file of another owner is still rewritten, and is then
+// ours, as Istio's installer leaves it; before, every insertion into
+// such a primary failed.
+func TestReplaceWithoutCapChown(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir := t.TempDir()
+	p := filepath.Join(dir, "10-x.conflist")
+	if err := os.WriteFile(p, []byte("v1"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(p, 1234, 5678); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		// Capabilities are a thread's: this one drops CAP_CHOWN, and
+		// ends with the goroutine (never unlocked).
+		runtime.LockOSThread()
+		hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+		var data [2]unix.CapUserData
+		if err := unix.Capget(&hdr, &data[0]); err != nil {
+			done <- err
+			return
+		}
+		data[0].Effective &^= 1 << unix.CAP_CHOWN
+		if err := unix.Capset(&hdr, &data[0]); err != nil {
+			done <- err
+			return
+		}
+		if err := os.Chown(p, 1234, 0); err == nil {
+			done <- errors.New("chown still allowed: the test does not drop CAP_CHOWN")
+			return
+		}
+		done <- ReplaceIfUnchanged(p, []byte("v1"), []byte("ours"), 0o640, 1234, 5678)
+	}()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	fi, _ := os.Stat(p)
+	if got, _ := os.ReadFile(p); string(got) != "ours" || fi.Mode().Perm() != 0o640 {
+		t.Fatalf("after the swap: %q %v", got, fi.Mode())
 	}
 }
