@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 )
@@ -187,6 +188,11 @@ func (in *Installer) createdMode() os.FileMode {
 	}
 	return 0o600
 }
+
+// unreadableRetry is the pause before a config file that may hold our
+// entry but did not read or parse is read again at clean-up: its writer
+// may be in the middle of rewriting it in place.
+const unreadableRetry = 50 * time.Millisecond
 
 // casAttempts bounds how often a config write is redone because another
 // writer changed the file meanwhile; past it the pass fails and is
@@ -523,11 +529,29 @@ func (in *Installer) removeEntry() (string, error) {
 		removed := false
 		for attempt := 0; ; attempt++ {
 			data, err := readFile(resolved)
-			if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
 				break
 			}
-			out, had, err := Remove(data)
-			if err != nil || !had {
+			var out []byte
+			had := false
+			if err == nil {
+				out, had, err = Remove(data)
+			}
+			if err != nil {
+				// A file caught as its writer rewrites it in place, or
+				// one we cannot parse: if it may hold our entry, the
+				// binaries it names must stay, so it is read again and
+				// then reported, never passed over.
+				if data != nil && !bytes.Contains(data, []byte(`"`+PluginType+`"`)) {
+					break
+				}
+				if attempt == casAttempts {
+					return f, fmt.Errorf("removing the istio-cni entry from %s: %w", f, err)
+				}
+				time.Sleep(unreadableRetry)
+				continue
+			}
+			if !had {
 				break
 			}
 			mode, uid, gid, err := owner(resolved)

@@ -253,3 +253,44 @@ func TestReadyFollowsThePrimary(t *testing.T) {
 		t.Fatalf("ready without our entry: %v", err)
 	}
 }
+
+// TestCleanupKeepsBinariesForUnreadableEntry: a config file that holds
+// our entry but does not parse for us (here a duplicate top-level key,
+// which a runtime takes; or one caught mid-rewrite) fails the clean-up,
+// naming the file, and the binaries its entry names stay: removing them
+// would fail every pod's ADD on the node. A file without our entry that
+// does not parse is none of ours.
+func TestCleanupKeepsBinariesForUnreadableEntry(t *testing.T) {
+	n := newNode(t, true, map[string]string{
+		"10-calico.conflist": `{"cniVersion":"0.3.1","name":"k8s","plugins":[` + calico + `]}`,
+		"05-broken.conflist": `{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"ptp"}`,
+	})
+	if err := n.in.InstallBinaries(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.in.WriteKubeconfig(); err != nil {
+		t.Fatal(err)
+	}
+	placed, err := n.in.EnsureConf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := read(t, placed.Path)
+	dup := append([]byte(`{"name":"dup",`), data[1:]...)
+	if err := os.WriteFile(placed.Path, dup, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	err = n.in.Cleanup()
+	var ce *CleanupError
+	if !errors.As(err, &ce) || !strings.Contains(err.Error(), placed.Path) {
+		t.Fatalf("clean-up: %v, want it to fail naming %s", err, placed.Path)
+	}
+	for _, p := range []string{filepath.Join(n.bin, PluginType), filepath.Join(n.bin, FallbackBinary), filepath.Join(n.run, KubeconfigName)} {
+		if _, err := os.Lstat(p); err != nil {
+			t.Errorf("%s removed while an entry naming it is left: %v", p, err)
+		}
+	}
+	if !bytes.Equal(read(t, placed.Path), dup) {
+		t.Fatal("the file changed")
+	}
+}
