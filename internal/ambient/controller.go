@@ -103,6 +103,11 @@ type podState struct {
 	applied bool
 	// acked: ztunnel acknowledged the current namespace.
 	acked bool
+	// paramsUnknown: taken over from a previous agent with an annotation
+	// this one cannot read; its rules are kept as they are (params is
+	// not what they were made from, so verify leaves them) until the
+	// annotation reads again.
+	paramsUnknown bool
 	// claim orders pods claiming one address: the latest enrolled wins
 	// (the address was reused, and the older pod's deletion is late).
 	claim uint64
@@ -756,7 +761,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 		return fmt.Errorf("programming the pod's network namespace: %w", err)
 	}
 	c.mu.Lock()
-	st.params, st.applied, st.ips = params, true, c.probeIPs(ips)
+	st.params, st.paramsUnknown, st.applied, st.ips = params, false, true, c.probeIPs(ips)
 	c.seq++
 	st.claim = c.seq
 	info := st.info
@@ -917,7 +922,10 @@ func (c *Controller) teardown(ctx context.Context, uid string, pod *corev1.Pod, 
 	if _, err := c.syncProbes(false); err != nil {
 		return err
 	}
-	if !gone && (wasApplied || annotated) {
+	// A held namespace may hold rules though none was recorded applied:
+	// an apply that failed after writing some (one family, or its
+	// routing), or a removal that failed before. Removal is idempotent.
+	if !gone && (wasApplied || annotated || held != nil) {
 		if held == nil {
 			f, err := (&netnsIndex{procDir: c.procDir}).find(uid, podIPs(pod), pod.Spec.HostUsers)
 			if err != nil {
@@ -1067,9 +1075,14 @@ func (c *Controller) rebuild() {
 		if (ann != RedirectionEnabled && ann != RedirectionPending) || terminal(pod) {
 			continue
 		}
-		params, err := PodParams(pod, c.cfg.Defaults)
-		if err != nil {
-			continue
+		// Left out of the snapshot, an enrolled pod whose annotation no
+		// longer reads would lose its proxy while its rules still send
+		// its traffic there: it is kept as it is, and its Event says why
+		// it is not enrolled anew.
+		params, perr := PodParams(pod, c.cfg.Defaults)
+		if perr != nil {
+			c.log.Warn("a pod enrolled before the agent started has an annotation this agent cannot read; its rules and ztunnel's proxy are kept as they are",
+				"pod", pod.Namespace+"/"+pod.Name, "error", perr.Error())
 		}
 		ips := podIPs(pod)
 		f, err := idx.find(uid, ips, pod.Spec.HostUsers)
@@ -1081,7 +1094,7 @@ func (c *Controller) rebuild() {
 		c.mu.Lock()
 		if c.pods[uid] == nil {
 			c.seq++
-			c.pods[uid] = &podState{uid: uid, netns: f, ips: c.probeIPs(ips), params: params, applied: true, claim: c.seq,
+			c.pods[uid] = &podState{uid: uid, netns: f, ips: c.probeIPs(ips), params: params, paramsUnknown: perr != nil, applied: true, claim: c.seq,
 				info: zds.WorkloadInfo{Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}}
 		} else if f != nil {
 			_ = f.Close()
@@ -1155,12 +1168,12 @@ func (c *Controller) verify(uid string) {
 	st := c.pods[uid]
 	var held *os.File
 	var params ruleset.AmbientParams
-	applied, acked := false, false
+	applied, acked, unknown := false, false, false
 	if st != nil {
-		held, params, applied, acked = st.netns, st.params, st.applied, st.acked
+		held, params, applied, acked, unknown = st.netns, st.params, st.applied, st.acked, st.paramsUnknown
 	}
 	c.mu.Unlock()
-	if !applied {
+	if !applied || unknown {
 		return
 	}
 	pod := c.podByUID(uid)

@@ -692,6 +692,78 @@ func TestNackAndZtunnelRestart(t *testing.T) {
 	})
 }
 
+// A rollout finds an enrolled pod whose annotation it cannot read (set
+// while no agent ran, or read differently by the agent it replaces): the
+// pod stays in ztunnel's snapshot with its rules as they were, rather
+// than lose its proxy while its rules still send traffic there, and an
+// Event says why it is not enrolled anew.
+func TestRolloutKeepsUnreadablePod(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		uid, pns := newUID(), e.podNS("10.7.9.6")
+		e.running(uid, pns)
+		e.createPod(nsAmbient, "u", uid, nil, "10.7.9.6")
+		e.waitPod(nsAmbient, "u", "enabled", redirection(RedirectionEnabled))
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		sim.Close()
+
+		e.stop()
+		e.updatePod(nsAmbient, "u", func(p *corev1.Pod) { p.Annotations[AnnotationDNSCapture] = "yes" })
+		e.start()
+		sim2 := e.startSim(nil)
+		e.waitSim(sim2, "the pod in the new agent's snapshot", hasWorkload(uid, inode(t, pns)))
+		e.waitEvent(nsAmbient, "u", "AmbientInvalidAnnotation")
+		e.c.verify(uid)
+		e.requireRules(pns, defaultParams)
+		if p := e.waitPod(nsAmbient, "u", "still enabled", redirection(RedirectionEnabled)); p == nil {
+			t.Fatal("pod u")
+		}
+	})
+}
+
+// halfApply is a pod backend whose apply writes the rules and then fails
+// (as one whose second family or routing is refused does).
+type halfApply struct{ ambientnet.InPod }
+
+func (h halfApply) ApplyAmbient(path string, p ruleset.AmbientParams) (podnet.Report, error) {
+	rep, err := h.InPod.ApplyAmbient(path, p)
+	if err == nil {
+		err = errors.New("the IPv6 policy rule was refused")
+	}
+	return rep, err
+}
+
+// A pod whose enrolment keeps failing after its rules were written, then
+// opted out, has them removed: not recorded as applied, they were still
+// there, and the pod would have stayed captured with nothing tracking it.
+func TestFailedApplyRemovedOnOptOut(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		e.stop()
+		e.cfg.InPod = halfApply{e.b.pod}
+		e.start()
+		uid, pns := newUID(), e.podNS("10.7.2.7")
+		e.running(uid, pns)
+		e.createPod(nsPlain, "h", uid, ambientLabel, "10.7.2.7")
+		e.waitLog("not reconciled", uid, "IPv6 policy rule was refused")
+		if len(e.ours(pns)) == 0 {
+			t.Fatal("the failing apply wrote no rules: the test needs them written")
+		}
+		e.updatePod(nsPlain, "h", func(p *corev1.Pod) { p.Labels = nil })
+		deadline := time.Now().Add(waitLimit)
+		for {
+			got, err := e.tryOurs(pns)
+			if err == nil && len(got) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the opted-out pod's namespace still holds ambient rules:\n%s", strings.Join(got, "\n"))
+			}
+			time.Sleep(5 * time.Millisecond) // polling the controller's work
+		}
+		e.requireNoRules(pns)
+	})
+}
+
 // A restarted ztunnel refuses, in its snapshot, a pod the previous one
 // had taken: the pod is no longer acknowledged, so it is sent again and,
 // refused again, marked pending, rather than left captured with no proxy
