@@ -207,6 +207,13 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 	if err != nil {
 		return
 	}
+	// A pod the plugin leaves alone (a gateway, a proxyless gRPC pod,
+	// injection turned off) has no rules by design: deleting or labelling
+	// it at every agent start would be a storm.
+	if skip := plugin.Exclusion(facts); skip != "" {
+		c.log.Info("start-up scan: the plugin does not redirect this pod; left alone", "pod", pod.Namespace+"/"+pod.Name, "reason", skip)
+		return
+	}
 	params, _, err := redirect.FromPod(facts)
 	if err != nil || params.Mode == redirect.ModeNone {
 		return
@@ -340,6 +347,13 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonRepairFailed, "pod detected as broken (%s) but repair failed: %v", reason, err)
 		c.log.Error("repair failed", "pod", key.String(), "error", err.Error())
 		return err
+	}
+	if pod.Spec.HostNetwork {
+		// Its processes are in the node's namespace, which holds its IP
+		// (the node's): rules written there would redirect the node.
+		c.done("repair", "skip", pod)
+		c.log.Warn("not repairing a pod on the node's network; the plugin never runs for it", "pod", key.String())
+		return nil
 	}
 	id := podNetNS(pod)
 	if len(id.IPs) == 0 {

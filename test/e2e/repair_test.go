@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -228,7 +229,8 @@ func TestRepairStartupScan(t *testing.T) {
 // from this agent's plan (here its annotations changed after it started;
 // after an upgrade, an earlier agent's form of the same rules) keeps them
 // untouched, even with --repair-delete-pods, while a pod without rules
-// beside it is deleted.
+// beside it is deleted. An injected gateway (istio-proxy running "proxy
+// router"), which the plugin never redirects, is left alone too.
 func TestRepairStartupScanLeavesOtherRules(t *testing.T) {
 	ensureDaemonSet(t, false)
 	ctx := context.Background()
@@ -251,12 +253,28 @@ func TestRepairStartupScanLeavesOtherRules(t *testing.T) {
 	}
 	raced, ip := racedPod(t, e, testenv.PodSpec{Sidecar: true})
 	setPodIP(t, raced.Name, ip)
+	gw, gwIP := racedPod(t, e, testenv.PodSpec{Sidecar: true, ProxyArgs: []string{"proxy", "router"}})
+	setPodIP(t, gw.Name, gwIP)
 
 	h := repairHost(t, "--repair-host-proc", "/proc", "--repair-repair-pods=false", "--repair-delete-pods")
 	waitEvent(t, raced.Name, "DeleteBrokenPod")
 	h.waitLog("left as they are", 20*time.Second)
 	if !strings.Contains(h.LogText(), kept.pod.Name) {
 		t.Fatalf("the scan's log does not name %s:\n%s", kept.pod.Name, h.LogText())
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if slices.ContainsFunc(strings.Split(h.LogText(), "\n"), func(l string) bool {
+			return strings.Contains(l, "the plugin does not redirect this pod") && strings.Contains(l, gw.Name)
+		}) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the scan's log does not say it left the gateway %s alone:\n%s", gw.Name, h.LogText())
+		}
+		time.Sleep(10 * time.Millisecond) // polling the agent's log
+	}
+	if got, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, gw.Name, metav1.GetOptions{}); err != nil || got.DeletionTimestamp != nil {
+		t.Fatalf("the gateway was deleted: %v", err)
 	}
 	got, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, kept.pod.Name, metav1.GetOptions{})
 	if err != nil || got.DeletionTimestamp != nil {

@@ -1,0 +1,45 @@
+package repair
+
+import (
+	"io"
+	"log/slog"
+	"net/netip"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/ruleset"
+)
+
+// countingRules counts the rules written.
+type countingRules struct{ applied int }
+
+func (r *countingRules) Apply(string, *ruleset.Plan) (podnet.Report, error) {
+	r.applied++
+	return podnet.Report{}, nil
+}
+func (*countingRules) Check(string, *ruleset.Plan) error     { return nil }
+func (*countingRules) PodAddrs(string) ([]netip.Addr, error) { return nil, nil }
+
+// TestRepairSkipsHostNetworkPods: a pod on the node's network, whose
+// validation always fails (the plugin never runs for it), is never
+// repaired in place: its processes' namespace is the node's, which holds
+// its IP, and rules written there would redirect the node's traffic.
+func TestRepairSkipsHostNetworkPods(t *testing.T) {
+	rules := &countingRules{}
+	c := New(DefaultConfig(), clientset.Of(fake.NewClientset()), rules, "/proc", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "h", UID: "u-h",
+		Annotations: map[string]string{"sidecar.istio.io/status": "{}"}},
+		Spec:   corev1.PodSpec{HostNetwork: true, Containers: []corev1.Container{{Name: "app"}, {Name: "istio-proxy"}}},
+		Status: corev1.PodStatus{PodIP: "127.0.0.1", PodIPs: []corev1.PodIP{{IP: "127.0.0.1"}}}}
+	if err := c.repair(pod, "validation failed"); err != nil {
+		t.Fatalf("repair of a host-network pod: %v, want it skipped", err)
+	}
+	if rules.applied != 0 {
+		t.Fatalf("rules written %d times for a pod on the node's network", rules.applied)
+	}
+}
