@@ -32,7 +32,8 @@ type PodNetNS struct {
 }
 
 // IndexPodNetNS maps the UID of every pod with a process on the node to
-// /proc/<pid>/ns/net of its oldest process: the sandbox's. A pod's
+// /proc/<pid>/ns/net of its oldest process outside the node's network
+// namespace: the sandbox's. A pod's
 // processes are known by the kubelet's cgroup of the pod, whose path names
 // the pod's UID (kubepods/<qos>/pod<uid> with the cgroupfs driver,
 // kubepods-<qos>-pod<uid_with_underscores>.slice with systemd's). No other
@@ -48,6 +49,11 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 		start uint64
 	}
 	oldest := map[string]proc{}
+	// The agent runs on the node's network (hostNetwork): a process of a
+	// pod's cgroup in that namespace is not the sandbox, though it may be
+	// the oldest there (CRI-O's conmon with conmon_cgroup="pod").
+	var node unix.Stat_t
+	haveNode := unix.Stat("/proc/self/ns/net", &node) == nil
 	for _, e := range entries {
 		pid := e.Name()
 		if _, err := strconv.Atoi(pid); err != nil {
@@ -55,6 +61,10 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 		}
 		uid := podUIDOfCgroup(filepath.Join(procDir, pid, "cgroup"))
 		if uid == "" {
+			continue
+		}
+		var st unix.Stat_t
+		if haveNode && unix.Stat(filepath.Join(procDir, pid, "ns", "net"), &st) == nil && st.Dev == node.Dev && st.Ino == node.Ino {
 			continue
 		}
 		start := startTime(filepath.Join(procDir, pid, "stat"))

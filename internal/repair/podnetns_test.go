@@ -1,6 +1,12 @@
 package repair
 
-import "testing"
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
 
 func TestPodUIDInCgroupPath(t *testing.T) {
 	const uid = "c9f6489b-3f23-45b1-b3bb-9328fd1ebf64"
@@ -18,5 +24,44 @@ func TestPodUIDInCgroupPath(t *testing.T) {
 		if got := PodUIDInCgroupPath(line); got != want {
 			t.Errorf("PodUIDInCgroupPath(%q) = %q, want %q", line, got, want)
 		}
+	}
+}
+
+// TestIndexSkipsNodeNetworkProcesses: a process of a pod's cgroup on the
+// node's network (CRI-O's conmon, with conmon_cgroup="pod", started
+// before the sandbox) is not taken for the pod's sandbox, though it is
+// the oldest there.
+func TestIndexSkipsNodeNetworkProcesses(t *testing.T) {
+	const uid = "c9f6489b-3f23-45b1-b3bb-9328fd1ebf64"
+	proc := t.TempDir()
+	other := filepath.Join(t.TempDir(), "pod-netns")
+	if err := os.WriteFile(other, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for pid, p := range map[string]struct {
+		start uint64
+		netns string
+	}{"100": {10, "/proc/self/ns/net"}, "200": {20, other}} {
+		dir := filepath.Join(proc, pid)
+		if err := os.MkdirAll(filepath.Join(dir, "ns"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		cg := "0::/kubepods.slice/kubepods-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice/crio-x.scope\n"
+		stat := fmt.Sprintf("%s (p) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 %d 0 0\n", pid, p.start)
+		for name, data := range map[string]string{"cgroup": cg, "stat": stat} {
+			if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Symlink(p.netns, filepath.Join(dir, "ns", "net")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	index, err := IndexPodNetNS(proc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := index[uid], filepath.Join(proc, "200", "ns", "net"); got != want {
+		t.Fatalf("the pod's namespace is %q, want the sandbox's %q (not the older process on the node's network)", got, want)
 	}
 }
