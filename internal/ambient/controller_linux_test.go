@@ -981,6 +981,25 @@ func TestReassertAndVerify(t *testing.T) {
 	}
 }
 
+// snapshotConn is the stand-in's connection that got the nth snapshot.
+// After an agent restart that is not always connection 2: the stand-in
+// may first redial into the old agent's closing listener.
+func snapshotConn(t *testing.T, st ztunnelsim.State, n int) int {
+	t.Helper()
+	seen := 0
+	for _, ev := range st.Events {
+		if ev.Req.Kind != zds.KindSnapshotSent {
+			continue
+		}
+		seen++
+		if seen == n {
+			return ev.Conn
+		}
+	}
+	t.Fatalf("no snapshot %d among the stand-in's events: %+v", n, st.Events)
+	return 0
+}
+
 // An agent restart: the new agent takes over the pods the old one
 // enrolled, finding their namespaces by /proc, and a reconnecting ztunnel
 // gets them in its snapshot (a keep for a pod whose namespace is not
@@ -1008,9 +1027,10 @@ func TestAgentRestart(t *testing.T) {
 		e.stop()
 		e.start()
 		st := e.waitSim(sim, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+		conn := snapshotConn(t, st, 2)
 		var got []string
 		for _, ev := range st.Events {
-			if ev.Conn != 2 || ev.Req.Kind == zds.KindSnapshotSent {
+			if ev.Conn != conn || ev.Req.Kind == zds.KindSnapshotSent {
 				continue
 			}
 			got = append(got, fmt.Sprintf("%s %s fds=%d", ev.Req.Kind, ev.Req.UID, ev.FDs))
@@ -1299,9 +1319,10 @@ func TestFullNode(t *testing.T) {
 	e.stop()
 	e.start()
 	st := e.waitSim(sim, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 2 })
+	conn := snapshotConn(t, st, 2)
 	adds := map[string]bool{}
 	for _, ev := range st.Events {
-		if ev.Conn == 2 && ev.Req.Kind == zds.KindAdd {
+		if ev.Conn == conn && ev.Req.Kind == zds.KindAdd {
 			adds[ev.Req.UID] = true
 		}
 	}
