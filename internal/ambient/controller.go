@@ -841,16 +841,7 @@ func (c *Controller) waitConnected(ctx context.Context) error {
 
 // SnapshotAcked records ztunnel's acknowledgement of a pod's namespace
 // in a new connection's snapshot (zds.SnapshotObserver).
-func (c *Controller) SnapshotAcked(uid string, netns *os.File) {
-	if netns == nil {
-		return
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if st := c.pods[uid]; st != nil && st.netns == netns {
-		st.acked = true
-	}
-}
+func (c *Controller) SnapshotAcked(uid string, netns *os.File) { c.snapshotAnswer(uid, netns, true) }
 
 // SnapshotRefused records ztunnel's refusal of a pod's namespace in a
 // new connection's snapshot (zds.SnapshotObserver): the pod is no longer
@@ -858,14 +849,18 @@ func (c *Controller) SnapshotAcked(uid string, netns *os.File) {
 // retries it (and a refusal again marks it pending). Left acknowledged,
 // it would stay captured with no proxy in the new ztunnel, and verify
 // would count it fine.
-func (c *Controller) SnapshotRefused(uid string, netns *os.File, _ string) {
+func (c *Controller) SnapshotRefused(uid string, netns *os.File) { c.snapshotAnswer(uid, netns, false) }
+
+// snapshotAnswer records ztunnel's answer to a snapshot's add of the pod
+// with netns, if that is still the pod's namespace (a keep has none).
+func (c *Controller) snapshotAnswer(uid string, netns *os.File, acked bool) {
 	if netns == nil {
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if st := c.pods[uid]; st != nil && st.netns == netns {
-		st.acked = false
+		st.acked = acked
 	}
 }
 

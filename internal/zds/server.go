@@ -67,7 +67,7 @@ type Snapshotter interface {
 // and what was refused must be, whatever an earlier ztunnel said of it.
 type SnapshotObserver interface {
 	SnapshotAcked(uid string, netns *os.File)
-	SnapshotRefused(uid string, netns *os.File, reason string)
+	SnapshotRefused(uid string, netns *os.File)
 	SnapshotDone()
 }
 
@@ -661,6 +661,7 @@ func (s *Server) next(c *conn, what string) ([]byte, error) {
 
 func (s *Server) sendSnapshot(c *conn) error {
 	pods := s.cfg.Snapshotter.Snapshot()
+	obs, observed := s.cfg.Snapshotter.(SnapshotObserver)
 	adds, keeps := 0, 0
 	for _, p := range pods {
 		req := Request{Kind: KindKeep, UID: p.UID}
@@ -679,12 +680,11 @@ func (s *Server) sendSnapshot(c *conn) error {
 		if res.err != nil {
 			return fmt.Errorf("%s of workload %s: %w", req.Kind, p.UID, res.err)
 		}
-		obs, observed := s.cfg.Snapshotter.(SnapshotObserver)
 		switch {
 		case res.nack != "":
 			c.log.Warn("ztunnel refused a pod of the snapshot", "request", req.Kind.String(), "uid", p.UID, "reason", res.nack)
 			if observed {
-				obs.SnapshotRefused(p.UID, p.Netns, res.nack)
+				obs.SnapshotRefused(p.UID, p.Netns)
 			}
 		case observed:
 			obs.SnapshotAcked(p.UID, p.Netns)
@@ -705,7 +705,7 @@ func (s *Server) sendSnapshot(c *conn) error {
 		c.log.Warn("ztunnel refused the end of the snapshot", "reason", res.nack)
 	}
 	c.log.Info("snapshot sent to ztunnel", "adds", adds, "keeps", keeps)
-	if obs, ok := s.cfg.Snapshotter.(SnapshotObserver); ok {
+	if observed {
 		obs.SnapshotDone()
 	}
 	return nil
