@@ -700,11 +700,7 @@ func TestNackAndZtunnelRestart(t *testing.T) {
 func TestRolloutKeepsUnreadablePod(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, e *env) {
 		sim := e.startSim(nil)
-		uid, pns := newUID(), e.podNS("10.7.9.6")
-		e.running(uid, pns)
-		e.createPod(nsAmbient, "u", uid, nil, "10.7.9.6")
-		e.waitPod(nsAmbient, "u", "enabled", redirection(RedirectionEnabled))
-		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		uid, pns := e.enrolRunning(sim, "u", "10.7.9.6")
 		sim.Close()
 
 		e.stop()
@@ -764,18 +760,26 @@ func TestFailedApplyRemovedOnOptOut(t *testing.T) {
 	})
 }
 
+// enrolRunning starts a pod of the ambient namespace with ip and waits
+// until it is enabled and ztunnel (sim) has its namespace.
+func (e *env) enrolRunning(sim *ztunnelsim.Sim, name, ip string) (string, ns.NetNS) {
+	e.t.Helper()
+	uid, pns := newUID(), e.podNS(ip)
+	e.running(uid, pns)
+	e.createPod(nsAmbient, name, uid, nil, ip)
+	e.waitPod(nsAmbient, name, "enabled", redirection(RedirectionEnabled))
+	e.waitSim(sim, "pod added", hasWorkload(uid, inode(e.t, pns)))
+	return uid, pns
+}
+
 // A restarted ztunnel refuses, in its snapshot, a pod the previous one
 // had taken: the pod is no longer acknowledged, so it is sent again and,
 // refused again, marked pending, rather than left captured with no proxy
 // while everything said enabled; once ztunnel takes it, it is enabled.
 func TestSnapshotRefusalRetried(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, e *env) {
-		uid, pns := newUID(), e.podNS("10.7.2.9")
 		sim := e.startSim(nil)
-		e.running(uid, pns)
-		e.createPod(nsAmbient, "s", uid, nil, "10.7.2.9")
-		e.waitPod(nsAmbient, "s", "enabled", redirection(RedirectionEnabled))
-		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		uid, pns := e.enrolRunning(sim, "s", "10.7.2.9")
 
 		sim.Nack(uid, "failure to start proxy: address in use")
 		sim.Disconnect()
@@ -1207,11 +1211,7 @@ func TestRolloutKeepsPodsEnabled(t *testing.T) {
 			return false, nil, nil
 		})
 		sim := e.startSim(nil)
-		uid, pns := newUID(), e.podNS("10.7.9.4")
-		e.running(uid, pns)
-		e.createPod(nsAmbient, "r", uid, nil, "10.7.9.4")
-		e.waitPod(nsAmbient, "r", "enabled", redirection(RedirectionEnabled))
-		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		uid, pns := e.enrolRunning(sim, "r", "10.7.9.4")
 		sim.Close()
 
 		e.stop()

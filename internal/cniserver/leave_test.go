@@ -41,13 +41,21 @@ func (f *reasonRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, e
 // the relay frames it, with r's namespace as the descriptor.
 func sendMayLeave(t *testing.T, r *commitRig, client *net.UnixConn) {
 	t.Helper()
+	sendWebADD(t, r, client, true)
+}
+
+// sendWebADD writes web's ADD (from a relay that may leave, with
+// mayLeave) to client, as the relay frames it, with r's namespace as the
+// descriptor.
+func sendWebADD(t *testing.T, r *commitRig, client *net.UnixConn, mayLeave bool) {
+	t.Helper()
 	f, err := os.Open(r.netns)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
 	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
-		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, MayLeave: true})
+		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, MayLeave: mayLeave})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -265,22 +273,7 @@ func (e evictedState) Close() error { return e.conn.Close() }
 func TestEvictedRequestNotServed(t *testing.T) {
 	r := newCommitRigWith(t, CommitterAgent, nil)
 	client, server := socketPair(t)
-	f, err := os.Open(r.netns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
-		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := client.WriteMsgUnix(binary.BigEndian.AppendUint32(nil, uint32(len(body))), unixRights(f), nil); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := client.Write(body); err != nil {
-		t.Fatal(err)
-	}
+	sendWebADD(t, r, client, false)
 	r.s.serveConn(server, evictedState{server})
 	if answer, err := io.ReadAll(client); err != nil || len(answer) != 0 {
 		t.Fatalf("the evicted relay got %d bytes (%v)", len(answer), err)
@@ -296,7 +289,7 @@ func TestEvictedRequestNotServed(t *testing.T) {
 	}
 
 	client, server = socketPair(t)
-	body, err = json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1",
+	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1",
 		Done: &cnirelay.Done{Summary: "nftables", Mode: "REDIRECT"}})
 	if err != nil {
 		t.Fatal(err)

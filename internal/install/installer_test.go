@@ -52,6 +52,23 @@ func newNode(t *testing.T, chained bool, files map[string]string) *node {
 	return n
 }
 
+// install installs the binaries, the kubeconfig and the config entry, as
+// the agent's first pass does, and says where the entry went.
+func (n *node) install(t *testing.T) Placed {
+	t.Helper()
+	if err := n.in.InstallBinaries(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.in.WriteKubeconfig(); err != nil {
+		t.Fatal(err)
+	}
+	placed, err := n.in.EnsureConf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return placed
+}
+
 // plugins are a conflist's entries, compacted.
 func plugins(t *testing.T, data []byte) []string {
 	t.Helper()
@@ -227,16 +244,7 @@ func slicesContain(s []string, v string) bool {
 // config that is no longer the primary, or lost our entry, is not ready.
 func TestReadyFollowsThePrimary(t *testing.T) {
 	n := newNode(t, true, map[string]string{"10-calico.conflist": conflist("k8s-pod-network", calico)})
-	if err := n.in.InstallBinaries(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := n.in.WriteKubeconfig(); err != nil {
-		t.Fatal(err)
-	}
-	placed, err := n.in.EnsureConf()
-	if err != nil {
-		t.Fatal(err)
-	}
+	placed := n.install(t)
 	if err := n.in.Ready(""); err == nil || !strings.Contains(err.Error(), "not written yet") {
 		t.Fatalf("ready with no config: %v", err)
 	}
@@ -265,22 +273,13 @@ func TestCleanupKeepsBinariesForUnreadableEntry(t *testing.T) {
 		"10-calico.conflist": `{"cniVersion":"0.3.1","name":"k8s","plugins":[` + calico + `]}`,
 		"05-broken.conflist": `{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"ptp"}`,
 	})
-	if err := n.in.InstallBinaries(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := n.in.WriteKubeconfig(); err != nil {
-		t.Fatal(err)
-	}
-	placed, err := n.in.EnsureConf()
-	if err != nil {
-		t.Fatal(err)
-	}
+	placed := n.install(t)
 	data := read(t, placed.Path)
 	dup := append([]byte(`{"name":"dup",`), data[1:]...)
 	if err := os.WriteFile(placed.Path, dup, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	err = n.in.Cleanup()
+	err := n.in.Cleanup()
 	var ce *CleanupError
 	if !errors.As(err, &ce) || !strings.Contains(err.Error(), placed.Path) {
 		t.Fatalf("clean-up: %v, want it to fail naming %s", err, placed.Path)

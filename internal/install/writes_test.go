@@ -67,19 +67,27 @@ func TestInsertKeepsEveryOtherByte(t *testing.T) {
 	}
 }
 
-// TestReplaceIfUnchanged: a write that lands between our read and our
-// swap is detected and kept, never overwritten; an undisturbed file is
-// replaced with its mode and owner.
-func TestReplaceIfUnchanged(t *testing.T) {
-	testutil.RequireRoot(t) // the file is given to another owner, whom the write must keep
-	dir := t.TempDir()
-	p := filepath.Join(dir, "10-x.conflist")
+// ownedConf is a config file holding "v1", mode 0640, of another owner
+// (1234:5678) than the agent.
+func ownedConf(t *testing.T) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "10-x.conflist")
 	if err := os.WriteFile(p, []byte("v1"), 0o640); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Chown(p, 1234, 5678); err != nil {
 		t.Fatal(err)
 	}
+	return p
+}
+
+// TestReplaceIfUnchanged: a write that lands between our read and our
+// swap is detected and kept, never overwritten; an undisturbed file is
+// replaced with its mode and owner.
+func TestReplaceIfUnchanged(t *testing.T) {
+	testutil.RequireRoot(t) // the file is given to another owner, whom the write must keep
+	p := ownedConf(t)
+	dir := filepath.Dir(p)
 	// The owner rewrote the file after we read v1.
 	if err := os.WriteFile(p, []byte("v2 from the owner"), 0o640); err != nil {
 		t.Fatal(err)
@@ -281,14 +289,7 @@ func TestStandaloneNeverOverwritesAnotherNetwork(t *testing.T) {
 // such a primary failed.
 func TestReplaceWithoutCapChown(t *testing.T) {
 	testutil.RequireRoot(t)
-	dir := t.TempDir()
-	p := filepath.Join(dir, "10-x.conflist")
-	if err := os.WriteFile(p, []byte("v1"), 0o640); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chown(p, 1234, 5678); err != nil {
-		t.Fatal(err)
-	}
+	p := ownedConf(t)
 	done := make(chan error, 1)
 	go func() {
 		// Capabilities are a thread's: this one drops CAP_CHOWN, and

@@ -15,6 +15,31 @@ import (
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
+// clientOf dials the socket at path, closing the client with the test.
+func clientOf(t *testing.T, path string) func() net.Conn {
+	return func() net.Conn {
+		t.Helper()
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+}
+
+// acceptorOf accepts the next connection s admits.
+func acceptorOf(t *testing.T, s *Server) func() *Conn {
+	return func() *Conn {
+		t.Helper()
+		c, err := s.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*Conn)
+	}
+}
+
 // TestSocketEvictsSilentClients: at the connection limit the oldest client
 // that has not sent a request makes room; busy ones are never evicted.
 func TestSocketEvictsSilentClients(t *testing.T) {
@@ -28,21 +53,7 @@ func TestSocketEvictsSilentClients(t *testing.T) {
 	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("socket mode: %v %v", fi, err)
 	}
-	dial := func() net.Conn {
-		c, err := net.Dial("unix", path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c
-	}
-	accept := func() *Conn {
-		c, err := s.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c.(*Conn)
-	}
+	dial, accept := clientOf(t, path), acceptorOf(t, s)
 	// The oldest has sent its request, which the server has not read
 	// yet: it is not silent.
 	sent, first, second := dial(), dial(), dial()
@@ -94,21 +105,7 @@ func TestClaimRacesEviction(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	dial := func() net.Conn {
-		c, err := net.Dial("unix", path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c
-	}
-	accept := func() *Conn {
-		c, err := s.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c.(*Conn)
-	}
+	dial, accept := clientOf(t, path), acceptorOf(t, s)
 	read := func(c *Conn) {
 		if _, err := io.ReadFull(c, make([]byte, 3)); err != nil {
 			t.Fatal(err)
