@@ -86,8 +86,7 @@ func InjectedPod(ns, name, node string, i int) *corev1.Pod {
 		TerminationMessagePath: "/dev/termination-log", TerminationMessagePolicy: corev1.TerminationMessageReadFile, ImagePullPolicy: corev1.PullIfNotPresent,
 	}
 	validation := corev1.Container{Name: "istio-validation", Image: "docker.io/istio/proxyv2:1.28.0",
-		Args: []string{"istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020",
-			"--log_output_level=default:info", "--run-validation", "--skip-rule-apply"},
+		Args:      InjectedValidationArgs(),
 		Resources: res, SecurityContext: &corev1.SecurityContext{AllowPrivilegeEscalation: &f, Capabilities: dropAll, Privileged: &f,
 			ReadOnlyRootFilesystem: &t, RunAsGroup: &proxyUID, RunAsNonRoot: &t, RunAsUser: &proxyUID},
 		TerminationMessagePath: "/dev/termination-log", TerminationMessagePolicy: corev1.TerminationMessageReadFile, ImagePullPolicy: corev1.PullIfNotPresent,
@@ -140,6 +139,13 @@ func InjectedPod(ns, name, node string, i int) *corev1.Pod {
 			SecurityContext: &corev1.PodSecurityContext{FSGroup: &proxyUID},
 		},
 	}
+}
+
+// InjectedValidationArgs is the istio-validation container's command line
+// exactly as Istio's injector writes it, the subcommand's name first.
+func InjectedValidationArgs() []string {
+	return []string{"istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020",
+		"--log_output_level=default:info", "--run-validation", "--skip-rule-apply"}
 }
 
 // InjectedPodStatus is the status a kubelet reports for an InjectedPod

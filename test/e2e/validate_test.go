@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os/exec"
 	"strings"
 	"syscall"
@@ -18,15 +19,18 @@ import (
 // proxy uid, with the arguments Istio's injector gives istio-validation.
 func runValidation(t *testing.T, pod *testenv.Pod) (int, string, time.Duration) {
 	t.Helper()
+	return runValidationAs(t, pod, 1337)
+}
+
+func runValidationAs(t *testing.T, pod *testenv.Pod, uid uint32) (int, string, time.Duration) {
+	t.Helper()
 	var out bytes.Buffer
 	var code int
 	start := time.Now()
 	err := pod.InPod(func() error {
-		cmd := exec.Command(validBin, "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "",
-			"-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info", "--run-validation", "--skip-rule-apply",
-			"--probe-timeout", "2s")
+		cmd := exec.Command(validBin, append(testenv.InjectedValidationArgs(), "--probe-timeout", "2s")...)
 		cmd.Stdout, cmd.Stderr = &out, &out
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1337, Gid: 1337}}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
 		err := cmd.Run()
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
@@ -52,6 +56,34 @@ func TestValidation(t *testing.T) {
 			}
 		})
 	}
+	// As Istio's validator, a proxy port that cannot be listened on is
+	// only logged: the probe arrives on the inbound port.
+	t.Run("outbound-port-held", func(t *testing.T) {
+		e := newEnv(t, nil)
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		var held net.Listener
+		if err := sb.pod.InPod(func() (err error) {
+			held, err = net.Listen("tcp", "127.0.0.1:15001")
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer held.Close()
+		code, out, _ := runValidation(t, sb.pod)
+		if code != 0 || !strings.Contains(out, "listening on 15001") || !strings.Contains(out, "validation passed") {
+			t.Fatalf("exit %d, want 0 with the held port logged:\n%s", code, out)
+		}
+	})
+	// Run as a uid the rules do not exclude, the probe is not redirected
+	// although the rules are in place: the message says so.
+	t.Run("wrong-uid", func(t *testing.T) {
+		e := newEnv(t, nil)
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		code, out, _ := runValidationAs(t, sb.pod, 1000)
+		if code != 126 || !strings.Contains(out, "runs as uid 1000") || !strings.Contains(out, "uid 1337 (-u)") {
+			t.Fatalf("exit %d, want 126 naming both uids:\n%s", code, out)
+		}
+	})
 	t.Run("race-no-rules", func(t *testing.T) {
 		e := newEnv(t, nil)
 		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
