@@ -323,3 +323,44 @@ func TestAmbientBeyondRelayBound(t *testing.T) {
 		t.Fatalf("the last rerouted interface has no rule:\n%.2000s", rules)
 	}
 }
+
+// TestHostProbesAtScale: thousands of probe elements added, and then
+// deleted, in one sync all arrive, read back through the library. Sent
+// as one element list, past 64 KiB the list's length wrapped and the
+// kernel kept a few elements of thousands while the sync reported them
+// all added, again at every resync.
+func TestHostProbesAtScale(t *testing.T) {
+	testutil.RequireRoot(t)
+	n := newNS(t)
+	a := &Applier{}
+	uid := uint32(0)
+	if _, err := a.EnsureHost(n.Path(), ruleset.HostParams{IPv6: true, KubeletUID: &uid}); err != nil {
+		t.Fatal(err)
+	}
+	want := map[netip.Addr]string{}
+	for i := range 3000 {
+		want[netip.AddrFrom4([4]byte{10, 64, byte(i >> 8), byte(i)})] = fmt.Sprintf("%08x-5d1e-4b9a-9c3f-%012x", i, i)
+	}
+	for i := range 1500 {
+		want[netip.AddrFrom16([16]byte{0xfd, 0x64, 14: byte(i >> 8), 15: byte(i)})] = fmt.Sprintf("%08x-5d1e-4b9a-9c3f-%012x", i, i+1<<20)
+	}
+	ch, err := a.SyncProbes(n.Path(), want)
+	if err != nil || len(ch.Added) != len(want) {
+		t.Fatalf("sync of %d: added %d, %v", len(want), len(ch.Added), err)
+	}
+	requireProbeElements(t, n, want)
+	if ch, err := a.SyncProbes(n.Path(), want); err != nil || !ch.Empty() {
+		t.Fatalf("a second sync changed %d/%d/%d, %v", len(ch.Added), len(ch.Updated), len(ch.Removed), err)
+	}
+	few := map[netip.Addr]string{}
+	for ip, u := range want {
+		if len(few) == 10 {
+			break
+		}
+		few[ip] = u
+	}
+	if ch, err := a.SyncProbes(n.Path(), few); err != nil || len(ch.Removed) != len(want)-len(few) {
+		t.Fatalf("sync down to %d: removed %d, %v", len(few), len(ch.Removed), err)
+	}
+	requireProbeElements(t, n, few)
+}

@@ -214,6 +214,32 @@ type probeChange struct {
 	want map[netip.Addr]string
 }
 
+// elemListBytes bounds the element list of one message: the list is one
+// netlink attribute, whose 16-bit length wraps past 64 KiB, and the kernel
+// then reads (and acknowledges) a cut list: a few elements of thousands.
+const elemListBytes = 32 << 10
+
+// elementMessages splits elems into lists that each fit one message's
+// element attribute, by their encoded size (key, comment and the
+// attributes around them) rather than by count, since a comment's length
+// is the caller's.
+func elementMessages(elems []nftables.SetElement) [][]nftables.SetElement {
+	var out [][]nftables.SetElement
+	start, size := 0, 0
+	for i, e := range elems {
+		n := 48 + len(e.Key) + len(e.Comment)
+		if i > start && size+n > elemListBytes {
+			out = append(out, elems[start:i])
+			start, size = i, 0
+		}
+		size += n
+	}
+	if start < len(elems) {
+		out = append(out, elems[start:])
+	}
+	return out
+}
+
 // writeProbes sends the changes as one transaction on c: deletions
 // first, so an updated element is deleted and added back with its new
 // UID.
@@ -230,13 +256,13 @@ func writeProbes(c *nlsteps.Conn, sets []probeChange) error {
 			for _, ip := range append(append([]netip.Addr{}, s.ch.Added...), s.ch.Updated...) {
 				add = append(add, nftables.SetElement{Key: ip.AsSlice(), Comment: s.want[ip]})
 			}
-			if len(del) > 0 {
-				if err := conn.SetDeleteElements(set, del); err != nil {
+			for _, part := range elementMessages(del) {
+				if err := conn.SetDeleteElements(set, part); err != nil {
 					return err
 				}
 			}
-			if len(add) > 0 {
-				if err := conn.SetAddElements(set, add); err != nil {
+			for _, part := range elementMessages(add) {
+				if err := conn.SetAddElements(set, part); err != nil {
 					return err
 				}
 			}
