@@ -329,7 +329,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		Rules: iptablesRules(cfg), NFTables: nftablesRules(),
 		Pods: pods, Clientset: a.Clientset, Locker: a.locker,
 		Committer: cfg.RulesCommitter, ForceIPTables: cfg.ForceIPTablesBinary,
-		Commands: a.metrics.PluginCommands, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
+		Commands: a.metrics.PluginCommands, Requests: a.metrics.PluginRequests, Latency: a.metrics.PluginLatency, Lookups: a.metrics.PluginLookups,
 		PreparedAdds: a.metrics.PreparedAdds,
 		Panics:       a.metrics.Panics, Sockets: a.metrics.Sockets,
 		PreparedDir: filepath.Join(runDir, prepared.DirName), Prepare: cfg.PrepareAhead,

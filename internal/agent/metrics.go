@@ -18,6 +18,7 @@ type Metrics struct {
 	Repaired       *prometheus.CounterVec
 	RepairLatency  prometheus.Histogram
 	PluginCommands *prometheus.CounterVec
+	PluginRequests *prometheus.CounterVec
 	PluginLatency  *prometheus.HistogramVec
 	PluginLookups  *prometheus.CounterVec
 	PreparedAdds   *prometheus.CounterVec
@@ -33,6 +34,7 @@ func NewMetrics() *Metrics {
 		Help:    "Time from a pod first seen broken to the repair controller's successful action.",
 		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5}})
 	m.PluginCommands, m.PluginLatency, m.PluginLookups = cniserver.NewMetrics()
+	m.PluginRequests = cniserver.NewRequestsMetric()
 	m.Panics = cniserver.NewPanicMetric()
 	m.PreparedAdds = cniserver.NewPreparedMetric()
 	m.Sockets = sockserve.NewMetrics()
@@ -40,7 +42,7 @@ func NewMetrics() *Metrics {
 	// (go_*, process_*): memory, goroutines, open descriptors.
 	m.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Registry.MustRegister(m.Install.Collectors()...)
-	m.Registry.MustRegister(m.Repaired, m.RepairLatency, m.PluginCommands, m.PluginLatency, m.PluginLookups, m.PreparedAdds, m.Panics,
+	m.Registry.MustRegister(m.Repaired, m.RepairLatency, m.PluginCommands, m.PluginRequests, m.PluginLatency, m.PluginLookups, m.PreparedAdds, m.Panics,
 		m.Sockets.Rejected, m.Sockets.AcceptErrors)
 	return m
 }

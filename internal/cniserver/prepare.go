@@ -490,9 +490,7 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 	if req.Command == "DEL" {
 		// A DEL the relay answered itself (cnirelay.Relay.serveDel), as
 		// the plugin would have.
-		if s.Commands != nil {
-			s.Commands.WithLabelValues("DEL", "ok").Inc()
-		}
+		s.count("DEL", "ok")
 		l.Debug("pod deleted; its rules go with its network namespace", "served_by", "plugin")
 		return
 	}
@@ -506,9 +504,7 @@ func (s *Server) noteDone(req *cnirelay.Request) {
 	if d.Error != "" {
 		result = "999"
 	}
-	if s.Commands != nil {
-		s.Commands.WithLabelValues("ADD", result).Inc()
-	}
+	s.count("ADD", result)
 	if s.PreparedAdds != nil {
 		s.PreparedAdds.WithLabelValues(result).Inc()
 	}

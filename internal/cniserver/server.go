@@ -91,6 +91,10 @@ type Server struct {
 	AgentWait time.Duration
 
 	Commands *prometheus.CounterVec
+	// Requests is Istio's istio_cni_plugin_requests_total{response_code}:
+	// the answers to the plugin, by the HTTP status Istio's server would
+	// have sent (responseCode).
+	Requests *prometheus.CounterVec
 	Latency  *prometheus.HistogramVec
 	// Lookups counts where pods were read from: "cache" or "api".
 	Lookups *prometheus.CounterVec
@@ -154,6 +158,14 @@ func (s *Server) sendHere(netns *os.File, txn *nlsteps.Txn) nlsteps.Outcome {
 		o.Error = err.Error()
 	}
 	return o
+}
+
+// NewRequestsMetric is Istio's istio_cni_plugin_requests_total
+// {response_code}.
+func NewRequestsMetric() *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_requests_total",
+		Help: "Answers the agent gave the istio-cni plugin, and ADDs the plugin served from the agent's prepared records, by the HTTP status Istio's CNI server would have answered (200 served, 400 bad request or config, 500 failed, 503 handed to the fallback)."},
+		[]string{"response_code"})
 }
 
 // NewMetrics returns the command counter, latency histogram and
@@ -339,9 +351,12 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		// The kernel could not give us the namespace: we are out of
 		// descriptors, and the fallback is not.
 		resp = &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}
+		// The request was not read, so its command is not known.
+		s.countRequest(resultUnavailable)
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
+		s.countRequest(resultBadRequest)
 	case req.Done != nil:
 		s.noteDone(req)
 		return
@@ -350,6 +365,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		// write to the namespace itself, which a relay that may leave
 		// does not allow.
 		resp = &cnirelay.Response{Unavailable: "the node agent does not prepare ADDs, and the relay may leave it"}
+		s.count(req.Command, resultUnavailable)
 	case req.MayLeave && req.Steps && req.Command == "ADD" && hungUp(conn):
 		// The relay waited out the agent's wait and runs the fallback.
 		s.Log.Debug("the relay stopped waiting before the agent read its ADD; the fallback serves the pod",
@@ -359,9 +375,7 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		if s.prep != nil && checkAsSkel(req) == nil {
 			s.prep.learn(req.Stdin)
 		}
-		if s.Commands != nil {
-			s.Commands.WithLabelValues(req.Command, resultLeft).Inc()
-		}
+		s.count(req.Command, resultLeft)
 		return
 	case req.Steps && req.Command == "ADD" && netns != nil && s.Committer != CommitterAgent:
 		rc := &relayCommit{conn: conn, framed: req.Framed, mayLeave: req.MayLeave}
@@ -472,6 +486,52 @@ func (rc *relayCommit) left(err error) error {
 // resultLeft is istio_cni_plugin_commands_total's result for an ADD whose
 // relay stopped waiting and ran the fallback, which served it.
 const resultLeft = "left"
+
+// resultUnavailable is istio_cni_plugin_commands_total's result for a
+// command handed to the fallback; resultBadRequest marks, for the
+// requests counter only, a request that did not decode.
+const (
+	resultUnavailable = "unavailable"
+	resultBadRequest  = "bad-request"
+)
+
+// count counts a command's outcome in both counters.
+func (s *Server) count(command, result string) {
+	if s.Commands != nil {
+		s.Commands.WithLabelValues(command, result).Inc()
+	}
+	s.countRequest(result)
+}
+
+// countRequest counts an answer in Istio's requests counter. An ADD the
+// relay stopped waiting for got no answer, as a request whose client
+// hung up, and is not counted.
+func (s *Server) countRequest(result string) {
+	if s.Requests != nil && result != resultLeft {
+		s.Requests.WithLabelValues(responseCode(result)).Inc()
+	}
+}
+
+// responseCode is the HTTP status Istio's CNI event server answers with
+// for a command's result: 200 when served, 400 for a request or config
+// the plugin cannot take (CNI codes 1-7 but 3 and 5), 503 when handed to
+// the fallback, 500 for any other failure.
+func responseCode(result string) string {
+	switch result {
+	case "ok":
+		return "200"
+	case resultUnavailable:
+		return "503"
+	case resultBadRequest:
+		return "400"
+	}
+	switch result {
+	case fmt.Sprint(types.ErrIncompatibleCNIVersion), fmt.Sprint(types.ErrUnsupportedField), fmt.Sprint(types.ErrInvalidEnvironmentVariables),
+		fmt.Sprint(types.ErrDecodingFailure), fmt.Sprint(types.ErrInvalidNetworkConfig):
+		return "400"
+	}
+	return "500"
+}
 
 // hungUp says the peer of conn has closed it (or shut its writing side,
 // which a relay that sends rules does not do before it leaves).
@@ -584,6 +644,7 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 	draining := s.draining
 	s.mu.Unlock()
 	if draining {
+		s.count(req.Command, resultUnavailable)
 		return &cnirelay.Response{Unavailable: "shutting down"}
 	}
 	start := time.Now()
@@ -599,8 +660,8 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 				fmt.Sprintf("istio-cni node agent: internal error handling %s: %v", req.Command, r), "")}
 			result = fmt.Sprint(types.ErrInternal)
 		}
-		if s.Commands != nil {
-			s.Commands.WithLabelValues(req.Command, result).Inc()
+		s.count(req.Command, result)
+		if s.Latency != nil {
 			s.Latency.WithLabelValues(req.Command).Observe(time.Since(start).Seconds())
 		}
 	}()
@@ -688,11 +749,11 @@ func (s *Server) handle(req *cnirelay.Request, netns *os.File,
 			return resp
 		case errors.Is(err, plugin.ErrInPlace):
 			// The relay, if still there, runs the fallback.
-			result = "unavailable"
+			result = resultUnavailable
 			return &cnirelay.Response{Unavailable: err.Error()}
 		}
 		if outOfDescriptors(err) {
-			result = "unavailable"
+			result = resultUnavailable
 			return &cnirelay.Response{Unavailable: "the node agent is out of file descriptors"}
 		}
 		var te *types.Error

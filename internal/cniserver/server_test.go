@@ -174,8 +174,10 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	panics := NewPanicMetric()
-	s := &Server{Log: root.Logger(logging.ScopePlugin), Rules: panickyRules{}, NFTables: panickyRules{}, Pods: pods, Clientset: clientset.Of(cs), Panics: panics}
+	panics, requests := NewPanicMetric(), NewRequestsMetric()
+	commands, latency, _ := NewMetrics()
+	s := &Server{Log: root.Logger(logging.ScopePlugin), Rules: panickyRules{}, NFTables: panickyRules{}, Pods: pods, Clientset: clientset.Of(cs),
+		Panics: panics, Requests: requests, Commands: commands, Latency: latency}
 	sock := filepath.Join(t.TempDir(), cnirelay.SocketName)
 	done, err := s.Serve(ctx, sock, time.Second)
 	if err != nil {
@@ -198,6 +200,29 @@ func TestCNICommandPanicFailsOnlyThatCommand(t *testing.T) {
 	// The agent still serves.
 	if err := runRelay(relay, "DEL", &skel.CmdArgs{ContainerID: "c1", IfName: "eth0", Args: add.Args, StdinData: []byte(conf)}); err != nil {
 		t.Fatalf("DEL after the panic: %v", err)
+	}
+	// A config the plugin cannot take, as Istio's server's 400.
+	bad := strings.Replace(conf, `"name":"n"`, `"name":"n","exclude_namespaces":"kube-system"`, 1)
+	if err := runRelay(relay, "ADD", &skel.CmdArgs{ContainerID: "c2", IfName: "eth0", Args: add.Args, StdinData: []byte(bad)}); err == nil {
+		t.Fatal("ADD with exclude_namespaces a string passed")
+	}
+	// Istio's istio_cni_plugin_requests_total{response_code}, beside ours.
+	for code, want := range map[string]float64{"500": 1, "200": 1, "400": 1} {
+		if got := promtest.ToFloat64(requests.WithLabelValues(code)); got != want {
+			t.Errorf("requests with response_code %s: %v, want %v", code, got, want)
+		}
+	}
+	if got := promtest.ToFloat64(commands.WithLabelValues("DEL", "ok")); got != 1 {
+		t.Errorf("DELs counted ok: %v", got)
+	}
+}
+
+func TestResponseCode(t *testing.T) {
+	for result, want := range map[string]string{"ok": "200", "unavailable": "503", "bad-request": "400",
+		"1": "400", "2": "400", "3": "500", "4": "400", "5": "500", "6": "400", "7": "400", "11": "500", "999": "500"} {
+		if got := responseCode(result); got != want {
+			t.Errorf("responseCode(%q) = %s, want %s", result, got, want)
+		}
 	}
 }
 

@@ -156,7 +156,7 @@ func newMetrics(reg prometheus.Registerer) (metrics, error) {
 	m := metrics{
 		// The reference's name and meaning: the number of connections,
 		// 1 when ztunnel is up, 2 while a new ztunnel replaces the old.
-		connected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "istio_cni_ztunnel_connected",
+		connected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ztunnel_connected",
 			Help: "Number of ztunnel connections to the node agent (0: pods cannot be enrolled)."}),
 		addTime: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "istio_cni_ztunnel_add_duration_seconds",
 			Help:    "Time from sending a pod to ztunnel to its answer (ack or refusal), including the snapshot's adds.",

@@ -97,7 +97,7 @@ func (f *fixture) waitConns(n int) {
 
 func (f *fixture) gauge() float64 {
 	f.t.Helper()
-	return metricValue(f.t, f.reg, "istio_cni_ztunnel_connected")
+	return metricValue(f.t, f.reg, "ztunnel_connected")
 }
 
 func metricValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
