@@ -296,6 +296,13 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 						changedAt = time.Now()
 					}
 					pending = true
+					if hold != nil {
+						// The entry is put back only when the back-off
+						// ends; until then readiness and
+						// istio_cni_install_ready say whether it is there
+						// (Istio's agent turns not ready at every event).
+						l.recheck(conf)
+					}
 				}
 			case err, ok := <-ws.errors():
 				switch {
@@ -381,6 +388,15 @@ func (l *Loop) installOnce() (bool, error) {
 
 // noteRewrite records a re-insertion at now and returns how long to back
 // off when the rewrites come faster than the conflict limit allows.
+// recheck turns not ready when the config, as it is now, lacks our
+// entry, while backing off from a component that keeps reverting it.
+// Ready again waits for the pass after the back-off.
+func (l *Loop) recheck(conf string) {
+	if r := l.in.Ready(conf); r != nil {
+		l.setReady("backing off from another component that keeps rewriting the CNI config: " + r.Error())
+	}
+}
+
 func (l *Loop) noteRewrite(now time.Time) time.Duration {
 	keep := l.rewrites[:0]
 	for _, t := range l.rewrites {

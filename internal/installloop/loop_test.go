@@ -131,11 +131,11 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// TestLoopPutsEntryBack: on a temp node, the loop installs, becomes
-// ready, and puts its entry back after another component rewrites the
-// config without it, counting one re-insertion; Run closes its watcher
-// and reports shutting down when its context ends.
-func TestLoopPutsEntryBack(t *testing.T) {
+// tempNode is a node in a temporary directory: a primary's conflist
+// (bare, at primary), the binaries to install, a service account; inst
+// installs there.
+func tempNode(t *testing.T) (inst install.Config, primary, bare string) {
+	t.Helper()
 	dir := t.TempDir()
 	mk := func(name string) string {
 		p := filepath.Join(dir, name)
@@ -145,18 +145,28 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		return p
 	}
 	netDir, src, bin, run, sa := mk("net.d"), mk("src"), mk("bin"), mk("run"), mk("sa")
-	primary := filepath.Join(netDir, "10-ptp.conflist")
-	bare := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp"}]}`
+	primary = filepath.Join(netDir, "10-ptp.conflist")
+	bare = `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp"}]}`
 	for p, c := range map[string]string{primary: bare, filepath.Join(src, "istio-cni"): "relay", filepath.Join(src, "istio-cni-fallback"): "fallback",
 		filepath.Join(sa, "token"): "token", filepath.Join(sa, "ca.crt"): "ca"} {
 		if err := os.WriteFile(p, []byte(c), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	m := NewMetrics()
-	l := New(Config{Install: install.Config{MountedCNINetDir: netDir, Chained: true, RunDir: run, BinSourceDir: src, BinTargetDirs: []string{bin},
+	return install.Config{MountedCNINetDir: netDir, Chained: true, RunDir: run, BinSourceDir: src, BinTargetDirs: []string{bin},
 		KubeconfigMode: 0o600, Kubeconfig: install.KubeconfigSettings{Host: "127.0.0.1", Port: "6443", ServiceAccountDir: sa},
-		Entry: install.EntrySettings{RunDir: run}}, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}, quiet, m)
+		Entry: install.EntrySettings{RunDir: run}}, primary, bare
+}
+
+// TestLoopPutsEntryBack: on a temp node, the loop installs, becomes
+// ready, and puts its entry back after another component rewrites the
+// config without it, counting one re-insertion; Run closes its watcher
+// and reports shutting down when its context ends.
+func TestLoopPutsEntryBack(t *testing.T) {
+	inst, primary, bare := tempNode(t)
+	run := inst.RunDir
+	m := NewMetrics()
+	l := New(Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}, quiet, m)
 	if r := l.NotReady(); r != "starting" {
 		t.Fatalf("before Run: %q", r)
 	}
@@ -283,4 +293,47 @@ func TestWatchAfterDirRemadeWithSameInode(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestNotReadyWhileBackingOff: while the loop backs off from a component
+// that keeps reverting the config, a revert turns readiness and
+// istio_cni_install_ready off at once, although the entry is put back
+// only when the back-off ends (they stayed on, and new pods started
+// without the plugin while the agent said it was ready).
+func TestNotReadyWhileBackingOff(t *testing.T) {
+	inst, primary, bare := tempNode(t)
+	m := NewMetrics()
+	// Limit 0: the first revert already starts a back-off (1 s).
+	l := New(Config{Install: inst, ConflictWindow: time.Minute, ConflictLimit: 0, ResyncInterval: time.Hour}, quiet, m)
+	ctx, cancel := context.WithCancel(context.Background())
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		_ = l.Run(ctx)
+	}()
+	defer func() {
+		cancel()
+		<-stopped
+	}()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the back-off", func() bool { return promtest.ToFloat64(m.Conflicts) == 1 })
+	if r := l.NotReady(); r != "" {
+		t.Fatalf("not ready with the entry put back: %s", r)
+	}
+	// Reverted again, within the back-off.
+	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "not ready during the back-off", func() bool {
+		data, err := os.ReadFile(primary)
+		if err != nil || strings.Contains(string(data), `"istio-cni"`) {
+			t.Fatalf("the entry was put back before the back-off ended (%v), so the test proves nothing", err)
+		}
+		return strings.Contains(l.NotReady(), "backing off") && promtest.ToFloat64(m.InstallReady) == 0
+	})
+	// After the back-off, the entry is back and so is readiness.
+	eventually(t, "ready after the back-off", func() bool { return l.NotReady() == "" && promtest.ToFloat64(m.InstallReady) == 1 })
 }
