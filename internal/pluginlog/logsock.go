@@ -81,18 +81,21 @@ func Serve(ctx context.Context, runDir string, log *slog.Logger, m *sockserve.Me
 // one line whatever characters it holds, labels cannot take the agent's
 // own keys (scope, time, level, msg, caller, stack), and size and label
 // count are bounded.
+//
+// The line is parsed whole (the request is bounded) and its strings are
+// cut after: the longest lines are the failures, whose error carries the
+// rules that failed, and a line cut before parsing lost its level and
+// came out at info, unseen at warn.
 func emitPluginLine(log *slog.Logger, line string) {
-	if len(line) > maxLineBytes {
-		line = line[:maxLineBytes]
-	}
 	var entry map[string]any
 	dec := json.NewDecoder(strings.NewReader(line))
 	dec.UseNumber()
 	if err := dec.Decode(&entry); err != nil || entry == nil || dec.More() {
-		log.Info(oneLine(strings.TrimSpace(line)))
+		log.Info(oneLine(strings.TrimSpace(bounded(line))))
 		return
 	}
 	msg, _ := entry["msg"].(string)
+	msg = bounded(msg)
 	level := slog.LevelInfo
 	switch entry["level"] {
 	case "debug":
@@ -156,10 +159,24 @@ func labelKey(k string) string {
 // labelValue keeps strings on one line; numbers stay as written, and
 // other values are re-encoded as JSON, which escapes what needs escaping.
 func labelValue(v any) any {
-	if x, ok := v.(string); ok {
-		return oneLine(x)
+	switch x := v.(type) {
+	case string:
+		return oneLine(bounded(x))
+	case json.Number:
+		return x
+	}
+	if b, err := json.Marshal(v); err == nil && len(b) > maxLineBytes {
+		return oneLine(bounded(string(b)))
 	}
 	return v
+}
+
+// bounded cuts s to maxLineBytes, saying how much was cut.
+func bounded(s string) string {
+	if len(s) <= maxLineBytes {
+		return s
+	}
+	return strings.ToValidUTF8(s[:maxLineBytes], "") + fmt.Sprintf("... (%d bytes cut)", len(s)-maxLineBytes)
 }
 
 // oneLine escapes what would end or break a log line: control

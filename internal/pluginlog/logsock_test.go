@@ -132,3 +132,34 @@ func checkOneLine(t *testing.T, out []byte, asJSON bool) {
 		t.Fatalf("scope: %q", out)
 	}
 }
+
+// TestLongErrorLineKeepsItsLevel: a plugin's failure line, long with the
+// rules that failed, comes out at its own level with its message, its
+// long value cut and saying so. It used to be cut before parsing, fail to
+// parse, and come out at info: nothing at all at warn.
+func TestLongErrorLineKeepsItsLevel(t *testing.T) {
+	var out bytes.Buffer
+	root, err := logging.Open(logging.Options{OutputLevel: "default:warn", AsJSON: true, Targets: []string{"stdout"}}, &out, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line, err := json.Marshal(map[string]any{"level": "error", "msg": "istio-cni failed", "pod": "shop/cart-1",
+		"error": "iptables-restore: line 3 failed:\n" + strings.Repeat("-A ISTIO_OUTPUT -d 10.0.0.0/8 -j RETURN\n", 600)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(line) <= maxLineBytes {
+		t.Fatalf("the line is %d bytes, not longer than the bound", len(line))
+	}
+	emitPluginLine(root.Logger(logging.ScopePlugin), string(line))
+	checkOneLine(t, out.Bytes(), true)
+	var m map[string]any
+	if err := json.Unmarshal(out.Bytes(), &m); err != nil {
+		t.Fatal(err)
+	}
+	e, _ := m["error"].(string)
+	if m["level"] != "error" || m["msg"] != "istio-cni failed" || m["pod"] != "shop/cart-1" ||
+		!strings.HasPrefix(e, `iptables-restore: line 3 failed:\n`) || !strings.Contains(e, "bytes cut") || len(e) > maxLineBytes*11/10 {
+		t.Fatalf("logged %v (error %d bytes)", m, len(e))
+	}
+}
