@@ -49,11 +49,32 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 		start uint64
 	}
 	oldest := map[string]proc{}
-	// The agent runs on the node's network (hostNetwork): a process of a
-	// pod's cgroup in that namespace is not the sandbox, though it may be
-	// the oldest there (CRI-O's conmon with conmon_cgroup="pod").
-	var node unix.Stat_t
-	haveNode := unix.Stat("/proc/self/ns/net", &node) == nil
+	// A process of a pod's cgroup on the node's network is not the
+	// sandbox, though it may be the oldest there (CRI-O's conmon with
+	// conmon_cgroup="pod"). The node's network is the one of procDir's
+	// first process (the host's init, procDir being the host's /proc),
+	// and the agent's own when it runs on the host network; the chart,
+	// as Istio's, gives it a pod network of its own unless ambient mode
+	// shares the host's.
+	var nodeNS []unix.Stat_t
+	for _, p := range []string{filepath.Join(procDir, "1", "ns", "net"), "/proc/self/ns/net"} {
+		var st unix.Stat_t
+		if unix.Stat(p, &st) == nil {
+			nodeNS = append(nodeNS, st)
+		}
+	}
+	onNode := func(pid string) bool {
+		var st unix.Stat_t
+		if unix.Stat(filepath.Join(procDir, pid, "ns", "net"), &st) != nil {
+			return false
+		}
+		for _, n := range nodeNS {
+			if st.Dev == n.Dev && st.Ino == n.Ino {
+				return true
+			}
+		}
+		return false
+	}
 	for _, e := range entries {
 		pid := e.Name()
 		if _, err := strconv.Atoi(pid); err != nil {
@@ -63,8 +84,7 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 		if uid == "" {
 			continue
 		}
-		var st unix.Stat_t
-		if haveNode && unix.Stat(filepath.Join(procDir, pid, "ns", "net"), &st) == nil && st.Dev == node.Dev && st.Ino == node.Ino {
+		if onNode(pid) {
 			continue
 		}
 		start := startTime(filepath.Join(procDir, pid, "stat"))
