@@ -5,6 +5,9 @@
 # with its libraries (the agent programs and repairs pods with it in
 # iptables mode), and a static busybox, whose nsenter writes the owner
 # rules of user-namespaced pods.
+# The image also carries the tag with Istio's variant suffixes
+# (-distroless, -debug): one image, so values that set a variant (Istio's
+# ambient profiles set distroless) find it.
 # Usage: hack/build-image.sh [OUT.tar] [REPO:TAG]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +31,5 @@ debs=$(hack/image-debs.sh ${ISTIO_CNI_OFFLINE:+--offline})
 for deb in $debs; do
   dpkg-deb -x "$deb" "$rootfs"
 done
-go run ./hack/imagepack -rootfs "$rootfs" -tag "$tag" -entrypoint install-cni -out "$out"
+go run ./hack/imagepack -rootfs "$rootfs" -tag "$tag,$tag-distroless,$tag-debug" -entrypoint install-cni -out "$out"
 echo "$out"

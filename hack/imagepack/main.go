@@ -16,12 +16,13 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"time"
 )
 
 func main() {
 	rootfs := flag.String("rootfs", "", "directory to pack")
-	tag := flag.String("tag", "", "repository:tag of the image")
+	tag := flag.String("tag", "", "repository:tag of the image; a comma-separated list gives it several")
 	out := flag.String("out", "", "output tar")
 	entrypoint := flag.String("entrypoint", "", "the image's entry point")
 	flag.Parse()
@@ -67,7 +68,7 @@ func pack(rootfs, tag, entrypoint, out string) error {
 	cfgSum := sha256.Sum256(config)
 	cfgName := hex.EncodeToString(cfgSum[:]) + ".json"
 	layerName := diffID[len("sha256:"):] + "/layer.tar"
-	manifest, err := json.Marshal([]map[string]any{{"Config": cfgName, "RepoTags": []string{tag}, "Layers": []string{layerName}}})
+	manifest, err := json.Marshal([]map[string]any{{"Config": cfgName, "RepoTags": strings.Split(tag, ","), "Layers": []string{layerName}}})
 	if err != nil {
 		return err
 	}

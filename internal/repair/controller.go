@@ -3,7 +3,9 @@ package repair
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net/netip"
 	"runtime/debug"
@@ -165,6 +167,13 @@ func (c *Controller) Run(ctx context.Context, node string) error {
 // treated as broken now instead of waiting for it.
 func (c *Controller) scan(ctx context.Context, pods []*corev1.Pod) {
 	index, err := IndexPodNetNS(c.procDir)
+	if errors.Is(err, fs.ErrNotExist) {
+		// The chart mounts the host's /proc in repair mode only (and for
+		// ambient mode or nativeNftables=auto): least privilege for the
+		// delete and label modes, which then wait for validation to fail.
+		c.log.Info("start-up scan off: the host's /proc is not mounted", "procDir", c.procDir)
+		return
+	}
 	if err != nil {
 		c.log.Warn("start-up scan skipped", "error", err.Error())
 		return

@@ -308,6 +308,18 @@ func wantQuota(pods int64) func(*testing.T, *rendered) {
 	}
 }
 
+// wantMaxUnavailable: the DaemonSet's rolling update lets want pods be
+// unavailable at once.
+func wantMaxUnavailable(want string) func(*testing.T, *rendered) {
+	return func(t *testing.T, r *rendered) {
+		s := r.daemonSet(t).Spec.UpdateStrategy
+		if s.Type != appsv1.RollingUpdateDaemonSetStrategyType || s.RollingUpdate == nil || s.RollingUpdate.MaxUnavailable == nil ||
+			s.RollingUpdate.MaxUnavailable.String() != want {
+			t.Errorf("update strategy %+v, want RollingUpdate with maxUnavailable %s", s, want)
+		}
+	}
+}
+
 // wantSameAs: the render equals another value set's (a value without effect).
 func wantSameAs(values string) func(*testing.T, *rendered) {
 	return func(t *testing.T, r *rendered) {
@@ -486,7 +498,7 @@ env:
 			eq(t, "host proc", r.hostPath(t, "cni-host-procfs"), "/proc")
 		})},
 
-	"istio-layout": {values: "cni:\n  excludeNamespaces: [kube-system, istio-system]\n  logLevel: debug\n  cniBinDir: /opt/custom/bin\n", check: all(
+	"istio-layout": {values: "cni:\n  excludeNamespaces: [kube-system, istio-system]\n  logging:\n    level: debug\n  cniBinDir: /opt/custom/bin\n", check: all(
 		wantArgs("--log_output_level=debug"),
 		wantDirs("/opt/custom/bin", "/etc/cni/net.d"),
 		wantConfig("EXCLUDE_NAMESPACES", "kube-system,istio-system"))},
@@ -507,7 +519,12 @@ env:
 	"logging-global-scoped":  {values: "global:\n  logging:\n    level: cni:debug,default:warn\n", check: wantArgs("--log_output_level=cni:debug,default:warn")},
 	"logging-plugin":         {values: "cni:\n  logging:\n    level: cni-plugin:debug\n", check: all(wantArgs("--log_output_level=cni-plugin:debug"), wantConfig("PLUGIN_LOG_LEVEL", "<absent>"))},
 	"logging-precedence":     {values: "logging:\n  level: warn\nlogLevel: error\nglobal:\n  logging:\n    level: debug\n", check: wantArgs("--log_output_level=warn")},
-	"loglevel-legacy":        {values: "logLevel: error\nglobal:\n  logging:\n    level: debug\n", check: wantArgs("--log_output_level=error")},
+	// Istio's 1.2x defaults carried cni.logLevel: debug, which its
+	// DaemonSet never read.
+	"loglevel-istio-default":         {values: "cni:\n  logLevel: debug\nglobal:\n  logging:\n    level: \"default:warn\"\n", check: wantArgs("--log_output_level=default:warn")},
+	"rolling-max-unavailable":        {values: "cni:\n  rollingMaxUnavailable: \"20%\"\n", check: wantMaxUnavailable("20%")},
+	"rolling-max-unavailable-number": {values: "rollingMaxUnavailable: 3\n", check: wantMaxUnavailable("3")},
+	"update-strategy-default":        {values: "", check: wantMaxUnavailable("1")},
 	// Istio passes no level when both are empty; the agent's default applies.
 	"logging-none":      {values: "global:\n  logging:\n    level: \"\"\n", check: wantArgs()},
 	"logging-json":      {values: "global:\n  logAsJson: true\n", check: wantArgs("--log_output_level=info", "--log_as_json")},
@@ -1112,7 +1129,8 @@ var istioValues = []istioValue{
 	// Older releases' keys that Istio's newest chart no longer reads.
 	{"privileged", "privileged: true\n", noEffect, "Istio's chart no longer reads it; the agent runs unprivileged with capabilities, as Istio's"},
 	// This chart's own values.
-	{"logLevel", "logLevel: debug\n", works, ""},
+	{"logLevel", "logLevel: debug\n", noEffect, "in Istio's 1.2x default values (debug) and never read by its DaemonSet; global.logging.level or logging.level set the level"},
+	{"rollingMaxUnavailable", "rollingMaxUnavailable: 2\n", works, ""},
 	{"nativeNftables", "nativeNftables: auto\n", works, ""},
 	{"psp_cluster_role", "psp_cluster_role: x\n", works, ""},
 	{"cni.*", "cni:\n  tag: x\n", works, ""},
@@ -1304,18 +1322,37 @@ func ensureTestCluster(ctx context.Context, t *testing.T) {
 	if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, crd, metav1.CreateOptions{}); err != nil && !strings.Contains(err.Error(), "already exists") {
 		t.Fatal(err)
 	}
+	disc, err := discovery.NewDiscoveryClientForConfig(cluster.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Established comes before discovery serves the kind, and the dry
+	// runs map kinds through discovery (seen as "no matches for kind
+	// NetworkAttachmentDefinition" in a run).
+	served := func() bool {
+		list, err := disc.ServerResourcesForGroupVersion("k8s.cni.cncf.io/v1")
+		if err != nil {
+			return false
+		}
+		for _, r := range list.APIResources {
+			if r.Kind == "NetworkAttachmentDefinition" {
+				return true
+			}
+		}
+		return false
+	}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		got, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, crd.Name, metav1.GetOptions{})
 		if err == nil {
 			for _, c := range got.Status.Conditions {
-				if c.Type == apiextv1.Established && c.Status == apiextv1.ConditionTrue {
+				if c.Type == apiextv1.Established && c.Status == apiextv1.ConditionTrue && served() {
 					return
 				}
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("NetworkAttachmentDefinition CRD not established")
+			t.Fatal("NetworkAttachmentDefinition CRD not established and served")
 		}
 		time.Sleep(50 * time.Millisecond) // polling the API server, bounded
 	}

@@ -46,7 +46,8 @@ func TestImage(t *testing.T) {
 		RepoTags []string
 		Layers   []string
 	}
-	if err := json.Unmarshal(files["manifest.json"], &manifest); err != nil || len(manifest) != 1 || manifest[0].RepoTags[0] != tag {
+	if err := json.Unmarshal(files["manifest.json"], &manifest); err != nil || len(manifest) != 1 ||
+		strings.Join(manifest[0].RepoTags, " ") != tag+" "+tag+"-distroless "+tag+"-debug" {
 		t.Fatalf("manifest: %s %v", files["manifest.json"], err)
 	}
 	var config struct {
@@ -160,7 +161,7 @@ func importIntoContainerd(t *testing.T, dir, image string) {
 		t.Fatalf("ctr images import: %v\n%s", err, b)
 	}
 	b, err := ctr("images", "ls", "-q")
-	if err != nil || !strings.Contains(string(b), tag) {
+	if err != nil || !strings.Contains(string(b), tag+"\n") || !strings.Contains(string(b), tag+"-distroless\n") {
 		t.Fatalf("image not in containerd after import: %v\n%s", err, b)
 	}
 }

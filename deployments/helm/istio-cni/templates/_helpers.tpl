@@ -116,9 +116,12 @@ app: istio-cni
 {{- .Values.cniConfDir | default "/etc/cni/net.d" -}}
 {{- end -}}
 
-{{/* --log_output_level: logging.level, this chart's older logLevel, global.logging.level. */}}
+{{/* --log_output_level: logging.level, else global.logging.level, as
+     Istio's DaemonSet. logLevel (in Istio's 1.2x default values as
+     "debug", never read by its DaemonSet) has no effect here either: read,
+     it turned a copied values file's agent to debug. */}}
 {{- define "istio-cni.logLevel" -}}
-{{- coalesce (dig "logging" "level" "" .Values) .Values.logLevel (dig "logging" "level" "" .Values.global) | default "" -}}
+{{- coalesce (dig "logging" "level" "" .Values) (dig "logging" "level" "" .Values.global) | default "" -}}
 {{- end -}}
 
 {{- define "istio-cni.nativeNftables" -}}
