@@ -226,8 +226,8 @@ const elemListBytes = 32 << 10
 func elementMessages(elems []nftables.SetElement) [][]nftables.SetElement {
 	var out [][]nftables.SetElement
 	start, size := 0, 0
-	for i, e := range elems {
-		n := 48 + len(e.Key) + len(e.Comment)
+	for i := range elems {
+		n := 48 + len(elems[i].Key) + len(elems[i].Comment)
 		if i > start && size+n > elemListBytes {
 			out = append(out, elems[start:i])
 			start, size = i, 0

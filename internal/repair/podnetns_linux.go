@@ -68,8 +68,8 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 		if unix.Stat(filepath.Join(procDir, pid, "ns", "net"), &st) != nil {
 			return false
 		}
-		for _, n := range nodeNS {
-			if st.Dev == n.Dev && st.Ino == n.Ino {
+		for i := range nodeNS {
+			if st.Dev == nodeNS[i].Dev && st.Ino == nodeNS[i].Ino {
 				return true
 			}
 		}

@@ -1334,8 +1334,8 @@ func ensureTestCluster(ctx context.Context, t *testing.T) {
 		if err != nil {
 			return false
 		}
-		for _, r := range list.APIResources {
-			if r.Kind == "NetworkAttachmentDefinition" {
+		for i := range list.APIResources {
+			if list.APIResources[i].Kind == "NetworkAttachmentDefinition" {
 				return true
 			}
 		}
