@@ -16,8 +16,10 @@ import (
 
 // ambientPart is ambient mode's controller as the agent runs it.
 type ambientPart struct {
-	c         *ambient.Controller
-	host      ambientnet.Host
+	c    *ambient.Controller
+	host ambientnet.Host
+	// stale is the other backend's host rules (an earlier agent's).
+	stale     ambientnet.Host
 	hostNetns string
 	// closeNetns releases the node's namespace, once nothing uses it.
 	closeNetns func()
@@ -84,14 +86,14 @@ func (a *Agent) newAmbient(cfg *Config) (*ambientPart, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &ambientPart{host: host, hostNetns: netnsPath, closeNetns: closeNetns}
+	p := &ambientPart{host: host, stale: ambientnet.OtherHost(nft), hostNetns: netnsPath, closeNetns: closeNetns}
 	am := cfg.Ambient
 	c, err := ambient.New(ambient.Config{
 		Node: cfg.NodeName, Kube: a.Clientset, Namespaces: a.Namespaces,
 		Policy: ambient.Policy{Selectors: am.Selectors, ExcludeNamespaces: cfg.Loop.Install.Entry.ExcludeNamespaces,
 			SystemNamespace: cfg.Loop.Install.Entry.PodNamespace},
 		Defaults: ambient.Defaults{DNSCapture: am.DNSCapture, IPv6: am.IPv6},
-		InPod:    inPod, Host: host, HostNetns: p.hostNetns, HostParams: hp,
+		InPod:    inPod, Host: host, StaleHost: p.stale, HostNetns: p.hostNetns, HostParams: hp,
 		ZDS:     zds.Config{Path: am.ZtunnelSocket},
 		ProcDir: cfg.HostProcDir,
 		// Its own lock per namespace: the CNI server holds the
@@ -126,6 +128,11 @@ func (p *ambientPart) start(ctx context.Context, a *Agent) <-chan struct{} {
 // them (ztunnel is being removed too, and they are restarted to leave
 // the mesh).
 func (p *ambientPart) uninstall(a *Agent) {
+	// The other backend's too: an earlier agent's, which the controller
+	// may not have got to remove.
+	if err := p.stale.RemoveHost(p.hostNetns); err != nil {
+		a.log.Warn("removing the other rule backend's probe SNAT", "error", err.Error())
+	}
 	if err := p.host.RemoveHost(p.hostNetns); err != nil {
 		a.log.Warn("removing the node's ambient probe SNAT", "error", err.Error())
 		return

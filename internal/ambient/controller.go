@@ -62,6 +62,12 @@ type Config struct {
 	Defaults   Defaults
 	InPod      ambientnet.InPod
 	Host       ambientnet.Host
+	// StaleHost, when set, is the other backend's probe SNAT (iptables'
+	// ISTIO_POSTRT and ipsets when Host is nftables, and the reverse):
+	// an earlier agent's, Istio's among them, before a switch of backend.
+	// It is removed once Host's is in place; left, it SNATed the probes
+	// of every later pod given one of its frozen set's addresses.
+	StaleHost ambientnet.Host
 	// HostNetns is the node's network namespace, where the probe SNAT
 	// goes; empty means the agent's own (/proc/self/ns/net).
 	HostNetns  string
@@ -153,7 +159,10 @@ type Controller struct {
 	// succeeded (nil when not known: before the first, after a failure).
 	hostMu     sync.Mutex
 	probesHave map[netip.Addr]string
-	runOnce    sync.Once
+	// staleGone: StaleHost's rules were removed (syncHost's alone, which
+	// runs in one goroutine at a time).
+	staleGone bool
+	runOnce   sync.Once
 }
 
 // New checks cfg and builds the controller's informers; nothing runs
@@ -1039,6 +1048,14 @@ func (c *Controller) syncHost(first bool) {
 	case wrote && !first:
 		c.m.host.WithLabelValues("rules").Inc()
 		c.log.Warn("the node's probe SNAT rules were missing or changed; put back")
+	}
+	if err == nil && c.cfg.StaleHost != nil && !c.staleGone {
+		// Once ours is in place, so probes are never left without one.
+		if serr := c.cfg.StaleHost.RemoveHost(c.hostNetns); serr != nil {
+			c.log.Warn("removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at the next check", "error", serr.Error())
+		} else {
+			c.staleGone = true
+		}
 	}
 	ch, err := c.syncProbes(true)
 	switch {

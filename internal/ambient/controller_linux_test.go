@@ -1343,3 +1343,60 @@ func (e *env) updateNamespace(name string, lbls map[string]string) {
 		e.t.Fatal(err)
 	}
 }
+
+// TestOtherBackendsProbeSNATRemoved: the probe SNAT an earlier agent left
+// with the other rule backend (Istio's ISTIO_POSTRT and ipsets before a
+// switch to nftables, or the reverse) is removed once the controller's own
+// is in place. Left, it SNATed the probes of every later pod given an
+// address of its frozen set.
+func TestOtherBackendsProbeSNATRemoved(t *testing.T) {
+	root := uint32(0)
+	for _, tc := range []struct {
+		ours         string
+		stale        ambientnet.Host
+		staleDump    []string
+		staleMarkers []string
+		noSet        string
+	}{
+		{"nftables", &iptables.Applier{}, []string{"iptables-nft-save", "-t", "nat"}, []string{"ISTIO_POSTRT"}, "no such set"},
+		{"iptables-nft", &nftables.Applier{}, []string{"nft", "list", "ruleset"}, []string{"istio-ambient-nat"}, "is missing"},
+	} {
+		t.Run(tc.ours, func(t *testing.T) {
+			var b backend
+			for _, c := range backends() {
+				if c.name == tc.ours {
+					b = c
+				}
+			}
+			leftover := netip.MustParseAddr("10.244.9.9")
+			var node ns.NetNS
+			e := newEnv(t, b, func(cfg *Config) {
+				if _, err := tc.stale.EnsureHost(cfg.HostNetns, ruleset.HostParams{KubeletUID: &root}); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := tc.stale.SyncProbes(cfg.HostNetns, map[netip.Addr]string{leftover: "uid-gone"}); err != nil {
+					t.Fatal(err)
+				}
+				cfg.StaleHost = tc.stale
+			})
+			node = e.node
+			if len(e.ours(node)) == 0 {
+				t.Fatal("the controller's own probe SNAT is not in place")
+			}
+			dump, err := run(node, tc.staleDump...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range tc.staleMarkers {
+				if strings.Contains(dump, m) {
+					t.Fatalf("the other backend's %s is still there:\n%s", m, dump)
+				}
+			}
+			// The sets are gone, not only emptied: a sync into them fails.
+			_, err = tc.stale.SyncProbes(node.Path(), map[netip.Addr]string{leftover: "uid-gone"})
+			if err == nil || !strings.Contains(err.Error(), tc.noSet) {
+				t.Fatalf("a sync into the other backend's probe sets: %v, want %q", err, tc.noSet)
+			}
+		})
+	}
+}

@@ -66,3 +66,13 @@ func Backends(nft bool, variant string) (InPod, Host) {
 	a := &iptables.Applier{Force: variant}
 	return a, a
 }
+
+// OtherHost is the host backend Backends(nft, ...) does not pick, to
+// remove an earlier agent's probe SNAT after a switch of backend: both
+// iptables variants are read, whatever the one forced for ours.
+func OtherHost(nft bool) Host {
+	if nft {
+		return &iptables.Applier{}
+	}
+	return &nftables.Applier{}
+}
