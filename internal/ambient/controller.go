@@ -161,8 +161,9 @@ type Controller struct {
 	probesHave map[netip.Addr]string
 	// staleGone: StaleHost's rules were removed (syncHost's alone, which
 	// runs in one goroutine at a time).
-	staleGone bool
-	runOnce   sync.Once
+	staleGone   bool
+	staleFailed int
+	runOnce     sync.Once
 }
 
 // New checks cfg and builds the controller's informers; nothing runs
@@ -1052,7 +1053,15 @@ func (c *Controller) syncHost(first bool) {
 	if err == nil && c.cfg.StaleHost != nil && !c.staleGone {
 		// Once ours is in place, so probes are never left without one.
 		if serr := c.cfg.StaleHost.RemoveHost(c.hostNetns); serr != nil {
-			c.log.Warn("removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at the next check", "error", serr.Error())
+			// Said once: a node without the other backend's kernel parts
+			// fails the same way at every check.
+			lv := slog.LevelDebug
+			if c.staleFailed == 0 {
+				lv = slog.LevelWarn
+			}
+			c.staleFailed++
+			c.log.Log(context.Background(), lv, "removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at each check",
+				"error", serr.Error(), "failures", c.staleFailed)
 		} else {
 			c.staleGone = true
 		}
