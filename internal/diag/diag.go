@@ -9,10 +9,16 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/ambient"
+	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
@@ -38,9 +44,15 @@ func Main(args []string, stdout, stderr io.Writer) int {
 	netnsPath := fs.String("netns", "", "network namespace path (default: the pod's sandbox, found through --proc by the pod's UID and checked to hold its IP)")
 	runDir := fs.String("run-dir", plugin.DefaultRunDir, "the agent's run dir (kubeconfig and agent socket)")
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig to read the pod (default: the plugin's, in --run-dir)")
-	procDir := fs.String("proc", "/proc", "the host's /proc, to find the pod's namespace")
+	procDir := fs.String("proc", "", "the host's /proc, to find the pod's namespace (default: /host/proc where it is mounted, as in the agent's container, else /proc)")
 	if err := fs.Parse(args); err != nil {
 		return ExitError
+	}
+	if *procDir == "" {
+		*procDir = "/proc"
+		if _, err := os.Stat("/host/proc/1/ns/net"); err == nil {
+			*procDir = "/host/proc"
+		}
 	}
 	if *podRef == "" && *netnsPath == "" {
 		fmt.Fprintln(stderr, "give --pod namespace/name, --netns PATH, or both")
@@ -121,7 +133,22 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 	for _, l := range nftLines {
 		r.say("  %s", l)
 	}
-	haveNFT := len(nftLines) > 0
+	ambientLines, err := nft.InspectTables(netnsPath, nftables.AmbientTablePrefix)
+	if err != nil {
+		return 0, err
+	}
+	if len(ambientLines) > 0 {
+		r.say("nftables, ambient mode: %d chains", len(ambientLines))
+		for _, l := range ambientLines {
+			r.say("  %s", l)
+		}
+	}
+	haveNFT := len(nftLines)+len(ambientLines) > 0
+	if pod != nil {
+		if st := pod.Annotations[ambient.AnnotationRedirection]; st == ambient.RedirectionEnabled || st == ambient.RedirectionPending {
+			return r.ambientVerdict(pod, st, netnsPath, len(ambientLines) > 0)
+		}
+	}
 
 	if pod == nil {
 		switch {
@@ -168,4 +195,37 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 	}
 	r.say("VERDICT: OK: the %s rules are exactly what the pod's annotations ask for (%s, IPv6 %v)", backend, params.Mode, plan.V6 != nil)
 	return ExitOK, nil
+}
+
+// ambientVerdict checks an ambient-enrolled pod (annotated enabled or
+// pending by the agent) against ambient mode's rules for its annotations.
+// The node's defaults (AMBIENT_DNS_CAPTURE, AMBIENT_IPV6) are the agent's
+// settings, which this command cannot read, so each is tried; the rules
+// pass when they are exactly those of one of them.
+func (r *report) ambientVerdict(pod *podinfo.Pod, state, netnsPath string, nftRules bool) (int, error) {
+	r.say("ambient mode: the agent annotated the pod %s=%s", ambient.AnnotationRedirection, state)
+	k := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name, Annotations: pod.Annotations}}
+	if _, err := ambient.PodParams(k, ambient.Defaults{}); err != nil {
+		r.say("VERDICT: MISMATCH: the pod's ambient annotations are invalid, so the agent refuses them: %v", err)
+		return ExitMismatch, nil
+	}
+	backend, inPod := "iptables", ambientnet.InPod(&iptables.Applier{})
+	if nftRules {
+		backend, inPod = "nftables", &nftables.Applier{}
+	}
+	var first error
+	for _, d := range []ambient.Defaults{{DNSCapture: true, IPv6: true}, {DNSCapture: true}, {IPv6: true}, {}} {
+		p, _ := ambient.PodParams(k, d)
+		err := inPod.CheckAmbient(netnsPath, p)
+		if err == nil {
+			r.say("VERDICT: OK: the %s ambient rules are exactly what the pod asks for (DNS capture %v, IPv6 %v, bypass inbound %v, reroute %v)",
+				backend, p.DNSCapture, p.IPv6, p.BypassInbound, p.RerouteInterfaces)
+			return ExitOK, nil
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	r.say("VERDICT: MISMATCH (%s, ambient mode): %v; the agent re-applies an enrolled pod's rules at its next check (every minute), and says so in an AmbientRulesRepaired Event", backend, first)
+	return ExitMismatch, nil
 }

@@ -320,8 +320,14 @@ func canonical(e expr.Any) expr.Any {
 
 // Inspect lists our tables with their chains and rule counts.
 func (a *Applier) Inspect(netnsPath string) ([]string, error) {
+	return a.InspectTables(netnsPath, TablePrefix)
+}
+
+// InspectTables is Inspect for the tables whose names start with prefix
+// (AmbientTablePrefix: ambient mode's).
+func (a *Applier) InspectTables(netnsPath, prefix string) ([]string, error) {
 	var out []string
-	err := a.withOurTables(netnsPath, TablePrefix, nil, func(conn *nftables.Conn, tables []*nftables.Table) error {
+	err := a.withOurTables(netnsPath, prefix, nil, func(conn *nftables.Conn, tables []*nftables.Table) error {
 		if len(tables) == 0 {
 			return nil
 		}
@@ -343,7 +349,7 @@ func (a *Applier) Inspect(netnsPath string) ([]string, error) {
 			return err
 		}
 		for _, c := range chains {
-			if c.Table == nil || !strings.HasPrefix(c.Table.Name, TablePrefix) {
+			if c.Table == nil || !strings.HasPrefix(c.Table.Name, prefix) {
 				continue
 			}
 			rules, err := conn.GetRules(c.Table, c)

@@ -228,6 +228,12 @@ func ambientEnrolsOnAdd(t *testing.T, nft bool) {
 	if err := n.cni.CheckNetworkList(context.Background(), n.list, pod.RT); err != nil {
 		t.Fatalf("CHECK of the enrolled pod: %v", err)
 	}
+	// The diagnostics command reads the pod as ambient mode's, not as a
+	// sidecar pod that should have no rules.
+	diagArgs := []string{"--pod", testNS + "/ambient-app", "--netns", pod.NetNS.Path()}
+	if code, out := runDiagIn(t, n.RunDir, diagArgs...); code != 0 || !strings.Contains(out, "ambient rules are exactly") {
+		t.Fatalf("diag of the enrolled pod: exit %d:\n%s", code, out)
+	}
 	if err := pod.InPod(func() error {
 		if nft {
 			return exec.Command("nft", "flush", "chain", "inet", "istio-ambient-mangle", "istio-prerouting").Run()
@@ -238,6 +244,9 @@ func ambientEnrolsOnAdd(t *testing.T, nft bool) {
 	}
 	if err := n.cni.CheckNetworkList(context.Background(), n.list, pod.RT); err == nil || !strings.Contains(err.Error(), "ambient redirection") {
 		t.Fatalf("CHECK of the enrolled pod with its connmark rules flushed: %v; want the difference named", err)
+	}
+	if code, out := runDiagIn(t, n.RunDir, diagArgs...); code != 1 || !strings.Contains(out, "MISMATCH") || !strings.Contains(out, "ambient mode") {
+		t.Fatalf("diag of the enrolled pod with its connmark rules flushed: exit %d:\n%s", code, out)
 	}
 
 	// A pod no selector enrols takes the sidecar path, where it gets

@@ -11,7 +11,13 @@ import (
 
 func runDiag(t *testing.T, e *env, args ...string) (int, string) {
 	t.Helper()
-	cmd := exec.Command(diagBin, append([]string{"--run-dir", e.node.RunDir}, args...)...)
+	return runDiagIn(t, e.node.RunDir, args...)
+}
+
+// runDiagIn runs the diagnostics command against the agent of runDir.
+func runDiagIn(t *testing.T, runDir string, args ...string) (int, string) {
+	t.Helper()
+	cmd := exec.Command(diagBin, append([]string{"--run-dir", runDir}, args...)...)
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
