@@ -324,8 +324,13 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		a.ambient = amb
 		a.mu.Unlock()
 	}
+	// The plugin's log file in the run directory, as Istio's plugin keeps
+	// it: the commands this agent serves write theirs there; a plugin
+	// process (the fallback) writes its own, so the lines it forwards to
+	// the log socket are not written again.
+	pluginFile := logging.OpenPluginFile(runDir)
 	cni := &cniserver.Server{
-		Log: pluginLog, SocketLog: a.log,
+		Log: slog.New(logging.TeeToFile(pluginLog.Handler(), pluginFile)), SocketLog: a.log,
 		Rules: iptablesRules(cfg), NFTables: nftablesRules(),
 		Pods: pods, Clientset: a.Clientset, Locker: a.locker,
 		Committer: cfg.RulesCommitter, ForceIPTables: cfg.ForceIPTablesBinary,
@@ -343,6 +348,10 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		return nil, fmt.Errorf("CNI socket: %w", err)
 	}
 	p.cni = cniDone
+	go func() {
+		<-cniDone
+		_ = pluginFile.Close()
+	}()
 	a.mu.Lock()
 	a.health = append(a.health, cni.Health)
 	loop := a.loop

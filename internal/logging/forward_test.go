@@ -2,8 +2,10 @@ package logging
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"path/filepath"
@@ -50,5 +52,41 @@ func TestForwardDoesNotWait(t *testing.T) {
 	// Nothing is left to forward, and no socket is no error.
 	if err := log.Forward(filepath.Join(t.TempDir(), "none.sock"), time.Second); err != nil {
 		t.Fatalf("Forward without a socket: %v", err)
+	}
+}
+
+// TestTeeToFile: the file gets every record at info and above in the
+// plugin's JSON form, whatever the inner handler's level; the inner one
+// gets only what it takes.
+func TestTeeToFile(t *testing.T) {
+	var inner, file bytes.Buffer
+	h := TeeToFile(slog.NewTextHandler(&inner, &slog.HandlerOptions{Level: slog.LevelWarn}), &file)
+	log := slog.New(h).With("pod", "ns/p")
+	log.Debug("nowhere")
+	log.Info("redirect rules programmed")
+	log.Warn("both")
+	if strings.Contains(inner.String(), "programmed") || !strings.Contains(inner.String(), "both") {
+		t.Fatalf("inner got %q", inner.String())
+	}
+	lines := strings.Split(strings.TrimSpace(file.String()), "\n")
+	if len(lines) != 2 || !strings.Contains(lines[0], `"level":"info"`) || !strings.Contains(lines[0], `"pod":"ns/p"`) ||
+		!strings.Contains(lines[1], `"level":"warn"`) || strings.Contains(file.String(), "nowhere") {
+		t.Fatalf("file got %q", file.String())
+	}
+}
+
+// TestWriteKeptSkipsDebug: a plugin process's part of the file holds its
+// lines at info and above.
+func TestWriteKeptSkipsDebug(t *testing.T) {
+	l := New(io.Discard)
+	l.SetLevel(slog.LevelDebug)
+	l.Debug("detail")
+	l.Info("redirect rules programmed", "pod", "ns/p")
+	var out bytes.Buffer
+	if err := l.WriteKept(&out); err != nil {
+		t.Fatal(err)
+	}
+	if got := out.String(); strings.Contains(got, "detail") || !strings.Contains(got, `"msg":"redirect rules programmed"`) || strings.Count(got, "\n") != 1 {
+		t.Fatalf("kept %q", got)
 	}
 }

@@ -7,14 +7,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
+
+	"gopkg.in/natefinch/lumberjack.v2"
 )
 
 // SocketName is the agent's log socket in the run directory.
@@ -43,16 +47,8 @@ func (w *teeWriter) Write(p []byte) (int, error) {
 // New returns a logger writing JSON lines to out at info level.
 func New(out io.Writer) *Logger {
 	l := &Logger{level: new(slog.LevelVar)}
-	h := slog.NewJSONHandler(&teeWriter{out: out, l: l}, &slog.HandlerOptions{
-		Level: l.level,
-		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
-			// Lower-case levels, as Istio's agent expects from its plugin.
-			if a.Key == slog.LevelKey {
-				return slog.String(slog.LevelKey, strings.ToLower(a.Value.String()))
-			}
-			return a
-		},
-	})
+	// Lower-case levels, as Istio's agent expects from its plugin.
+	h := slog.NewJSONHandler(&teeWriter{out: out, l: l}, jsonOptions(l.level))
 	l.Logger = slog.New(h)
 	return l
 }
@@ -126,4 +122,83 @@ func (h *levelHandler) WithAttrs(as []slog.Attr) slog.Handler {
 
 func (h *levelHandler) WithGroup(name string) slog.Handler {
 	return &levelHandler{level: h.level, h: h.h.WithGroup(name)}
+}
+
+// PluginLogFile is the plugin's log file in the run directory, as Istio's
+// plugin keeps it: JSON lines at info and above, rotated at 10 MB with one
+// backup kept two days.
+const PluginLogFile = "istio-cni.log"
+
+// OpenPluginFile opens the run directory's plugin log file for appending
+// (created 0600), rotating it as Istio's plugin does.
+func OpenPluginFile(runDir string) io.WriteCloser {
+	return &lumberjack.Logger{Filename: filepath.Join(runDir, PluginLogFile), MaxSize: 10, MaxBackups: 1, MaxAge: 2}
+}
+
+// jsonOptions are the plugin's JSON lines': Istio's lower-case levels.
+func jsonOptions(level slog.Leveler) *slog.HandlerOptions {
+	return &slog.HandlerOptions{
+		Level: level,
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			if a.Key == slog.LevelKey {
+				return slog.String(slog.LevelKey, strings.ToLower(a.Value.String()))
+			}
+			return a
+		},
+	}
+}
+
+// TeeToFile returns a handler that passes what inner takes to inner, and
+// every record at info and above, in the plugin's JSON form, to file:
+// the agent's lines of the commands it serves go to the plugin's log file
+// whatever the agent's own level.
+func TeeToFile(inner slog.Handler, file io.Writer) slog.Handler {
+	return &fileTee{inner: inner, file: slog.NewJSONHandler(file, jsonOptions(slog.LevelInfo))}
+}
+
+type fileTee struct{ inner, file slog.Handler }
+
+func (t *fileTee) Enabled(ctx context.Context, lv slog.Level) bool {
+	return t.inner.Enabled(ctx, lv) || t.file.Enabled(ctx, lv)
+}
+
+func (t *fileTee) Handle(ctx context.Context, r slog.Record) error {
+	var errs []error
+	if t.inner.Enabled(ctx, r.Level) {
+		errs = append(errs, t.inner.Handle(ctx, r.Clone()))
+	}
+	if t.file.Enabled(ctx, r.Level) {
+		errs = append(errs, t.file.Handle(ctx, r))
+	}
+	return errors.Join(errs...)
+}
+
+func (t *fileTee) WithAttrs(as []slog.Attr) slog.Handler {
+	return &fileTee{inner: t.inner.WithAttrs(as), file: t.file.WithAttrs(as)}
+}
+
+func (t *fileTee) WithGroup(name string) slog.Handler {
+	return &fileTee{inner: t.inner.WithGroup(name), file: t.file.WithGroup(name)}
+}
+
+// WriteKept appends the lines logged so far at info and above to w, as
+// the plugin process's part of the run directory's log file.
+func (l *Logger) WriteKept(w io.Writer) error {
+	l.mu.Lock()
+	lines := append([]string(nil), l.lines...)
+	l.mu.Unlock()
+	var b bytes.Buffer
+	for _, line := range lines {
+		var head struct{ Level string }
+		if json.Unmarshal([]byte(line), &head) == nil && (head.Level == "debug" || strings.HasPrefix(head.Level, "debug")) {
+			continue
+		}
+		b.WriteString(line)
+		b.WriteByte('\n')
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	_, err := w.Write(b.Bytes())
+	return err
 }

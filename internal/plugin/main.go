@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"os"
+	"path/filepath"
 	"runtime"
 	"time"
 
@@ -48,6 +49,14 @@ func Main() int {
 		code = 1
 	}
 	if sock := p.LogSocket(); sock != "" {
+		// The run directory's log file, as Istio's plugin keeps it; only
+		// into a run directory that exists (after a reboot it is made by
+		// the agent).
+		if dir := filepath.Dir(sock); dirExists(dir) {
+			f := logging.OpenPluginFile(dir)
+			_ = log.WriteKept(f)
+			_ = f.Close()
+		}
 		_ = log.Forward(sock, time.Second)
 	}
 	return code
@@ -64,4 +73,9 @@ func processCPU() time.Duration {
 		}
 	}
 	return total
+}
+
+func dirExists(dir string) bool {
+	fi, err := os.Stat(dir)
+	return err == nil && fi.IsDir()
 }

@@ -59,6 +59,8 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	if !strings.Contains(logs, `"scope":"cni-plugin"`) || !strings.Contains(logs, testNS+"/"+name) || !strings.Contains(logs, "redirect rules programmed") {
 		t.Fatalf("plugin lines missing from the agent's output:\n%s", logs)
 	}
+	// And in the run directory's log file, as Istio's plugin keeps it.
+	requirePluginFileLine(t, h.RunDir, testNS+"/"+name)
 	// By default the relay committed the rules the agent prepared.
 	if !strings.Contains(logs, `"committed_by":"plugin"`) {
 		t.Fatalf("the rules were not committed by the plugin process:\n%s", logs)

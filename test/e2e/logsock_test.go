@@ -6,12 +6,14 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -35,6 +37,9 @@ func TestLogsReachAgentSocket(t *testing.T) {
 			}
 		}
 		if found {
+			// The fallback's own lines are in the run directory's log
+			// file too, as Istio's plugin keeps it.
+			requirePluginFileLine(t, e.node.RunDir, testNS+"/"+sb.pod.Name)
 			return
 		}
 		if time.Now().After(deadline) {
@@ -74,5 +79,35 @@ func pluginLines(t *testing.T, runDir string) func() []string {
 		mu.Lock()
 		defer mu.Unlock()
 		return append([]string(nil), lines...)
+	}
+}
+
+// requirePluginFileLine: the run directory's istio-cni.log holds a JSON
+// line at info saying pod's rules were programmed, and nothing at debug.
+func requirePluginFileLine(t *testing.T, runDir, pod string) {
+	t.Helper()
+	path := filepath.Join(runDir, logging.PluginLogFile)
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("%s: mode %v (%v), want 0600", path, fi.Mode().Perm(), err)
+	}
+	found := false
+	for _, line := range strings.Split(strings.TrimSpace(string(data)), "\n") {
+		var entry map[string]any
+		if err := json.Unmarshal([]byte(line), &entry); err != nil {
+			t.Fatalf("%s: a line that is not JSON: %q", path, line)
+		}
+		if entry["level"] == "debug" {
+			t.Fatalf("%s: a debug line: %q", path, line)
+		}
+		if entry["pod"] == pod && entry["level"] == "info" && strings.Contains(fmt.Sprint(entry["msg"]), "programmed") {
+			found = true
+		}
+	}
+	if !found {
+		t.Fatalf("%s has no line programming %s:\n%s", path, pod, data)
 	}
 }
