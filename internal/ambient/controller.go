@@ -613,6 +613,10 @@ func (c *Controller) probeIPs(ips []netip.Addr) []netip.Addr {
 			out = append(out, ip.Unmap())
 		}
 	}
+	// Sorted, so the status's order (IPv6 first on an IPv6-primary
+	// cluster) and the namespace's (IPv4 first) compare equal, and the
+	// pod is not enrolled again when its status comes.
+	slices.SortFunc(out, netip.Addr.Compare)
 	return out
 }
 
@@ -1021,6 +1025,16 @@ func (c *Controller) syncProbes(full bool) (podnet.ProbeChanges, error) {
 	}
 	c.probesHave = nil
 	ch, err := c.cfg.Host.SyncProbes(c.hostNetns, want)
+	if err != nil {
+		// The node's table or sets may be gone (a firewall manager's
+		// flush of the whole ruleset): put them back now, not at the next
+		// periodic check, or every enrolling pod fails until then.
+		if wrote, eerr := c.cfg.Host.EnsureHost(c.hostNetns, c.cfg.HostParams); eerr == nil && wrote {
+			c.m.host.WithLabelValues("rules").Inc()
+			c.log.Warn("the node's probe SNAT rules were missing or changed; put back", "found", "syncing the probe set", "error", err.Error())
+			ch, err = c.cfg.Host.SyncProbes(c.hostNetns, want)
+		}
+	}
 	if err != nil {
 		return ch, fmt.Errorf("syncing the node's probe set: %w", err)
 	}

@@ -1400,3 +1400,27 @@ func TestOtherBackendsProbeSNATRemoved(t *testing.T) {
 		})
 	}
 }
+
+// TestEnrolAfterRulesetFlush: after the node's nftables ruleset is flushed
+// (a firewall manager's reload), the next pod to enrol puts the probe
+// SNAT and its set back itself: it used to fail, as every enrolling pod
+// did, until the periodic check (30 s) made the set again.
+func TestEnrolAfterRulesetFlush(t *testing.T) {
+	var b backend
+	for _, c := range backends() {
+		if c.name == "nftables" {
+			b = c
+		}
+	}
+	e := newEnv(t, b, nil)
+	sim := e.startSim(nil)
+	uidA, _ := e.enrolRunning(sim, "a", "10.7.8.1")
+	if _, err := run(e.node, b.flush...); err != nil {
+		t.Fatal(err)
+	}
+	uidB, _ := e.enrolRunning(sim, "b", "10.7.8.2")
+	e.requireProbes(map[string]string{"10.7.8.1": uidA, "10.7.8.2": uidB})
+	if len(e.ours(e.node)) == 0 {
+		t.Fatal("the node's probe SNAT is not back")
+	}
+}

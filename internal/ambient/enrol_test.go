@@ -1,7 +1,9 @@
 package ambient
 
 import (
+	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -169,5 +171,16 @@ func TestPodParams(t *testing.T) {
 				t.Errorf("PodParams = %+v, want %+v", got, c.want)
 			}
 		})
+	}
+}
+
+// TestProbeIPsOrderFree: a dual-stack pod's addresses compare equal in
+// the status's order (IPv6 first on an IPv6-primary cluster) and the
+// namespace's (IPv4 first), so its status update does not enrol it again.
+func TestProbeIPsOrderFree(t *testing.T) {
+	c := &Controller{cfg: Config{HostParams: ruleset.HostParams{IPv6: true}}}
+	v4, v6 := netip.MustParseAddr("10.1.0.7"), netip.MustParseAddr("fd00:1::7")
+	if a, b := c.probeIPs([]netip.Addr{v6, v4}), c.probeIPs([]netip.Addr{v4, v6}); !slices.Equal(a, b) {
+		t.Fatalf("%v != %v", a, b)
 	}
 }
