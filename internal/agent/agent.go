@@ -328,7 +328,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	// it: the commands this agent serves write theirs there; a plugin
 	// process (the fallback) writes its own, so the lines it forwards to
 	// the log socket are not written again.
-	pluginFile := logging.OpenPluginFile(runDir)
+	pluginFile := logging.NewPluginFile(runDir)
 	cni := &cniserver.Server{
 		Log: slog.New(logging.TeeToFile(pluginLog.Handler(), pluginFile)), SocketLog: a.log,
 		Rules: iptablesRules(cfg), NFTables: nftablesRules(),
@@ -348,10 +348,6 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		return nil, fmt.Errorf("CNI socket: %w", err)
 	}
 	p.cni = cniDone
-	go func() {
-		<-cniDone
-		_ = pluginFile.Close()
-	}()
 	a.mu.Lock()
 	a.health = append(a.health, cni.Health)
 	loop := a.loop

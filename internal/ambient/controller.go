@@ -1045,6 +1045,9 @@ func (c *Controller) syncProbes(full bool) (podnet.ProbeChanges, error) {
 	return ch, nil
 }
 
+// staleTries is how many checks try to remove StaleHost's rules.
+const staleTries = 3
+
 // syncHost re-asserts the node's probe SNAT and then the probe set: a
 // firewall manager may have flushed either. Every change of the state
 // syncs the set at once, so a difference found here is drift.
@@ -1074,8 +1077,15 @@ func (c *Controller) syncHost(first bool) {
 				lv = slog.LevelWarn
 			}
 			c.staleFailed++
-			c.log.Log(context.Background(), lv, "removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at each check",
+			c.log.Log(context.Background(), lv, "removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at the next checks",
 				"error", serr.Error(), "failures", c.staleFailed)
+			if c.staleFailed >= staleTries {
+				// A node without the other backend's kernel parts (no
+				// ipset) fails the same way every time, at the cost of
+				// iptables-save runs: uninstall tries once more.
+				c.log.Info("no longer trying to remove the other rule backend's probe SNAT", "failures", c.staleFailed)
+				c.staleGone = true
+			}
 		} else {
 			c.staleGone = true
 		}

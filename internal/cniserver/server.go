@@ -164,7 +164,7 @@ func (s *Server) sendHere(netns *os.File, txn *nlsteps.Txn) nlsteps.Outcome {
 // {response_code}.
 func NewRequestsMetric() *prometheus.CounterVec {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "istio_cni_plugin_requests_total",
-		Help: "Answers the agent gave the istio-cni plugin, and ADDs the plugin served from the agent's prepared records, by the HTTP status Istio's CNI server would have answered (200 served, 400 bad request or config, 500 failed, 503 handed to the fallback)."},
+		Help: "ADDs the agent answered for the istio-cni plugin, or the plugin served from the agent's prepared records, by the HTTP status Istio's CNI server would have answered (200 served, 400 bad request or config, 500 failed, 503 handed to the fallback)."},
 		[]string{"response_code"})
 }
 
@@ -356,7 +356,9 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
-		s.countRequest(resultBadRequest)
+		if req == nil || req.Command == "ADD" {
+			s.countRequest(resultBadRequest)
+		}
 	case req.Done != nil:
 		s.noteDone(req)
 		return
@@ -495,12 +497,16 @@ const (
 	resultBadRequest  = "bad-request"
 )
 
-// count counts a command's outcome in both counters.
+// count counts a command's outcome, and an ADD's in Istio's requests
+// counter too: Istio's server is asked ADDs alone, and the runtime's
+// periodic STATUS would swamp a dashboard's rate of pod starts.
 func (s *Server) count(command, result string) {
 	if s.Commands != nil {
 		s.Commands.WithLabelValues(command, result).Inc()
 	}
-	s.countRequest(result)
+	if command == "ADD" {
+		s.countRequest(result)
+	}
 }
 
 // countRequest counts an answer in Istio's requests counter. An ADD the

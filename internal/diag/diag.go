@@ -209,23 +209,35 @@ func (r *report) ambientVerdict(pod *podinfo.Pod, state, netnsPath string, nftRu
 		r.say("VERDICT: MISMATCH: the pod's ambient annotations are invalid, so the agent refuses them: %v", err)
 		return ExitMismatch, nil
 	}
-	backend, inPod := "iptables", ambientnet.InPod(&iptables.Applier{})
+	// The backend is the agent's native_nftables, which this command
+	// cannot read either: the one whose tables are there first, then the
+	// other (rules flushed whole leave no hint).
+	type backend struct {
+		name  string
+		inPod ambientnet.InPod
+	}
+	backends := []backend{{"iptables", &iptables.Applier{}}, {"nftables", &nftables.Applier{}}}
 	if nftRules {
-		backend, inPod = "nftables", &nftables.Applier{}
+		backends[0], backends[1] = backends[1], backends[0]
 	}
-	var first error
-	for _, d := range []ambient.Defaults{{DNSCapture: true, IPv6: true}, {DNSCapture: true}, {IPv6: true}, {}} {
-		p, _ := ambient.PodParams(k, d)
-		err := inPod.CheckAmbient(netnsPath, p)
-		if err == nil {
-			r.say("VERDICT: OK: the %s ambient rules are exactly what the pod asks for (DNS capture %v, IPv6 %v, bypass inbound %v, reroute %v)",
-				backend, p.DNSCapture, p.IPv6, p.BypassInbound, p.RerouteInterfaces)
-			return ExitOK, nil
+	var diffs []string
+	for _, b := range backends {
+		var first error
+		for _, d := range []ambient.Defaults{{DNSCapture: true, IPv6: true}, {DNSCapture: true}, {IPv6: true}, {}} {
+			p, _ := ambient.PodParams(k, d)
+			err := b.inPod.CheckAmbient(netnsPath, p)
+			if err == nil {
+				r.say("VERDICT: OK: the %s ambient rules are exactly what the pod asks for (DNS capture %v, IPv6 %v, bypass inbound %v, reroute %v)",
+					b.name, p.DNSCapture, p.IPv6, p.BypassInbound, p.RerouteInterfaces)
+				return ExitOK, nil
+			}
+			if first == nil {
+				first = err
+			}
 		}
-		if first == nil {
-			first = err
-		}
+		diffs = append(diffs, fmt.Sprintf("%s: %v", b.name, first))
 	}
-	r.say("VERDICT: MISMATCH (%s, ambient mode): %v; the agent re-applies an enrolled pod's rules at its next check (every minute), and says so in an AmbientRulesRepaired Event", backend, first)
+	r.say("VERDICT: MISMATCH (ambient mode): %s; the agent re-applies an enrolled pod's rules at its next check (every minute), and says so in an AmbientRulesRepaired Event",
+		strings.Join(diffs, "; "))
 	return ExitMismatch, nil
 }

@@ -386,8 +386,6 @@ func (l *Loop) installOnce() (bool, error) {
 	return placed.Wrote, err
 }
 
-// noteRewrite records a re-insertion at now and returns how long to back
-// off when the rewrites come faster than the conflict limit allows.
 // recheck turns not ready when the config, as it is now, lacks our
 // entry, while backing off from a component that keeps reverting it.
 // Ready again waits for the pass after the back-off.
@@ -397,6 +395,8 @@ func (l *Loop) recheck(conf string) {
 	}
 }
 
+// noteRewrite records a re-insertion at now and returns how long to back
+// off when the rewrites come faster than the conflict limit allows.
 func (l *Loop) noteRewrite(now time.Time) time.Duration {
 	keep := l.rewrites[:0]
 	for _, t := range l.rewrites {

@@ -316,17 +316,24 @@ func TestNotReadyWhileBackingOff(t *testing.T) {
 		<-stopped
 	}()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
-	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
-		t.Fatal(err)
+	// As a CNI plugin's installer writes: whole, by rename (a truncating
+	// write shows the loop an empty file first).
+	revert := func() {
+		t.Helper()
+		tmp := primary + ".tmp"
+		if err := os.WriteFile(tmp, []byte(bare), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, primary); err != nil {
+			t.Fatal(err)
+		}
 	}
-	eventually(t, "the back-off", func() bool { return promtest.ToFloat64(m.Conflicts) == 1 })
-	if r := l.NotReady(); r != "" {
-		t.Fatalf("not ready with the entry put back: %s", r)
-	}
+	revert()
+	eventually(t, "the back-off, with the entry put back", func() bool {
+		return promtest.ToFloat64(m.Conflicts) == 1 && l.NotReady() == ""
+	})
 	// Reverted again, within the back-off.
-	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	revert()
 	eventually(t, "not ready during the back-off", func() bool {
 		data, err := os.ReadFile(primary)
 		if err != nil || strings.Contains(string(data), `"istio-cni"`) {

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -88,5 +89,37 @@ func TestWriteKeptSkipsDebug(t *testing.T) {
 	}
 	if got := out.String(); strings.Contains(got, "detail") || !strings.Contains(got, `"msg":"redirect rules programmed"`) || strings.Count(got, "\n") != 1 {
 		t.Fatalf("kept %q", got)
+	}
+}
+
+// TestPluginFileRotation: the file is created 0600; a line that would take
+// it past 10 MB moves it to the one backup first; the agent's and a
+// fallback's writers, each opening per line, both write into the current
+// file after either rotated it (a handle kept open wrote into the backup).
+func TestPluginFileRotation(t *testing.T) {
+	dir := t.TempDir()
+	agent, fallback := NewPluginFile(dir), NewPluginFile(dir)
+	if _, err := agent.Write([]byte("first\n")); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, PluginLogFile)
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("mode %v (%v), want 0600", fi.Mode().Perm(), err)
+	}
+	if err := os.Truncate(path, pluginFileMax-3); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fallback.Write([]byte("fallback\n")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := agent.Write([]byte("agent\n")); err != nil {
+		t.Fatal(err)
+	}
+	cur, err := os.ReadFile(path)
+	if err != nil || string(cur) != "fallback\nagent\n" {
+		t.Fatalf("current file %q (%v)", cur, err)
+	}
+	if fi, err := os.Stat(path + ".1"); err != nil || fi.Size() != pluginFileMax-3 {
+		t.Fatalf("backup: %v (%v)", fi, err)
 	}
 }

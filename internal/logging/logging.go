@@ -17,8 +17,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	"gopkg.in/natefinch/lumberjack.v2"
 )
 
 // SocketName is the agent's log socket in the run directory.
@@ -126,13 +124,36 @@ func (h *levelHandler) WithGroup(name string) slog.Handler {
 
 // PluginLogFile is the plugin's log file in the run directory, as Istio's
 // plugin keeps it: JSON lines at info and above, rotated at 10 MB with one
-// backup kept two days.
+// backup (PluginLogFile + ".1").
 const PluginLogFile = "istio-cni.log"
 
-// OpenPluginFile opens the run directory's plugin log file for appending
-// (created 0600), rotating it as Istio's plugin does.
-func OpenPluginFile(runDir string) io.WriteCloser {
-	return &lumberjack.Logger{Filename: filepath.Join(runDir, PluginLogFile), MaxSize: 10, MaxBackups: 1, MaxAge: 2}
+// pluginFileMax is the size at which the plugin's log file is rotated.
+const pluginFileMax = 10 << 20
+
+// PluginFile appends to the run directory's plugin log file. Every Write
+// opens, appends and closes, as each plugin process does: the agent and
+// the fallback processes write the one file, and a handle kept open
+// would go on writing into a file another process had rotated away (and
+// then removed). Each Write is one line.
+type PluginFile struct{ path string }
+
+// NewPluginFile is the plugin log file of runDir.
+func NewPluginFile(runDir string) *PluginFile {
+	return &PluginFile{path: filepath.Join(runDir, PluginLogFile)}
+}
+
+// Write appends p (created 0600), first moving a file that p would take
+// past 10 MB to the backup, replacing the one before.
+func (f *PluginFile) Write(p []byte) (int, error) {
+	if fi, err := os.Stat(f.path); err == nil && fi.Size()+int64(len(p)) > pluginFileMax {
+		_ = os.Rename(f.path, f.path+".1")
+	}
+	out, err := os.OpenFile(f.path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return 0, err
+	}
+	n, err := out.Write(p)
+	return n, errors.Join(err, out.Close())
 }
 
 // jsonOptions are the plugin's JSON lines': Istio's lower-case levels.
@@ -162,13 +183,15 @@ func (t *fileTee) Enabled(ctx context.Context, lv slog.Level) bool {
 	return t.inner.Enabled(ctx, lv) || t.file.Enabled(ctx, lv)
 }
 
+// Handle writes the file first: a line seen in the agent's output is in
+// the file already.
 func (t *fileTee) Handle(ctx context.Context, r slog.Record) error {
 	var errs []error
-	if t.inner.Enabled(ctx, r.Level) {
-		errs = append(errs, t.inner.Handle(ctx, r.Clone()))
-	}
 	if t.file.Enabled(ctx, r.Level) {
-		errs = append(errs, t.file.Handle(ctx, r))
+		errs = append(errs, t.file.Handle(ctx, r.Clone()))
+	}
+	if t.inner.Enabled(ctx, r.Level) {
+		errs = append(errs, t.inner.Handle(ctx, r))
 	}
 	return errors.Join(errs...)
 }

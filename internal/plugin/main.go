@@ -53,9 +53,7 @@ func Main() int {
 		// into a run directory that exists (after a reboot it is made by
 		// the agent).
 		if dir := filepath.Dir(sock); dirExists(dir) {
-			f := logging.OpenPluginFile(dir)
-			_ = log.WriteKept(f)
-			_ = f.Close()
+			_ = log.WriteKept(logging.NewPluginFile(dir))
 		}
 		_ = log.Forward(sock, time.Second)
 	}

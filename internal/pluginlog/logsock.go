@@ -120,12 +120,16 @@ func emitPluginLine(log *slog.Logger, line string) {
 		return keys[i] < keys[j]
 	})
 	attrs := make([]any, 0, 2*min(len(keys), maxLineLabels)+2)
+	// The whole line is bounded too: a label past it is dropped, counted.
+	size := len(msg)
 	for i, k := range keys {
-		if i == maxLineLabels {
-			attrs = append(attrs, "droppedLabels", len(keys)-maxLineLabels)
+		v := labelValue(entry[k])
+		size += len(k) + len(fmt.Sprint(v))
+		if i == maxLineLabels || size > 2*maxLineBytes {
+			attrs = append(attrs, "droppedLabels", len(keys)-i)
 			break
 		}
-		attrs = append(attrs, labelKey(k), labelValue(entry[k]))
+		attrs = append(attrs, labelKey(k), v)
 	}
 	log.Log(context.Background(), level, oneLine(strings.TrimSpace(msg)), attrs...)
 }
@@ -163,6 +167,9 @@ func labelValue(v any) any {
 	case string:
 		return oneLine(bounded(x))
 	case json.Number:
+		if len(x) > maxLineBytes {
+			return bounded(string(x))
+		}
 		return x
 	}
 	if b, err := json.Marshal(v); err == nil && len(b) > maxLineBytes {
@@ -171,12 +178,17 @@ func labelValue(v any) any {
 	return v
 }
 
-// bounded cuts s to maxLineBytes, saying how much was cut.
+// bounded cuts s to maxLineBytes, at a character's start, saying how
+// much was cut.
 func bounded(s string) string {
 	if len(s) <= maxLineBytes {
 		return s
 	}
-	return strings.ToValidUTF8(s[:maxLineBytes], "") + fmt.Sprintf("... (%d bytes cut)", len(s)-maxLineBytes)
+	cut := maxLineBytes
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + fmt.Sprintf("... (%d bytes cut)", len(s)-cut)
 }
 
 // oneLine escapes what would end or break a log line: control

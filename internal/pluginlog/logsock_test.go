@@ -163,3 +163,26 @@ func TestLongErrorLineKeepsItsLevel(t *testing.T) {
 		t.Fatalf("logged %v (error %d bytes)", m, len(e))
 	}
 }
+
+// TestManyLongLabelsBounded: a line of many long labels stays bounded as
+// a whole, the labels past the bound counted as dropped.
+func TestManyLongLabelsBounded(t *testing.T) {
+	var out bytes.Buffer
+	root, err := logging.Open(logging.Options{OutputLevel: "default:info", AsJSON: true, Targets: []string{"stdout"}}, &out, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	entry := map[string]any{"level": "info", "msg": "x"}
+	for i := range 30 {
+		entry[fmt.Sprintf("k%02d", i)] = strings.Repeat("v", 20000)
+	}
+	line, err := json.Marshal(entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	emitPluginLine(root.Logger(logging.ScopePlugin), string(line))
+	checkOneLine(t, out.Bytes(), true)
+	if out.Len() > 3*maxLineBytes || !strings.Contains(out.String(), `"droppedLabels"`) {
+		t.Fatalf("a line of %d bytes, without droppedLabels", out.Len())
+	}
+}

@@ -161,7 +161,7 @@ func parseArgs(args []string, env func(string) (string, bool)) (options, []strin
 // unknownFlags names the flags in args that fs does not define, which
 // pflag's parse skips without saying so.
 func unknownFlags(fs *pflag.FlagSet, args []string) []string {
-	var unknown []string
+	var unknown, single []string
 	for _, a := range args {
 		if a == "--" {
 			break
@@ -171,16 +171,24 @@ func unknownFlags(fs *pflag.FlagSet, args []string) []string {
 			if name, _, _ := strings.Cut(a[2:], "="); fs.Lookup(name) == nil {
 				unknown = append(unknown, a)
 			}
-		case len(a) > 1 && a[0] == '-':
-			if fs.ShorthandLookup(a[1:2]) == nil {
+		case len(a) > 1 && a[0] == '-' && (a[1] < '0' || a[1] > '9'):
+			// A value such as -1s is not a flag.
+			if name, _, _ := strings.Cut(a[1:], "="); len(name) > 1 && fs.Lookup(name) != nil {
+				single = append(single, a)
+			} else if fs.ShorthandLookup(a[1:2]) == nil {
 				unknown = append(unknown, a)
 			}
 		}
 	}
-	if len(unknown) == 0 {
-		return nil
+	var out []string
+	if len(unknown) > 0 {
+		out = append(out, fmt.Sprintf("ignoring flags istio-iptables' validation does not use here: %q", unknown))
 	}
-	return []string{fmt.Sprintf("ignoring flags istio-iptables' validation does not use here: %q", unknown)}
+	if len(single) > 0 {
+		// As cobra reads them, with Istio's pilot-agent too.
+		out = append(out, fmt.Sprintf("long flags need two dashes: %q are read as shorthand flags with the rest as their value", single))
+	}
+	return out
 }
 
 // uidHint explains a failure that comes from running as a user other than

@@ -115,3 +115,18 @@ func TestUIDHint(t *testing.T) {
 		t.Fatalf("-u absent defaults to 1337: %s", h)
 	}
 }
+
+// TestParseWarnsSingleDashLongFlags: -run-validation reads as -r with the
+// value "un-validation" (as in cobra), which the warning says; a negative
+// value is not taken for a flag.
+func TestParseWarnsSingleDashLongFlags(t *testing.T) {
+	_, warnings, _ := parseArgs([]string{"-run-validation", "-probe-timeout=2s"}, noEnv)
+	if joined := strings.Join(warnings, "\n"); !strings.Contains(joined, "two dashes") || !strings.Contains(joined, "-run-validation") ||
+		!strings.Contains(joined, "-probe-timeout=2s") {
+		t.Fatalf("warnings %q", warnings)
+	}
+	_, warnings, err := parseArgs([]string{"--run-validation", "--probe-timeout", "-1s"}, noEnv)
+	if len(warnings) != 0 || err == nil {
+		t.Fatalf("a negative timeout: warnings %q, err %v (want no warning, an error)", warnings, err)
+	}
+}
