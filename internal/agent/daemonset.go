@@ -33,6 +33,10 @@ type daemonSetWatch struct {
 
 	mu   sync.Mutex
 	gone bool
+	// read: the DaemonSet was read or watched at least once. Istio's
+	// chart grants no DaemonSet access in sidecar mode: with its RBAC
+	// nothing can be told at termination, ever.
+	read bool
 	// changed is closed, and replaced, whenever gone changes.
 	changed chan struct{}
 }
@@ -56,14 +60,20 @@ func (d *daemonSetWatch) run(ctx context.Context) {
 		if apierrors.IsNotFound(err) {
 			d.set(true)
 		}
+		if err == nil || apierrors.IsNotFound(err) {
+			d.markRead()
+		}
 		// From the API server's cache as it is ("0"): asking for its
 		// newest version can wait on a cache that lags a quiet resource.
 		w, err := d.cs.DaemonSets(d.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: "0",
 			FieldSelector: fields.OneTermEqualSelector("metadata.name", d.name).String()})
 		if err != nil {
 			if !complained && ctx.Err() == nil {
-				d.log.Info("cannot watch the agent's DaemonSet; at termination a refused read of it will leave the plugin in place",
-					"daemonset", d.ns+"/"+d.name, "error", err.Error())
+				msg := "cannot watch the agent's DaemonSet; at termination a refused read of it will leave the plugin in place"
+				if !d.everRead() {
+					msg = "cannot read or watch the agent's DaemonSet (no RBAC for it, as in Istio's chart in sidecar mode): termination will remove the plugin, as Istio's agent does, also in a rollout"
+				}
+				d.log.Info(msg, "daemonset", d.ns+"/"+d.name, "error", err.Error())
 				complained = true
 			}
 			select {
@@ -102,6 +112,7 @@ func (d *daemonSetWatch) follow(ctx context.Context, w watch.Interface) {
 		switch ev.Type {
 		case watch.Added, watch.Modified:
 			if ds, ok := ev.Object.(*appsv1.DaemonSet); ok {
+				d.markRead()
 				d.set(ds.DeletionTimestamp != nil)
 			}
 		case watch.Deleted:
@@ -131,6 +142,18 @@ func (d *daemonSetWatch) set(gone bool) {
 	case !gone && was:
 		d.log.Info("the agent's DaemonSet exists again", "daemonset", d.ns+"/"+d.name)
 	}
+}
+
+func (d *daemonSetWatch) markRead() {
+	d.mu.Lock()
+	d.read = true
+	d.mu.Unlock()
+}
+
+func (d *daemonSetWatch) everRead() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.read
 }
 
 func (d *daemonSetWatch) seenGone() bool {
@@ -181,6 +204,16 @@ func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
 	case d.seenGone():
 		return false, nil
 	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
+		if !d.everRead() {
+			// Never readable (Istio's RBAC in sidecar mode): as Istio's
+			// agent, termination removes the plugin. Kept, it would fail
+			// every later pod with the uninstalled service account's
+			// credentials; removed during a rollout, pods that start
+			// meanwhile race the next agent, which repair handles.
+			d.log.Warn("the agent's DaemonSet could never be read (no RBAC for it, as in Istio's chart in sidecar mode): removing the plugin at termination, as Istio's agent does",
+				"daemonset", d.ns+"/"+d.name, "error", err.Error())
+			return false, nil
+		}
 		if d.goneWithin(ctx, watchGrace) {
 			return false, nil
 		}

@@ -11,6 +11,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
@@ -55,5 +56,28 @@ func TestDaemonSetRefusedReadWaitsForTheWatch(t *testing.T) {
 		}
 		cancel()
 		<-d.done
+	}
+}
+
+// TestDaemonSetNeverReadableRemovesPlugin: with Istio's RBAC in sidecar
+// mode the DaemonSet can never be read nor watched; termination then
+// removes the plugin, as Istio's agent does. Kept (as "cannot tell"), it
+// stayed after helm uninstall and failed every later pod with the deleted
+// service account's credentials.
+func TestDaemonSetNeverReadableRemovesPlugin(t *testing.T) {
+	cs := fake.NewClientset()
+	forbid := apierrors.NewForbidden(schema.GroupResource{Group: "apps", Resource: "daemonsets"}, "istio-cni-node", nil)
+	cs.PrependReactor("get", "daemonsets", func(k8stesting.Action) (bool, runtime.Object, error) { return true, nil, forbid })
+	cs.PrependWatchReactor("daemonsets", func(k8stesting.Action) (bool, watch.Interface, error) { return true, nil, forbid })
+	ctx, cancel := context.WithCancel(context.Background())
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	d := watchDaemonSet(ctx, clientset.Of(cs), "istio-system", "istio-cni-node", log)
+	defer func() { cancel(); <-d.done }()
+	cfg, err := ParseOptions(nil, envOf(map[string]string{"POD_NAMESPACE": "istio-system"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if New(cfg, log).keepPlugin(cfg, d.present) {
+		t.Fatal("the DaemonSet was never readable, and termination kept the plugin")
 	}
 }
