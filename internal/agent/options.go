@@ -26,6 +26,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/ambient"
 	"github.com/istio-cni-go/istio-cni/internal/cniserver"
+	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/installloop"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
@@ -374,7 +375,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "cni-network-config", help: "unused, as in Istio", ignored: "unused in Istio too"},
 		{name: "cni-network-config-file", help: "unused, as in Istio", ignored: "unused in Istio too"},
 		{name: "istio-owned-cni-config", help: "Istio-owned conflist (ambient mode only in Istio; not provided)", ignored: "the plugin is always inserted into the primary config, which is written atomically with every other plugin's settings kept", isBool: true},
-		{name: "istio-owned-cni-config-filename", help: "Istio-owned conflist name (ambient mode only, as in Istio)", ignored: "it names the Istio-owned conflist, which Istio writes in ambient mode only"},
+		{name: "istio-owned-cni-config-filename", help: "the name of the conflist Istio's agent owns in ambient mode; one it left (with an istio-cni entry) is removed once the plugin is in the primary config, as it would shadow the primary", def: install.DefaultIstioOwnedConfName, set: str(&in.IstioOwnedConfName), istio: true},
 	}
 	// Older Istio releases' settings, accepted so that their manifests start.
 	for _, name := range []string{"cni-net-dir", "kubecfg-file-name", "update-cni-binaries", "skip-cni-binaries", "log-uds-address", "ebpf-enabled", "repair-run-as-daemon"} {

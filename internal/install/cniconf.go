@@ -14,6 +14,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
@@ -37,7 +38,7 @@ type Skipped struct {
 // A symbolic link counts as the file it leads to when that is inside dir;
 // any other link ends the search with a LinkError, since the runtime may
 // well be using it and the agent cannot tell.
-func FindPrimary(dir, name string) (string, []Skipped, error) {
+func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 	if name != "" {
 		for _, cand := range []string{name, alternate(name)} {
 			if cand == "" {
@@ -60,6 +61,9 @@ func FindPrimary(dir, name string) (string, []Skipped, error) {
 	sort.Strings(files)
 	var skipped []Skipped
 	for _, f := range files {
+		if slices.Contains(skip, f) {
+			continue
+		}
 		resolved, err := ResolveInDir(dir, f)
 		var le *LinkError
 		switch {

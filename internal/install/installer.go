@@ -23,6 +23,12 @@ type Config struct {
 	MountedCNINetDir string
 	// CNIConfName names the config file to use; empty means discover.
 	CNIConfName string
+	// IstioOwnedConfName names the conflist Istio's agent writes in
+	// ambient mode with ISTIO_OWNED_CNI_CONFIG (a copy of the primary with
+	// its entry, sorted first). One it left behind, holding an istio-cni
+	// entry, is not taken for the primary, and is removed once the plugin
+	// is in the primary: it would shadow it, a frozen copy, forever.
+	IstioOwnedConfName string
 	// Chained inserts into the primary config; false writes a config of
 	// our own (for Multus).
 	Chained bool
@@ -292,8 +298,43 @@ func stepErr(err error) error {
 	return &StepError{ResultCreateCNIConfig, err}
 }
 
+// DefaultIstioOwnedConfName is Istio's ISTIO_OWNED_CNI_CONFIG_FILENAME.
+const DefaultIstioOwnedConfName = "02-istio-cni.conflist"
+
+// istioOwnedLeftover is the path of a conflist Istio's agent left under
+// IstioOwnedConfName in dir (it holds an istio-cni entry), or "".
+func (in *Installer) istioOwnedLeftover(dir string) string {
+	name := in.cfg.IstioOwnedConfName
+	if name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
+		return ""
+	}
+	p := filepath.Join(dir, name)
+	data, err := readFile(p)
+	if err != nil {
+		return ""
+	}
+	if st, err := Inspect(data, in.entry); err != nil || st == EntryMissing {
+		return ""
+	}
+	return p
+}
+
+// retireIstioOwned removes the conflist Istio's agent left, once the
+// plugin is in the primary config.
+func (in *Installer) retireIstioOwned(dir, primary string) {
+	p := in.istioOwnedLeftover(dir)
+	if p == "" || p == primary {
+		return
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		in.log.Warn("cannot remove the conflist Istio's agent left; it shadows the primary config", "file", p, "error", err.Error())
+		return
+	}
+	in.log.Info("removed the conflist Istio's agent left (ISTIO_OWNED_CNI_CONFIG); the plugin is in the primary config", "file", p, "primary", primary)
+}
+
 func (in *Installer) ensureChained(dir string) (Placed, error) {
-	primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName)
+	primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, in.istioOwnedLeftover(dir))
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
 	}
@@ -322,6 +363,7 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 		return Placed{}, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
 	if state == EntryOK {
+		in.retireIstioOwned(dir, primary)
 		return Placed{Path: primary}, nil
 	}
 	merged, err := Insert(data, in.entry)
@@ -345,6 +387,7 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 		return Placed{}, stepErr(err)
 	}
 	in.log.Info("inserted istio-cni into the CNI config", "file", target, "was", map[EntryState]string{EntryMissing: "missing", EntryStale: "stale"}[state])
+	in.retireIstioOwned(dir, target)
 	return Placed{Path: target, Wrote: true}, nil
 }
 
@@ -431,7 +474,7 @@ func (in *Installer) Ready(conf string) error {
 	if st, err := Inspect(data, in.entry); err != nil || st != EntryOK {
 		return fmt.Errorf("istio-cni entry missing or stale in %s", conf)
 	}
-	if primary, _, err := FindPrimary(in.cfg.MountedCNINetDir, in.cfg.CNIConfName); err != nil || primary != conf {
+	if primary, _, err := FindPrimary(in.cfg.MountedCNINetDir, in.cfg.CNIConfName, in.istioOwnedLeftover(in.cfg.MountedCNINetDir)); err != nil || primary != conf {
 		return fmt.Errorf("%s is no longer the node's primary CNI config", conf)
 	}
 	return nil

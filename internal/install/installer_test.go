@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -291,5 +292,39 @@ func TestCleanupKeepsBinariesForUnreadableEntry(t *testing.T) {
 	}
 	if !bytes.Equal(read(t, placed.Path), dup) {
 		t.Fatal("the file changed")
+	}
+}
+
+// TestIstioOwnedLeftoverRetired: the conflist Istio's agent writes in
+// ambient mode with ISTIO_OWNED_CNI_CONFIG (a copy of the primary with its
+// entry, sorted first), left at an upgrade-style shutdown, is not taken
+// for the primary: the plugin goes into the real primary, and then the
+// leftover is removed, as it would shadow the primary, frozen, forever.
+// A file of that name without an istio-cni entry is none of Istio's.
+func TestIstioOwnedLeftoverRetired(t *testing.T) {
+	istios := `{"type":"istio-cni","cni_agent_run_dir":"/var/run/istio-cni","plugin_log_level":"info"}`
+	n := newNode(t, true, map[string]string{
+		"10-calico.conflist":      conflist("k8s-pod-network", calico),
+		DefaultIstioOwnedConfName: `{"cniVersion":"0.3.1","name":"k8s-pod-network","plugins":[` + calico + `,` + istios + `]}`,
+	})
+	n.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
+	placed := n.install(t)
+	if want := filepath.Join(n.netDir, "10-calico.conflist"); placed.Path != want {
+		t.Fatalf("the entry went into %s, want the primary %s", placed.Path, want)
+	}
+	if _, err := os.Stat(filepath.Join(n.netDir, DefaultIstioOwnedConfName)); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Istio's leftover conflist is still there: %v", err)
+	}
+	if err := n.in.Ready(placed.Path); err != nil {
+		t.Fatalf("not ready: %v", err)
+	}
+
+	other := newNode(t, true, map[string]string{
+		"10-calico.conflist":      conflist("k8s-pod-network", calico),
+		DefaultIstioOwnedConfName: conflist("other", `{"type":"ptp"}`),
+	})
+	other.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
+	if placed := other.install(t); placed.Path != filepath.Join(other.netDir, DefaultIstioOwnedConfName) {
+		t.Fatalf("a file of that name without an istio-cni entry: the entry went into %s, want it (the runtime's primary)", placed.Path)
 	}
 }
