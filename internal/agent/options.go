@@ -270,8 +270,15 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 				return nil
 			}
 			m, err := strconv.ParseUint(v, 0, 32)
+			if err != nil {
+				return err
+			}
+			if m&^0o777 != 0 {
+				// 600 reads as the number 600 (0o1130), as in Istio.
+				return fmt.Errorf("mode %#o is not a file permission; write it in octal with a leading 0 (0600)", m)
+			}
 			in.KubeconfigMode = os.FileMode(m)
-			return err
+			return nil
 		}},
 		{name: "cni-conf-group-read", help: "make files the agent creates group readable", def: "false", set: boolean(&in.ConfGroupRead), istio: true},
 		{name: "kube-ca-file", help: "CA for the plugin kubeconfig (default: the service account's)", set: str(&in.Kubeconfig.CAFile), istio: true},
@@ -378,9 +385,14 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "istio-owned-cni-config-filename", help: "the name of the conflist Istio's agent owns in ambient mode; one it left (with an istio-cni entry) is removed once the plugin is in the primary config, as it would shadow the primary", def: install.DefaultIstioOwnedConfName, set: str(&in.IstioOwnedConfName), istio: true},
 	}
 	// Older Istio releases' settings, accepted so that their manifests start.
-	for _, name := range []string{"cni-net-dir", "kubecfg-file-name", "update-cni-binaries", "skip-cni-binaries", "log-uds-address", "ebpf-enabled", "repair-run-as-daemon"} {
-		defs = append(defs, optDef{name: name, help: "older Istio releases' setting, ignored", ignored: "a setting of older Istio releases, without effect today"})
+	for _, name := range []string{"cni-net-dir", "kubecfg-file-name", "update-cni-binaries", "skip-cni-binaries", "log-uds-address", "ebpf-enabled"} {
+		// Their boolean flags keep their bare form (--update-cni-binaries).
+		isBool := name == "update-cni-binaries" || name == "ebpf-enabled"
+		defs = append(defs, optDef{name: name, help: "older Istio releases' setting, ignored", ignored: "a setting of older Istio releases, without effect today", isBool: isBool})
 	}
+	// Istio's chart still sets it, and Istio's agent does not read it
+	// either: no note.
+	defs = append(defs, optDef{name: "repair-run-as-daemon", help: "set by Istio's chart, unused (as in Istio)", isBool: true, set: func(string) error { return nil }})
 	for _, name := range []string{"v", "stderrthreshold", "alsologtostderr", "logtostderr"} {
 		defs = append(defs, optDef{name: name, help: "deprecated in Istio, ignored", env: "-", isBool: strings.HasSuffix(name, "tostderr"),
 			ignored: "deprecated in Istio; use --log_output_level and --log_target"})
@@ -473,9 +485,6 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		if am.ZtunnelSocket == "" {
 			return nil, fmt.Errorf("ztunnel-uds-address (env ZTUNNEL_UDS_ADDRESS) is empty")
 		}
-	}
-	if in.KubeconfigMode&^0o777 != 0 {
-		return nil, fmt.Errorf("invalid kubeconfig-mode %o", in.KubeconfigMode)
 	}
 	// Empty is what Istio would take from an empty variable, but a node
 	// agent cannot work without these two.

@@ -397,3 +397,33 @@ func TestAmbientNodeNetns(t *testing.T) {
 		}
 	}
 }
+
+// TestIstioStockSettingsQuiet: settings Istio's own chart and older
+// releases pass start the agent without a misleading note or a usage
+// error: REPAIR_RUN_AS_DAEMON (set by Istio's chart, unused there too)
+// and the bare boolean form of older flags.
+func TestIstioStockSettingsQuiet(t *testing.T) {
+	cfg, err := ParseOptions([]string{"--update-cni-binaries", "--ebpf-enabled", "--repair-run-as-daemon"},
+		envOf(map[string]string{"REPAIR_RUN_AS_DAEMON": "true"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range cfg.Notes {
+		if strings.Contains(n, "REPAIR_RUN_AS_DAEMON") || strings.Contains(n, "repair-run-as-daemon") {
+			t.Errorf("note %q", n)
+		}
+	}
+}
+
+// TestKubeconfigModeNamesTheValue: a mode written without its leading 0
+// is refused naming the variable and the value as given.
+func TestKubeconfigModeNamesTheValue(t *testing.T) {
+	_, err := ParseOptions(nil, envOf(map[string]string{"KUBECONFIG_MODE": "600"}))
+	if err == nil || !strings.Contains(err.Error(), "KUBECONFIG_MODE") || !strings.Contains(err.Error(), `"600"`) || !strings.Contains(err.Error(), "0600") {
+		t.Fatalf("KUBECONFIG_MODE=600: %v", err)
+	}
+	cfg, err := ParseOptions(nil, envOf(map[string]string{"KUBECONFIG_MODE": "0640"}))
+	if err != nil || cfg.Loop.Install.KubeconfigMode != 0o640 {
+		t.Fatalf("KUBECONFIG_MODE=0640: %v", err)
+	}
+}
