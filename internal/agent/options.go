@@ -136,6 +136,12 @@ type optDef struct {
 	isBool  bool
 }
 
+// serviceLink reports whether v is a Kubernetes service link's value
+// (tcp://10.0.0.1:9090), as the kubelet sets <SERVICE>_PORT.
+func serviceLink(v string) bool {
+	return strings.HasPrefix(v, "tcp://") || strings.HasPrefix(v, "udp://") || strings.HasPrefix(v, "sctp://")
+}
+
 // rawFlag keeps a flag's text for later parsing; boolean options accept
 // the bare form (--disable-safe-upgrade). A repeatable flag
 // (--log_target) keeps every occurrence.
@@ -421,6 +427,14 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		if e := d.envName(); e != "" {
 			if ev, ok := lookupEnv(e); ok && (ev != "" || d.istio) {
 				v, src = ev, "env "+e
+				if strings.HasSuffix(e, "_PORT") && serviceLink(ev) {
+					// The kubelet's variable for a Service named after
+					// the setting (a "monitoring" Service in the agent's
+					// namespace sets MONITORING_PORT=tcp://...). Istio
+					// reads it as 0 and serves no metrics.
+					o.Notes = append(o.Notes, fmt.Sprintf("env %s=%q is the kubelet's link to a Service of that name, not a port; the default %s is used (set enableServiceLinks: false, or the flag, to silence this)", e, ev, d.def))
+					v, src = d.def, "default"
+				}
 			}
 		}
 		if setFlags[d.name] {

@@ -427,3 +427,20 @@ func TestKubeconfigModeNamesTheValue(t *testing.T) {
 		t.Fatalf("KUBECONFIG_MODE=0640: %v", err)
 	}
 }
+
+// TestServiceLinkIsNotAPort: a Service named "monitoring" in the agent's
+// namespace makes the kubelet set MONITORING_PORT=tcp://...; the agent
+// keeps its default port, with a note, instead of exiting 2 at every
+// start (Istio reads 0 and serves no metrics).
+func TestServiceLinkIsNotAPort(t *testing.T) {
+	cfg, err := ParseOptions(nil, envOf(map[string]string{"MONITORING_PORT": "tcp://10.96.4.7:9090"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.MonitoringPort != 15014 || !strings.Contains(strings.Join(cfg.Notes, "\n"), "MONITORING_PORT") {
+		t.Fatalf("monitoring port %d, notes %q", cfg.MonitoringPort, cfg.Notes)
+	}
+	if _, err := ParseOptions(nil, envOf(map[string]string{"MONITORING_PORT": "metrics"})); err == nil {
+		t.Fatal("MONITORING_PORT=metrics accepted")
+	}
+}
