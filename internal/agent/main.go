@@ -48,7 +48,7 @@ func Main(args []string) int {
 	defer logs.Close()
 	log := logs.Logger(logging.ScopeAgent)
 	for _, p := range logs.Problems {
-		log.Warn("logging option not understood", "problem", p)
+		log.Warn("logging option not understood or not usable", "problem", p)
 	}
 	// The plugin's level is written into its config entry.
 	level := &cfg.Loop.Install.Entry.LogLevel

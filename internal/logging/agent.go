@@ -63,9 +63,9 @@ type Root struct {
 	Problems []string
 }
 
-// Open sets up the agent's logging. It fails only when a log target file
-// cannot be opened; levels it does not understand are taken as info and
-// listed in Problems.
+// Open sets up the agent's logging. It does not fail: levels it does not
+// understand are taken as info, and target files it cannot open are left
+// out (stdout if none is left), each listed in Problems.
 func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 	r := &Root{levels: ParseLevels(o.OutputLevel), stack: ParseLevels(o.StacktraceLevel), json: o.AsJSON, callers: map[string]bool{}}
 	if !r.stack.Has(ScopeDefault) && !r.stack.Has(scopeAll) {
@@ -96,8 +96,10 @@ func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 			// change behaviour for existing deployments.
 			f, err := os.OpenFile(t, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640) //nolint:gosec // G302: 0640 is deliberate, see above
 			if err != nil {
-				_ = r.Close()
-				return nil, fmt.Errorf("--log_target %s: %w", t, err)
+				// As Istio's agent, a log file it cannot open does not
+				// stop it: said at start-up, and the other targets kept.
+				r.Problems = append(r.Problems, fmt.Sprintf("--log_target %s: %v; not logging there", t, err))
+				continue
 			}
 			outs = append(outs, f)
 			r.closers = append(r.closers, f)
@@ -105,12 +107,16 @@ func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 	}
 	if o.RotatePath != "" {
 		if err := os.MkdirAll(filepath.Dir(o.RotatePath), 0o750); err != nil {
-			_ = r.Close()
-			return nil, fmt.Errorf("--log_rotate %s: %w", o.RotatePath, err)
+			r.Problems = append(r.Problems, fmt.Sprintf("--log_rotate %s: %v; not logging there", o.RotatePath, err))
+		} else {
+			lj := &lumberjack.Logger{Filename: o.RotatePath, MaxSize: o.RotateMaxSizeMB, MaxAge: o.RotateMaxAgeDays, MaxBackups: o.RotateMaxBackups}
+			outs = append(outs, lj)
+			r.closers = append(r.closers, lj)
 		}
-		lj := &lumberjack.Logger{Filename: o.RotatePath, MaxSize: o.RotateMaxSizeMB, MaxAge: o.RotateMaxAgeDays, MaxBackups: o.RotateMaxBackups}
-		outs = append(outs, lj)
-		r.closers = append(r.closers, lj)
+	}
+	if len(outs) == 0 && len(r.Problems) > 0 {
+		// Every target failed: stdout rather than nothing.
+		outs = append(outs, stdout)
 	}
 	r.out = io.MultiWriter(outs...)
 	return r, nil
