@@ -123,3 +123,15 @@ func TestPluginFileRotation(t *testing.T) {
 		t.Fatalf("backup: %v (%v)", fi, err)
 	}
 }
+
+// BenchmarkPluginFileWrite: what the agent adds to a served command per
+// line it writes to the plugin log file (open, append, close).
+func BenchmarkPluginFileWrite(b *testing.B) {
+	f := NewPluginFile(b.TempDir())
+	line := []byte(`{"time":"2026-11-29T17:00:00Z","level":"info","msg":"redirect rules programmed","cmd":"ADD","pod":"shop/cart-7d9f8b6c5-x2x9z","containerID":"c1","result":"IPv4:applied"}` + "\n")
+	for b.Loop() {
+		if _, err := f.Write(line); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
