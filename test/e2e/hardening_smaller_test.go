@@ -58,7 +58,8 @@ func TestHardeningLookupsShareATransport(t *testing.T) {
 // TestHardeningForbiddenAtShutdown: an API server that refuses the
 // DaemonSet read at termination is not taken for an uninstall unless the
 // agent saw its DaemonSet go first (helm uninstall deletes the DaemonSet,
-// then its RBAC).
+// then its RBAC); an agent that could never read it (Istio's chart grants
+// no DaemonSet access in sidecar mode) removes the plugin, as Istio's does.
 func TestHardeningForbiddenAtShutdown(t *testing.T) {
 	ctx := context.Background()
 	kubeconfigFor := func(t *testing.T, name string, rules []rbacv1.PolicyRule) string {
@@ -75,7 +76,11 @@ func TestHardeningForbiddenAtShutdown(t *testing.T) {
 	pods := rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}}
 	ds := rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"istio-cni-node"}, Verbs: []string{"get", "watch"}}
 
-	t.Run("refused-while-present", func(t *testing.T) {
+	// Istio's RBAC in sidecar mode: the DaemonSet is there, but the agent
+	// can never read it. Kept as "cannot tell", the plugin stayed after
+	// helm uninstall with the deleted service account's credentials and
+	// failed every later pod; it goes, as with Istio's agent.
+	t.Run("never-readable-removes-as-istio", func(t *testing.T) {
 		ensureDaemonSet(t, true)
 		h := newHost(t)
 		calico := filepath.Join(h.NetDir, "10-calico.conflist")
@@ -85,11 +90,11 @@ func TestHardeningForbiddenAtShutdown(t *testing.T) {
 		if code := h.stop(syscall.SIGTERM); code != 0 {
 			t.Fatalf("exit %d", code)
 		}
-		if n, _ := entryCount(t, calico); n != 1 {
-			t.Fatalf("a refused read was taken for an uninstall: %d entries left\n%s", n, h.LogText())
+		if n, _ := entryCount(t, calico); n != 0 {
+			t.Fatalf("a DaemonSet never readable: %d entries left, want the plugin removed as Istio's agent does\n%s", n, h.LogText())
 		}
-		if _, err := os.Stat(filepath.Join(h.BinDir, "istio-cni")); err != nil {
-			t.Fatal("binary removed")
+		if !strings.Contains(h.LogText(), "could never be read") {
+			t.Fatalf("the removal's reason is not logged:\n%s", h.LogText())
 		}
 	})
 
