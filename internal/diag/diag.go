@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
@@ -160,6 +162,9 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 		return ExitOK, nil
 	}
 	skip := plugin.Exclusion(pod)
+	if skip == "" && excludedNamespace(runDir, pod.Namespace) {
+		skip = "namespace " + pod.Namespace + " is in the plugin's exclude_namespaces"
+	}
 	params, _, perr := redirect.FromPod(pod)
 	if perr != nil {
 		r.say("VERDICT: MISMATCH: the pod's annotations are invalid, so the plugin refuses it: %v", perr)
@@ -240,4 +245,18 @@ func (r *report) ambientVerdict(pod *podinfo.Pod, state, netnsPath string, nftRu
 	r.say("VERDICT: MISMATCH (ambient mode): %s; the agent re-applies an enrolled pod's rules at its next check (every minute), and says so in an AmbientRulesRepaired Event",
 		strings.Join(diffs, "; "))
 	return ExitMismatch, nil
+}
+
+// excludedNamespace reports whether ns is in the exclude_namespaces of a
+// plugin config the agent learnt (kept in its run dir's prepared records,
+// with prepare-ahead on, as by default): the plugin skips such pods before
+// anything else, and a restart does not change that.
+func excludedNamespace(runDir, ns string) bool {
+	for _, c := range prepared.Dir(filepath.Join(runDir, prepared.DirName)).LoadConfigs() {
+		conf, err := plugin.ParseConfig(c)
+		if err == nil && slices.Contains(conf.ExcludeNamespaces, ns) {
+			return true
+		}
+	}
+	return false
 }

@@ -1,11 +1,17 @@
 package e2e
 
 import (
+	"context"
 	"errors"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -73,4 +79,42 @@ func TestDiag(t *testing.T) {
 			t.Fatalf("no arguments: exit %d:\n%s", code, out)
 		}
 	})
+}
+
+// TestDiagExcludedNamespace: a sidecar pod in a namespace the agent's
+// plugin config excludes (kube-system by default) has no rules by design;
+// diag says so from the config the agent learnt, instead of "it raced
+// the agent, a restart fixes it", which no restart would.
+func TestDiagExcludedNamespace(t *testing.T) {
+	h := ptpHost(t, "10.247.0.0/24")
+	h.start("--kubernetes-node-name", testenv.NodeName)
+	h.waitReadyz(200, 20*time.Second)
+	// The learnt config is written once the agent prepares pods.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if configs := prepared.Dir(filepath.Join(h.RunDir, prepared.DirName)).LoadConfigs(); len(configs) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent kept no learnt config:\n%s", h.LogText())
+		}
+		time.Sleep(20 * time.Millisecond) // polling a file another process writes, bounded
+	}
+	spec := testenv.PodSpec{Namespace: "kube-system", Name: "excluded-sidecar", Sidecar: true}
+	k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cluster.Client.CoreV1().Pods(spec.Namespace).Delete(context.Background(), spec.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+	})
+	pod, err := testenv.NewPod(spec.Namespace, spec.Name, string(k8sPod.UID), "cexcluded")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pod.Close)
+	code, out := runDiagIn(t, h.RunDir, "--pod", "kube-system/excluded-sidecar", "--netns", pod.NetNS.Path())
+	if code != 0 || !strings.Contains(out, "exclude_namespaces") {
+		t.Fatalf("an excluded namespace's pod: exit %d:\n%s", code, out)
+	}
 }
