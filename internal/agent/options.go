@@ -427,7 +427,7 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		if e := d.envName(); e != "" {
 			if ev, ok := lookupEnv(e); ok && (ev != "" || d.istio) {
 				v, src = ev, "env "+e
-				if strings.HasSuffix(e, "_PORT") && serviceLink(ev) {
+				if strings.HasSuffix(e, "_PORT") && serviceLink(ev) && !setFlags[d.name] {
 					// The kubelet's variable for a Service named after
 					// the setting (a "monitoring" Service in the agent's
 					// namespace sets MONITORING_PORT=tcp://...). Istio

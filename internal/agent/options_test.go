@@ -443,4 +443,9 @@ func TestServiceLinkIsNotAPort(t *testing.T) {
 	if _, err := ParseOptions(nil, envOf(map[string]string{"MONITORING_PORT": "metrics"})); err == nil {
 		t.Fatal("MONITORING_PORT=metrics accepted")
 	}
+	// The flag wins, and then there is nothing to say.
+	cfg, err = ParseOptions([]string{"--monitoring-port=9100"}, envOf(map[string]string{"MONITORING_PORT": "tcp://10.96.4.7:9090"}))
+	if err != nil || cfg.MonitoringPort != 9100 || strings.Contains(strings.Join(cfg.Notes, "\n"), "MONITORING_PORT") {
+		t.Fatalf("with the flag: port %d, notes %q, %v", cfg.MonitoringPort, cfg.Notes, err)
+	}
 }

@@ -309,11 +309,17 @@ func (in *Installer) istioOwnedLeftover(dir string) string {
 		return ""
 	}
 	p := filepath.Join(dir, name)
+	// A regular file only: a link is the operator's, to a config of theirs.
+	if fi, err := os.Lstat(p); err != nil || !fi.Mode().IsRegular() {
+		return ""
+	}
 	data, err := readFile(p)
 	if err != nil {
 		return ""
 	}
-	if st, err := Inspect(data, in.entry); err != nil || st == EntryMissing {
+	// Istio's entry, not ours: a file this agent put its entry into (it
+	// was the runtime's primary) is the primary.
+	if st, err := Inspect(data, in.entry); err != nil || st != EntryStale {
 		return ""
 	}
 	return p

@@ -324,7 +324,34 @@ func TestIstioOwnedLeftoverRetired(t *testing.T) {
 		DefaultIstioOwnedConfName: conflist("other", `{"type":"ptp"}`),
 	})
 	other.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
-	if placed := other.install(t); placed.Path != filepath.Join(other.netDir, DefaultIstioOwnedConfName) {
-		t.Fatalf("a file of that name without an istio-cni entry: the entry went into %s, want it (the runtime's primary)", placed.Path)
+	// Twice: once the entry is in it, the file holds our entry, which
+	// makes it no leftover of Istio's (a second pass deleted it and moved
+	// the node to calico's network).
+	for pass := 1; pass <= 2; pass++ {
+		placed := other.install(t)
+		if placed.Path != filepath.Join(other.netDir, DefaultIstioOwnedConfName) {
+			t.Fatalf("pass %d: a file of that name without Istio's entry: the entry went into %s, want it (the runtime's primary)", pass, placed.Path)
+		}
+		if err := other.in.Ready(placed.Path); err != nil {
+			t.Fatalf("pass %d: not ready: %v", pass, err)
+		}
+	}
+
+	// A link of that name is the operator's: never skipped nor removed.
+	linked := newNode(t, true, map[string]string{
+		"10-calico.conflist": conflist("k8s-pod-network", calico),
+		"20-foo.conflist":    `{"cniVersion":"0.3.1","name":"foo","plugins":[{"type":"ptp"},` + istios + `]}`,
+	})
+	linked.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
+	if err := os.Symlink("20-foo.conflist", filepath.Join(linked.netDir, DefaultIstioOwnedConfName)); err != nil {
+		t.Fatal(err)
+	}
+	for pass := 1; pass <= 2; pass++ {
+		if placed := linked.install(t); placed.Path != filepath.Join(linked.netDir, DefaultIstioOwnedConfName) {
+			t.Fatalf("pass %d: a link of that name: the entry went into %s", pass, placed.Path)
+		}
+	}
+	if _, err := os.Lstat(filepath.Join(linked.netDir, DefaultIstioOwnedConfName)); err != nil {
+		t.Fatalf("the operator's link was removed: %v", err)
 	}
 }

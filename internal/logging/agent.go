@@ -106,7 +106,16 @@ func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 		}
 	}
 	if o.RotatePath != "" {
-		if err := os.MkdirAll(filepath.Dir(o.RotatePath), 0o750); err != nil {
+		// The rotating writer opens its file on the first line: tried
+		// here, so a file it could never open is left out and said.
+		err := os.MkdirAll(filepath.Dir(o.RotatePath), 0o750)
+		if err == nil {
+			var f *os.File
+			if f, err = os.OpenFile(o.RotatePath, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640); err == nil { //nolint:gosec // G302: as the targets, see above
+				err = f.Close()
+			}
+		}
+		if err != nil {
 			r.Problems = append(r.Problems, fmt.Sprintf("--log_rotate %s: %v; not logging there", o.RotatePath, err))
 		} else {
 			lj := &lumberjack.Logger{Filename: o.RotatePath, MaxSize: o.RotateMaxSizeMB, MaxAge: o.RotateMaxAgeDays, MaxBackups: o.RotateMaxBackups}
@@ -114,8 +123,9 @@ func Open(o Options, stdout, stderr io.Writer) (*Root, error) {
 			r.closers = append(r.closers, lj)
 		}
 	}
-	if len(outs) == 0 && len(r.Problems) > 0 {
-		// Every target failed: stdout rather than nothing.
+	if len(outs) == 0 {
+		// No target left (each failed, or only empty ones were given):
+		// stdout rather than nothing.
 		outs = append(outs, stdout)
 	}
 	r.out = io.MultiWriter(outs...)

@@ -116,4 +116,20 @@ func TestAgentLogFiles(t *testing.T) {
 	if !strings.Contains(out.String(), "still logged") {
 		t.Fatalf("nothing on stdout with the only target unwritable: %q", out.String())
 	}
+	// A rotating file whose directory exists but which cannot be opened
+	// (here: a directory of that name) is found at start, not lost at the
+	// first line.
+	out.Reset()
+	notAFile := filepath.Join(dir, "a-dir.log")
+	if err := os.Mkdir(notAFile, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	r, err = Open(Options{Targets: []string{filepath.Join(dir, "missing", "x.log")}, RotatePath: notAFile}, &out, &out)
+	if err != nil || len(r.Problems) != 2 || !strings.Contains(strings.Join(r.Problems, "\n"), "--log_rotate") {
+		t.Fatalf("unwritable target and rotate file: %v, problems %q", err, r.Problems)
+	}
+	r.Logger(ScopeAgent).Info("on stdout")
+	if !strings.Contains(out.String(), "on stdout") {
+		t.Fatalf("nothing on stdout with every file unwritable: %q", out.String())
+	}
 }
