@@ -25,9 +25,10 @@ type Config struct {
 	CNIConfName string
 	// IstioOwnedConfName names the conflist Istio's agent writes in
 	// ambient mode with ISTIO_OWNED_CNI_CONFIG (a copy of the primary with
-	// its entry, sorted first). One it left behind, holding an istio-cni
-	// entry, is not taken for the primary, and is removed once the plugin
-	// is in the primary: it would shadow it, a frozen copy, forever.
+	// its entry, sorted first). One it left behind (a regular file holding
+	// an istio-cni entry that is not this agent's) is not taken for the
+	// primary, and is removed once the plugin is in the primary: it would
+	// shadow it, a frozen copy, forever.
 	IstioOwnedConfName string
 	// Chained inserts into the primary config; false writes a config of
 	// our own (for Multus).
@@ -302,7 +303,8 @@ func stepErr(err error) error {
 const DefaultIstioOwnedConfName = "02-istio-cni.conflist"
 
 // istioOwnedLeftover is the path of a conflist Istio's agent left under
-// IstioOwnedConfName in dir (it holds an istio-cni entry), or "".
+// IstioOwnedConfName in dir (a regular file holding an istio-cni entry
+// other than this agent's), or "".
 func (in *Installer) istioOwnedLeftover(dir string) string {
 	name := in.cfg.IstioOwnedConfName
 	if name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
