@@ -159,8 +159,9 @@ type Controller struct {
 	// succeeded (nil when not known: before the first, after a failure).
 	hostMu     sync.Mutex
 	probesHave map[netip.Addr]string
-	// staleGone: StaleHost's rules were removed (syncHost's alone, which
-	// runs in one goroutine at a time).
+	// staleGone: StaleHost's rules were removed; staleFailed: the checks
+	// that failed to (both syncHost's alone, which runs in one goroutine
+	// at a time).
 	staleGone   bool
 	staleFailed int
 	runOnce     sync.Once
@@ -1067,7 +1068,7 @@ func (c *Controller) syncHost(first bool) {
 		c.m.host.WithLabelValues("rules").Inc()
 		c.log.Warn("the node's probe SNAT rules were missing or changed; put back")
 	}
-	if err == nil && c.cfg.StaleHost != nil && !c.staleGone {
+	if err == nil && c.cfg.StaleHost != nil && !c.staleGone && c.staleFailed < staleTries {
 		// Once ours is in place, so probes are never left without one.
 		if serr := c.cfg.StaleHost.RemoveHost(c.hostNetns); serr != nil {
 			// Said once: a node without the other backend's kernel parts
@@ -1079,12 +1080,11 @@ func (c *Controller) syncHost(first bool) {
 			c.staleFailed++
 			c.log.Log(context.Background(), lv, "removing the other rule backend's probe SNAT (an earlier agent's) failed; retried at the next checks",
 				"error", serr.Error(), "failures", c.staleFailed)
-			if c.staleFailed >= staleTries {
+			if c.staleFailed == staleTries {
 				// A node without the other backend's kernel parts (no
 				// ipset) fails the same way every time, at the cost of
 				// iptables-save runs: uninstall tries once more.
 				c.log.Info("no longer trying to remove the other rule backend's probe SNAT", "failures", c.staleFailed)
-				c.staleGone = true
 			}
 		} else {
 			c.staleGone = true

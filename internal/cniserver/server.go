@@ -356,9 +356,9 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case err != nil:
 		s.Log.Warn("bad request on the CNI socket", "error", err.Error())
 		resp = &cnirelay.Response{Error: cnirelay.NewError(types.ErrInternal, "istio-cni node agent: "+err.Error(), "")}
-		if req == nil || req.Command == "ADD" {
-			s.countRequest(resultBadRequest)
-		}
+		// readRequest returns no request with an error: its command is
+		// not known.
+		s.countRequest(resultBadRequest)
 	case req.Done != nil:
 		s.noteDone(req)
 		return
@@ -528,12 +528,8 @@ func responseCode(result string) string {
 		return "200"
 	case resultUnavailable:
 		return "503"
-	case resultBadRequest:
-		return "400"
-	}
-	switch result {
-	case fmt.Sprint(types.ErrIncompatibleCNIVersion), fmt.Sprint(types.ErrUnsupportedField), fmt.Sprint(types.ErrInvalidEnvironmentVariables),
-		fmt.Sprint(types.ErrDecodingFailure), fmt.Sprint(types.ErrInvalidNetworkConfig):
+	case resultBadRequest, fmt.Sprint(types.ErrIncompatibleCNIVersion), fmt.Sprint(types.ErrUnsupportedField),
+		fmt.Sprint(types.ErrInvalidEnvironmentVariables), fmt.Sprint(types.ErrDecodingFailure), fmt.Sprint(types.ErrInvalidNetworkConfig):
 		return "400"
 	}
 	return "500"

@@ -158,6 +158,24 @@ func tempNode(t *testing.T) (inst install.Config, primary, bare string) {
 		Entry: install.EntrySettings{RunDir: run}}, primary, bare
 }
 
+// runLoop runs l until stop, which ends its context, waits for Run and
+// returns its error; stop may be called again (a deferred one after an
+// explicit one).
+func runLoop(l *Loop) (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- l.Run(ctx) }()
+	var once sync.Once
+	var err error
+	return func() error {
+		once.Do(func() {
+			cancel()
+			err = <-done
+		})
+		return err
+	}
+}
+
 // TestLoopPutsEntryBack: on a temp node, the loop installs, becomes
 // ready, and puts its entry back after another component rewrites the
 // config without it, counting one re-insertion; Run closes its watcher
@@ -187,17 +205,8 @@ func TestLoopPutsEntryBack(t *testing.T) {
 		last := told[n-1]
 		return strings.Contains(last, `"ptp"`) && strings.Contains(last, `"istio-cni"`)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var runErr error
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		runErr = l.Run(ctx)
-	}()
-	defer func() {
-		cancel()
-		<-stopped
-	}()
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
 	eventually(t, "the placed file told", func() bool { return toldTimes(1) })
 	if got := promtest.ToFloat64(m.Installs.WithLabelValues(install.ResultSuccess)); got != 1 {
@@ -216,10 +225,8 @@ func TestLoopPutsEntryBack(t *testing.T) {
 	eventually(t, "the re-insertion counted", func() bool { return promtest.ToFloat64(m.Reinsertions) == 1 })
 	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
 	eventually(t, "the file placed again told", func() bool { return toldTimes(2) })
-	cancel()
-	<-stopped
-	if runErr != nil {
-		t.Fatal(runErr)
+	if err := stop(); err != nil {
+		t.Fatal(err)
 	}
 	if r := l.NotReady(); r != "shutting down" {
 		t.Fatalf("after Run: %q", r)
@@ -305,16 +312,8 @@ func TestNotReadyWhileBackingOff(t *testing.T) {
 	m := NewMetrics()
 	// Limit 0: the first revert already starts a back-off (1 s).
 	l := New(Config{Install: inst, ConflictWindow: time.Minute, ConflictLimit: 0, ResyncInterval: time.Hour}, quiet, m)
-	ctx, cancel := context.WithCancel(context.Background())
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		_ = l.Run(ctx)
-	}()
-	defer func() {
-		cancel()
-		<-stopped
-	}()
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
 	// As a CNI plugin's installer writes: whole, by rename (a truncating
 	// write shows the loop an empty file first).

@@ -213,7 +213,7 @@ func (l *Logger) WriteKept(w io.Writer) error {
 	var b bytes.Buffer
 	for _, line := range lines {
 		var head struct{ Level string }
-		if json.Unmarshal([]byte(line), &head) == nil && (head.Level == "debug" || strings.HasPrefix(head.Level, "debug")) {
+		if json.Unmarshal([]byte(line), &head) == nil && strings.HasPrefix(head.Level, "debug") {
 			continue
 		}
 		b.WriteString(line)
