@@ -92,6 +92,54 @@ func TestWriteKeptSkipsDebug(t *testing.T) {
 	}
 }
 
+// TestFileIgnoresPluginLevel: with plugin_log_level above info, a plugin
+// process's info lines stay off stderr and out of what it forwards, and
+// still go to the run directory's file, as Istio's plugin keeps them; the
+// agent serving a command in-process does the same through Over.
+func TestFileIgnoresPluginLevel(t *testing.T) {
+	var stderr bytes.Buffer
+	l := New(&stderr)
+	l.SetLevel(slog.LevelWarn)
+	l.Debug("detail")
+	l.Info("redirect rules programmed", "pod", "ns/p")
+	l.Error("a failure")
+	var kept bytes.Buffer
+	if err := l.WriteKept(&kept); err != nil {
+		t.Fatal(err)
+	}
+	if got := kept.String(); strings.Count(got, "\n") != 2 || !strings.Contains(got, "programmed") || !strings.Contains(got, "a failure") {
+		t.Fatalf("file part %q", got)
+	}
+	if got := stderr.String(); strings.Contains(got, "programmed") || !strings.Contains(got, "a failure") || strings.Contains(got, "detail") {
+		t.Fatalf("stderr %q", got)
+	}
+	l.mu.Lock()
+	var forwarded int
+	for _, line := range l.lines {
+		if line.level >= l.level.Level() {
+			forwarded++
+		}
+	}
+	l.mu.Unlock()
+	if forwarded != 1 {
+		t.Fatalf("%d lines to forward, want the error alone", forwarded)
+	}
+
+	var inner, file bytes.Buffer
+	over := Over(TeeToFile(slog.NewTextHandler(&inner, &slog.HandlerOptions{Level: slog.LevelDebug}), &file))
+	over.SetLevel(slog.LevelError)
+	cmd := over.With("cmd", "ADD")
+	cmd.Info("redirect rules programmed")
+	cmd.Warn("held back")
+	cmd.Error("both")
+	if got := inner.String(); strings.Contains(got, "programmed") || strings.Contains(got, "held back") || !strings.Contains(got, "both") {
+		t.Fatalf("agent output %q", got)
+	}
+	if got := file.String(); strings.Count(got, "\n") != 3 || !strings.Contains(got, `"cmd":"ADD"`) {
+		t.Fatalf("agent's file part %q", got)
+	}
+}
+
 // TestPluginFileRotation: the file is created 0600; a line that would take
 // it past 10 MB moves it to the one backup first; the agent's and a
 // fallback's writers, each opening per line, both write into the current

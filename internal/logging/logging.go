@@ -26,8 +26,17 @@ const SocketName = "log.sock"
 type Logger struct {
 	*slog.Logger
 	level *slog.LevelVar
+	// kept is the level lines are formatted and kept at: the plugin's,
+	// or info when that is above it, because the run directory's log file
+	// takes info and above whatever plugin_log_level says, as Istio's.
+	kept  *slog.LevelVar
 	mu    sync.Mutex
-	lines []string
+	lines []keptLine
+}
+
+type keptLine struct {
+	text  string
+	level slog.Level
 }
 
 type teeWriter struct {
@@ -36,23 +45,43 @@ type teeWriter struct {
 }
 
 func (w *teeWriter) Write(p []byte) (int, error) {
+	line := keptLine{text: strings.TrimRight(string(p), "\n")}
+	line.level = lineLevel(line.text)
 	w.l.mu.Lock()
-	w.l.lines = append(w.l.lines, strings.TrimRight(string(p), "\n"))
+	w.l.lines = append(w.l.lines, line)
 	w.l.mu.Unlock()
+	if line.level < w.l.level.Level() {
+		return len(p), nil
+	}
 	return w.out.Write(p)
+}
+
+// lineLevel is the level of one of the logger's own JSON lines.
+func lineLevel(line string) slog.Level {
+	var head struct{ Level string }
+	var lv slog.Level
+	if json.Unmarshal([]byte(line), &head) != nil || lv.UnmarshalText([]byte(head.Level)) != nil {
+		return slog.LevelError
+	}
+	return lv
 }
 
 // New returns a logger writing JSON lines to out at info level.
 func New(out io.Writer) *Logger {
-	l := &Logger{level: new(slog.LevelVar)}
+	l := &Logger{level: new(slog.LevelVar), kept: new(slog.LevelVar)}
 	// Lower-case levels, as Istio's agent expects from its plugin.
-	h := slog.NewJSONHandler(&teeWriter{out: out, l: l}, jsonOptions(l.level))
+	h := slog.NewJSONHandler(&teeWriter{out: out, l: l}, jsonOptions(l.kept))
 	l.Logger = slog.New(h)
 	return l
 }
 
 // SetLevel changes the level of an existing logger.
-func (l *Logger) SetLevel(lv slog.Level) { l.level.Set(lv) }
+func (l *Logger) SetLevel(lv slog.Level) {
+	l.level.Set(lv)
+	if l.kept != nil {
+		l.kept.Set(min(lv, slog.LevelInfo))
+	}
+}
 
 // Forward sends the lines logged so far to the agent socket, if there is
 // one, as one POST of a JSON array of lines, and does not wait for the
@@ -63,7 +92,12 @@ func (l *Logger) SetLevel(lv slog.Level) { l.level.Set(lv) }
 // are already on stderr.
 func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 	l.mu.Lock()
-	lines := l.lines
+	var lines []string
+	for _, line := range l.lines {
+		if line.level >= l.level.Level() {
+			lines = append(lines, line.text)
+		}
+	}
 	l.lines = nil
 	l.mu.Unlock()
 	if len(lines) == 0 {
@@ -96,9 +130,15 @@ func (l *Logger) Forward(socketPath string, timeout time.Duration) error {
 // Over returns a logger that writes through h (the node agent's own
 // logger, when it serves a plugin command in-process) and whose level the
 // plugin's config sets, like a plugin process's. Nothing is kept for
-// forwarding.
+// forwarding. The level does not hold back h's part for the plugin's log
+// file (TeeToFile), which takes info and above whatever the level, as a
+// plugin process's file does.
 func Over(h slog.Handler) *Logger {
 	l := &Logger{level: new(slog.LevelVar)}
+	if t, ok := h.(*fileTee); ok {
+		l.Logger = slog.New(&fileTee{inner: &levelHandler{level: l.level, h: t.inner}, file: t.file})
+		return l
+	}
 	l.Logger = slog.New(&levelHandler{level: l.level, h: h})
 	return l
 }
@@ -208,15 +248,14 @@ func (t *fileTee) WithGroup(name string) slog.Handler {
 // the plugin process's part of the run directory's log file.
 func (l *Logger) WriteKept(w io.Writer) error {
 	l.mu.Lock()
-	lines := append([]string(nil), l.lines...)
+	lines := append([]keptLine(nil), l.lines...)
 	l.mu.Unlock()
 	var b bytes.Buffer
 	for _, line := range lines {
-		var head struct{ Level string }
-		if json.Unmarshal([]byte(line), &head) == nil && strings.HasPrefix(head.Level, "debug") {
+		if line.level < slog.LevelInfo {
 			continue
 		}
-		b.WriteString(line)
+		b.WriteString(line.text)
 		b.WriteByte('\n')
 	}
 	if b.Len() == 0 {

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -86,11 +87,11 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if !filepath.IsAbs(conf.CNIAgentRunDir) {
 		return nil, &ConfigError{Key: "cni_agent_run_dir", Msg: fmt.Sprintf("%q is not an absolute path", conf.CNIAgentRunDir)}
 	}
-	for _, ns := range conf.ExcludeNamespaces {
-		if strings.TrimSpace(ns) == "" {
-			return nil, &ConfigError{Key: "exclude_namespaces", Msg: "empty namespace in list"}
-		}
-	}
+	// Istio's older installers wrote [""] for an empty list (a split of
+	// ""); a blank entry matches no namespace, there or here.
+	conf.ExcludeNamespaces = slices.DeleteFunc(conf.ExcludeNamespaces, func(ns string) bool {
+		return strings.TrimSpace(ns) == ""
+	})
 	var err error
 	if conf.requestTimeout, err = parseDuration("k8s_request_timeout", conf.K8sRequestTimeout, DefaultRequestTimeout); err != nil {
 		return nil, err

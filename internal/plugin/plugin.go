@@ -575,17 +575,27 @@ func (p *Plugin) commitElsewhere(req *request, d *Decision, plan *ruleset.Plan, 
 // right after DEL, so removing them would only slow every pod's teardown.
 // A later ADD on the same namespace replaces whatever is there. DEL never
 // fails for a namespace that is gone or a pod that was never redirected.
+//
+// Nor does it fail on a config or arguments an ADD would refuse: Istio's
+// DEL reads neither, and a failed DEL keeps the pod Terminating.
 func (p *Plugin) Del(args *skel.CmdArgs) error {
 	req, err := p.load("DEL", args)
 	if err != nil {
-		return err
+		p.Log.Warn("DEL: config or arguments not understood; nothing to remove, so it succeeds", "error", err.Error())
+		return nil
 	}
 	req.log.Debug("pod deleted; its rules go with its network namespace")
 	return nil
 }
 
-// Check verifies that a redirected pod's rules are all in place and that a
-// pod that should have none has none.
+// Check verifies that a redirected pod's rules are all in place. Where
+// it cannot tell, it succeeds, as Istio's CHECK always does: CRI-O runs
+// CHECK while it creates every sandbox and tears the sandbox down when it
+// fails, so a CHECK stricter than the ADD before it would fail pods the
+// ADD set up. So a pod that gets no rules from us passes without a look
+// at its namespace (its istio-init may have written Istio's chains, and a
+// node that meshes no pod may lack iptables), and so does a pod that
+// cannot be read again right now (the ADD read it moments ago).
 func (p *Plugin) Check(args *skel.CmdArgs) error {
 	req, err := p.load("CHECK", args)
 	if err != nil {
@@ -606,26 +616,19 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
 	if err != nil {
-		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+		req.log.Warn("check skipped: the pod could not be read", "error", err.Error())
+		return nil
 	}
-	if req.conf.AmbientEnabled && p.AmbientCheck == nil && d.Pod != nil {
-		// An enrolled pod's redirection is the agent's, with ztunnel; the
-		// fallback cannot tell more than Istio's plugin, whose CHECK does
-		// nothing.
-		ad, err := p.ambientDecision(context.Background(), req.conf, d.Pod)
-		if err != nil {
-			return types.NewError(types.ErrTryAgainLater, err.Error(), "")
-		}
-		if ad.Enrol {
-			req.log.Debug("ambient pod: its redirection is checked by the node agent")
-			return nil
-		}
+	if d.Skip != "" {
+		// Ambient mode's pods among them (never a sidecar pod): their
+		// redirection is the agent's, with ztunnel, checked above when the
+		// agent serves; the fallback can tell no more than Istio's plugin.
+		req.log.Debug("check: the pod gets no rules from istio-cni's sidecar mode", "reason", d.Skip)
+		return nil
 	}
-	want := &ruleset.Plan{V4: &ruleset.Set{Family: ruleset.IPv4}}
-	if d.Skip == "" {
-		if want, err = podrules.BuildPlan(req.rules, args.Netns, d.Params); err != nil {
-			return types.NewError(types.ErrInternal, err.Error(), "")
-		}
+	want, err := podrules.BuildPlan(req.rules, args.Netns, d.Params)
+	if err != nil {
+		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	if err := req.rules.Check(args.Netns, want); err != nil {
 		req.log.Error("check failed", "error", err.Error())
@@ -661,10 +664,12 @@ func (p *Plugin) Status(args *skel.CmdArgs) error {
 }
 
 // GC has nothing to collect: sidecar rules live and die with the pod's
-// network namespace.
+// network namespace. As DEL, it succeeds on a config an ADD would refuse.
 func (p *Plugin) GC(args *skel.CmdArgs) error {
-	_, err := p.load("GC", args)
-	return err
+	if _, err := p.load("GC", args); err != nil {
+		p.Log.Warn("GC: config not understood; nothing to collect, so it succeeds", "error", err.Error())
+	}
+	return nil
 }
 
 // errPluginNotAvailable is CNI 1.1's STATUS code 50: the plugin cannot

@@ -5,13 +5,17 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
 
+	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
@@ -50,7 +54,6 @@ func TestParseIstioConfig(t *testing.T) {
 func TestConfigErrorsNameTheKey(t *testing.T) {
 	cases := []struct{ json, key string }{
 		{`{"type":"istio-cni","exclude_namespaces":"kube-system"}`, "exclude_namespaces"},
-		{`{"type":"istio-cni","exclude_namespaces":["a",""]}`, "exclude_namespaces"},
 		{`{"type":"istio-cni","plugin_log_level":5}`, "plugin_log_level"},
 		{`{"type":"istio-cni","cni_agent_run_dir":"relative/dir"}`, "cni_agent_run_dir"},
 		{`{"type":"istio-cni","ambient_enabled":"yes"}`, "ambient_enabled"},
@@ -67,6 +70,74 @@ func TestConfigErrorsNameTheKey(t *testing.T) {
 	}
 	if _, err := ParseConfig([]byte(`{"type":`)); err == nil {
 		t.Error("malformed JSON accepted")
+	}
+}
+
+// TestBlankExcludedNamespaces: Istio's older installers wrote [""] for an
+// empty list; blank entries are dropped, not refused.
+func TestBlankExcludedNamespaces(t *testing.T) {
+	c, err := ParseConfig([]byte(`{"type":"istio-cni","exclude_namespaces":["", "kube-system", " "]}`))
+	if err != nil || !slices.Equal(c.ExcludeNamespaces, []string{"kube-system"}) {
+		t.Fatalf("%+v, %v", c, err)
+	}
+}
+
+// TestCheckFailsOnlyOnWrongRules: CHECK fails when a redirected pod's
+// rules differ, and otherwise succeeds where it cannot tell, as Istio's
+// does: CRI-O fails the sandbox on a failed CHECK. A pod that gets no
+// rules is not looked at (its istio-init's chains would fail a look), nor
+// is one that cannot be read again.
+func TestCheckFailsOnlyOnWrongRules(t *testing.T) {
+	drifted := errors.New("nat/ISTIO_OUTPUT: chain missing")
+	cases := []struct {
+		name      string
+		pod       *podinfo.Pod
+		readErr   error
+		wantErr   bool
+		ruleCheck int
+	}{
+		{name: "redirected pod, rules differ", pod: injected(nil), wantErr: true, ruleCheck: 1},
+		{name: "pod with istio-init", pod: injected(func(p *podinfo.Pod) { p.InitContainers = []podinfo.Container{{Name: "istio-init"}} })},
+		{name: "pod without a sidecar", pod: &podinfo.Pod{Namespace: "default", Name: "web", Containers: []podinfo.Container{{Name: "app"}}}},
+		{name: "pod unreadable", readErr: errors.New("connection refused")},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			rules := &checkRules{err: drifted}
+			p := &Plugin{Log: logging.New(io.Discard), Stdout: io.Discard, Rules: rules,
+				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: c.pod, err: c.readErr}, nil }}
+			args := &skel.CmdArgs{ContainerID: "c1", Netns: "/x", IfName: "eth0", Args: cniArgs("default", "web"),
+				StdinData: []byte(`{"type":"istio-cni","cniVersion":"1.0.0","k8s_retry_budget":"1ms","prevResult":` + prevResultFor("1.0.0") + `}`)}
+			err := p.Check(args)
+			if (err != nil) != c.wantErr || rules.checks != c.ruleCheck {
+				t.Fatalf("CHECK: %v (want an error: %v); backend checks %d, want %d", err, c.wantErr, rules.checks, c.ruleCheck)
+			}
+			if c.wantErr && (cniCode(err) != uint(types.ErrInternal) || !strings.Contains(err.Error(), "chain missing")) {
+				t.Fatalf("CHECK: %v", err)
+			}
+		})
+	}
+}
+
+// TestDelAndGCTakeAnyConfig: a config an ADD refuses, naming the key,
+// neither fails DEL (the pod would stay Terminating; Istio's DEL reads
+// nothing) nor GC.
+func TestDelAndGCTakeAnyConfig(t *testing.T) {
+	conf := []byte(`{"type":"istio-cni","cniVersion":"1.1.0","k8s_retry_budget":"forever"}`)
+	p := &Plugin{Log: logging.New(io.Discard), Stdout: io.Discard, Rules: &fakeRules{}}
+	args := &skel.CmdArgs{ContainerID: "c1", Netns: "/x", IfName: "eth0", Args: cniArgs("default", "web"), StdinData: conf}
+	if err := p.Add(args); err == nil || !strings.Contains(err.Error(), "k8s_retry_budget") {
+		t.Fatalf("ADD: %v, want the key named", err)
+	}
+	if err := p.Del(args); err != nil {
+		t.Fatalf("DEL: %v", err)
+	}
+	args.Args = "garbage"
+	if err := p.Del(args); err != nil {
+		t.Fatalf("DEL with CNI_ARGS it cannot read: %v", err)
+	}
+	if err := p.GC(args); err != nil {
+		t.Fatalf("GC: %v", err)
 	}
 }
 

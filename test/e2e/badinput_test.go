@@ -76,6 +76,16 @@ func TestBadInput(t *testing.T) {
 		res, _ := execPlugin(t, "ADD", pod.NetNS.Path(), args, base(`,"exclude_namespaces":"kube-system"`))
 		wantErr(t, res, "exclude_namespaces")
 	})
+	t.Run("del-takes-bad-config", func(t *testing.T) {
+		// Istio's DEL reads nothing; a DEL failing here keeps the pod
+		// Terminating.
+		if res, _ := execPlugin(t, "DEL", pod.NetNS.Path(), args, base(`,"exclude_namespaces":"kube-system"`)); res != nil {
+			t.Fatalf("DEL under a config an ADD refuses: %v", res)
+		}
+		if res, _ := execPlugin(t, "DEL", pod.NetNS.Path(), "K8S_POD_NAME", base("")); res != nil {
+			t.Fatalf("DEL with CNI_ARGS an ADD refuses: %v", res)
+		}
+	})
 	t.Run("check-without-prevResult", func(t *testing.T) {
 		res, _ := execPlugin(t, "CHECK", pod.NetNS.Path(), args, base(""))
 		wantErr(t, res, "prevResult")
