@@ -13,14 +13,26 @@ import (
 // and the net package's poller is more to start than it saves.
 type agentConn struct{ fd int }
 
-func dialAgent(path string, timeout time.Duration) (*agentConn, error) {
+// dialAgent connects within connectWait (when set and shorter than
+// timeout), after which the connection's calls have timeout. A connect
+// blocks only while the agent's queue of connections it has not accepted
+// is full: an agent that stopped (frozen, or wedged before its accept),
+// whose queue the kernel goes on filling, would otherwise hold every
+// later command for all of timeout. The error is then EAGAIN.
+func dialAgent(path string, connectWait, timeout time.Duration) (*agentConn, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socket: %w", err)
 	}
+	if connectWait <= 0 || (timeout > 0 && connectWait > timeout) {
+		connectWait = timeout
+	}
 	if timeout > 0 {
 		tv := unix.NsecToTimeval(timeout.Nanoseconds())
 		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	}
+	if connectWait > 0 {
+		tv := unix.NsecToTimeval(connectWait.Nanoseconds())
 		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
 	}
 	for {
@@ -32,6 +44,10 @@ func dialAgent(path string, timeout time.Duration) (*agentConn, error) {
 	if err != nil {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("connect: %w", err)
+	}
+	if timeout > 0 && connectWait != timeout {
+		tv := unix.NsecToTimeval(timeout.Nanoseconds())
+		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
 	}
 	return &agentConn{fd: fd}, nil
 }

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
@@ -216,5 +218,103 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 				t.Fatalf("the relay left after %s, before the agent's wait of %s", took, c.wait)
 			}
 		})
+	}
+}
+
+// reasonRunner records the fallback's reasons and whether it was told to
+// skip the agent's pod cache.
+type reasonRunner struct {
+	reasons   []string
+	skipAgent bool
+}
+
+func (f *reasonRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) {
+	for _, e := range c.Env {
+		if r, ok := strings.CutPrefix(e, FallbackReasonEnv+"="); ok {
+			f.reasons = append(f.reasons, r)
+		}
+		f.skipAgent = f.skipAgent || e == FallbackSkipAgentEnv+"=1"
+	}
+	return execrun.Result{Stdout: []byte("from the fallback")}, nil
+}
+
+// TestAgentThatStoppedAnswering: an agent frozen with its socket open
+// (its queue of connections not accepted full: the kernel blocks every
+// connect) or one that takes commands and never answers holds no command
+// for the relay's whole Timeout. Each command goes to the fallback (told
+// to skip the agent's cache) after AnswerWait, and STATUS answers as with
+// no agent: the fallback could serve an ADD.
+func TestAgentThatStoppedAnswering(t *testing.T) {
+	netns := filepath.Join(t.TempDir(), "netns")
+	if err := os.WriteFile(netns, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	frozen := func(t *testing.T) string {
+		dir := t.TempDir()
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = unix.Close(fd) })
+		addr := &unix.SockaddrUnix{Name: filepath.Join(dir, SocketName)}
+		if err := unix.Bind(fd, addr); err != nil {
+			t.Fatal(err)
+		}
+		// A queue of one, filled here; nothing is ever accepted.
+		if err := unix.Listen(fd, 0); err != nil {
+			t.Fatal(err)
+		}
+		c, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = unix.Close(c) })
+		if err := unix.Connect(c, addr); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	silent := func(t *testing.T) string { return startAgent(t, []byte("hang")).runDir }
+	for _, agent := range []struct {
+		name   string
+		start  func(*testing.T) string
+		reason string
+	}{
+		{"frozen", frozen, "accepted no connection within 100ms"},
+		{"silent", silent, "node agent behind: no answer within 100ms"},
+	} {
+		for _, command := range []string{"ADD", "DEL", "CHECK", "GC", "STATUS"} {
+			if agent.name == "silent" && command == "ADD" {
+				continue // an ADD the agent took waits for it: TestLeaveForFallback
+			}
+			t.Run(agent.name+"/"+command, func(t *testing.T) {
+				runDir := agent.start(t)
+				fb := &reasonRunner{}
+				var out bytes.Buffer
+				// An executable file stands in for the fallback STATUS looks for.
+				r := &Relay{Fallback: os.Args[0], Stdout: &out, Stderr: io.Discard, Timeout: 3 * time.Second,
+					AnswerWait: 100 * time.Millisecond, Runner: fb}
+				stdin := `{"cniVersion":"1.1.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + runDir +
+					`","prevResult":{"cniVersion":"1.1.0","ips":[{"address":"10.1.0.2/24"}]}}`
+				a := &Args{Command: command, ContainerID: "c1", Netns: netns, IfName: "eth0",
+					Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", Stdin: []byte(stdin)}
+				if command == "STATUS" || command == "GC" {
+					a.ContainerID, a.Netns, a.IfName, a.Args = "", "", "", ""
+				}
+				if err := r.Run(a); err != nil {
+					t.Fatalf("%s: %v", command, err)
+				}
+				if command == "STATUS" {
+					if len(fb.reasons) != 0 || out.Len() != 0 {
+						t.Fatalf("STATUS ran the fallback (%q) or printed %q", fb.reasons, out.String())
+					}
+					return
+				}
+				if len(fb.reasons) != 1 || !strings.Contains(fb.reasons[0], agent.reason) || !fb.skipAgent || out.String() != "from the fallback" {
+					t.Fatalf("fallback reasons %q (want one saying %q), told to skip the agent: %v; printed %q",
+						fb.reasons, agent.reason, fb.skipAgent, out.String())
+				}
+			})
+		}
 	}
 }

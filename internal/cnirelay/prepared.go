@@ -221,12 +221,19 @@ func plainArgs(a *Args) bool {
 	known := true
 	for _, kv := range strings.Split(a.Args, ";") {
 		k, v, ok := strings.Cut(kv, "=")
-		if !ok {
-			return false
+		if !ok || strings.Contains(v, "=") {
+			return false // the library's "invalid pair"
 		}
 		switch k {
 		case "IgnoreUnknown":
-			ignore = v == "1" || strings.EqualFold(v, "true")
+			switch strings.ToLower(v) {
+			case "1", "true":
+				ignore = true
+			case "0", "false":
+				ignore = false
+			default:
+				return false // not a boolean the library reads
+			}
 		case "K8S_POD_NAMESPACE", "K8S_POD_NAME", "K8S_POD_INFRA_CONTAINER_ID", "K8S_POD_UID":
 		default:
 			known = false

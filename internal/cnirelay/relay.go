@@ -26,6 +26,17 @@ const DefaultRunDir = "/var/run/istio-cni"
 // catches an agent that stopped answering altogether.
 const Timeout = 2 * time.Minute
 
+// AnswerWait bounds how long a command other than ADD waits for the agent
+// to accept it and begin its answer before the fallback serves it. DEL,
+// CHECK, GC and STATUS change nothing, so the fallback may serve one the
+// agent is still on; only an agent that stopped answering takes this
+// long (a healthy one answers in milliseconds), and without it CRI-O's
+// CHECK, run while it creates each sandbox, and every DEL would wait for
+// all of Timeout. Every command, ADD too, waits at most this long for the
+// agent to accept its connection: a command the agent never took the
+// fallback may always serve.
+const AnswerWait = 10 * time.Second
+
 // Relay sends CNI commands to the agent's socket and runs the fallback
 // when no agent answers.
 type Relay struct {
@@ -36,6 +47,8 @@ type Relay struct {
 	Stdout  io.Writer
 	Stderr  io.Writer
 	Timeout time.Duration
+	// AnswerWait replaces the constant AnswerWait when set.
+	AnswerWait time.Duration
 	// Runner starts the fallback; nil means execrun.OS.
 	Runner execrun.Runner
 	// NoSteps makes the relay one that cannot send prepared requests, as
@@ -59,10 +72,11 @@ type Relay struct {
 // without any risk of doing the work twice at once.
 var errNoAgent = errors.New("no node agent")
 
-// errAgentBehind means a relay that may leave (Request.MayLeave) got no
-// answer within the agent's wait and closed the connection: the agent
-// writes nothing to the namespace for such a request, so the fallback may
-// run.
+// errAgentBehind means a relay that may leave (Request.MayLeave, or a
+// command that changes nothing) got no answer within its wait and closed
+// the connection, or the agent did not accept the connection at all: the
+// agent writes nothing to the namespace for such a request, so the
+// fallback may run.
 var errAgentBehind = errors.New("node agent behind")
 
 // hasUID says the arguments name the pod's UID, which records go by.
@@ -128,8 +142,10 @@ func (r *Relay) Run(a *Args) error {
 		defer conn.close()
 	}
 	switch {
+	case errors.Is(err, errAgentBehind) && a.Command == "STATUS":
+		return r.status(err.Error())
 	case errors.Is(err, errAgentBehind):
-		return r.fallback(fmt.Sprintf("%v: no answer within %s", err, leaveAfter), a, FallbackSkipAgentEnv+"=1")
+		return r.fallback(err.Error(), a, FallbackSkipAgentEnv+"=1")
 	case errors.Is(err, errNoAgent) && a.Command == "STATUS":
 		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
@@ -213,7 +229,21 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string, lea
 	}
 	req.HasNetnsFD = netns != nil
 	body := req.appendJSON(make([]byte, 0, 512+len(a.Stdin)*4/3))
-	conn, err := dialAgent(sock, r.Timeout)
+	var first time.Duration
+	switch {
+	case req.MayLeave:
+		first = leaveAfter
+	case a.Command != "ADD":
+		first = r.answerWait()
+	}
+	connectWait := first
+	if connectWait <= 0 {
+		connectWait = r.answerWait()
+	}
+	conn, err := dialAgent(sock, connectWait, r.Timeout)
+	if errors.Is(err, unix.EAGAIN) {
+		return nil, nil, fmt.Errorf("%w: %s accepted no connection within %s", errAgentBehind, sock, connectWait)
+	}
 	if err != nil {
 		// Missing socket or a dead agent's leftover one.
 		return nil, nil, fmt.Errorf("%w: dial unix %s: %w", errNoAgent, sock, err)
@@ -243,14 +273,10 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string, lea
 	}
 	// The agent ends its answer by closing its side (for a transaction,
 	// only its side: it then reads the outcome).
-	var first time.Duration
-	if req.MayLeave {
-		first = leaveAfter
-	}
 	out, err := conn.readAll(MaxMessage, first, r.Timeout)
 	if errors.Is(err, errWaitedFirst) {
 		// Closed (deferred) before the fallback starts.
-		return nil, nil, errAgentBehind
+		return nil, nil, fmt.Errorf("%w: no answer within %s", errAgentBehind, first)
 	}
 	if errors.Is(err, errTooLarge) {
 		return nil, nil, NewError(ErrInternal, fmt.Sprintf("bad answer from the node agent on %s: %v", sock, err), "")
@@ -272,6 +298,13 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string, lea
 	}
 	keep = true
 	return resp, conn, nil
+}
+
+func (r *Relay) answerWait() time.Duration {
+	if r.AnswerWait > 0 {
+		return r.AnswerWait
+	}
+	return AnswerWait
 }
 
 // status answers STATUS when no agent serves: an ADD would be served by

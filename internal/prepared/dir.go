@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -19,7 +20,18 @@ type Dir string
 // Reset empties the directory of records (an earlier agent's may be of
 // pods it decided under other settings), making it when missing; the
 // configs an agent learnt (SaveConfigs) stay.
+//
+// Anything else of that name (a link, a file, a directory another user
+// owns, who could plant records in it) is removed first, not followed.
 func (d Dir) Reset() error {
+	if fi, err := os.Lstat(string(d)); err == nil {
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !fi.IsDir() || !ok || st.Uid != uint32(os.Geteuid()) { //nolint:gosec // G115: a uid
+			if err := os.RemoveAll(string(d)); err != nil {
+				return err
+			}
+		}
+	}
 	entries, err := os.ReadDir(string(d))
 	if errors.Is(err, fs.ErrNotExist) {
 		return os.Mkdir(string(d), 0o700)

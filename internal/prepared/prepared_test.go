@@ -8,8 +8,12 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
 func sample() *Record {
@@ -404,4 +408,73 @@ func TestAgentSeen(t *testing.T) {
 	if err := d.Beat(); err == nil {
 		t.Fatal("a beat over a directory succeeded")
 	}
+}
+
+// TestOnlyOwnRecords: a record another user could have written (group- or
+// world-writable, or another owner's) is refused, and Reset removes, not
+// follows, a link or a file of the directory's name and a directory
+// another user owns.
+func TestOnlyOwnRecords(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir, _, r := sampleDir(t)
+	path := Path(dir, r.UID)
+	if err := os.Chmod(path, 0o622); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ReadMapped(dir, r.UID); err == nil || !strings.Contains(err.Error(), "mode") {
+		t.Fatalf("a group-writable record: %v", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(path, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ReadMapped(dir, r.UID); err == nil || !strings.Contains(err.Error(), "uid 1000") {
+		t.Fatalf("another user's record: %v", err)
+	}
+
+	base := t.TempDir()
+	target := filepath.Join(base, "elsewhere")
+	if err := os.Mkdir(target, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "keep"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	d := Dir(filepath.Join(base, DirName))
+	reset := func(what string) {
+		t.Helper()
+		if err := d.Reset(); err != nil {
+			t.Fatalf("Reset over %s: %v", what, err)
+		}
+		fi, err := os.Lstat(string(d))
+		if err != nil || !fi.IsDir() || fi.Mode().Perm() != 0o700 || fi.Sys().(*syscall.Stat_t).Uid != uint32(os.Geteuid()) {
+			t.Fatalf("after Reset over %s: %v, %v", what, fi, err)
+		}
+	}
+	if err := os.Symlink(target, string(d)); err != nil {
+		t.Fatal(err)
+	}
+	reset("a link")
+	if _, err := os.Stat(filepath.Join(target, "keep")); err != nil {
+		t.Fatalf("Reset followed the link: %v", err)
+	}
+	if err := os.Chown(string(d), 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(string(d), "planted"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	reset("another user's directory")
+	if _, err := os.Stat(filepath.Join(string(d), "planted")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a file in another user's directory outlived Reset: %v", err)
+	}
+	if err := os.RemoveAll(string(d)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(string(d), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	reset("a file")
 }
