@@ -4,6 +4,7 @@
 # /<version>/, outside the work tree so fresh clones on the same machine reuse them.
 # Usage: hack/build-kube.sh [binary...]
 set -euo pipefail
+# internal/testenv reads KUBE_VERSION too, with the same default: change both.
 KUBE_VERSION=${KUBE_VERSION:-v1.34.4}
 STAGING_VERSION=v0${KUBE_VERSION#v1}
 cache="${KUBE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/istio-cni-go/kube}/$KUBE_VERSION"

@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 pkgs=(iptables nftables iproute2 containernetworking-plugins etcd-server util-linux busybox-static containerd dpkg)
 missing=()
 for p in "${pkgs[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  # Not `dpkg -s`: it succeeds for a removed package whose config files are left.
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

@@ -148,9 +148,12 @@ func (h *AgentHost) run(agentBin string, args, env []string) error {
 	}
 	h.cmd.Stdout, h.cmd.Stderr = h.Log, h.Log
 	// A group of its own, which Kill kills whole, as a container's end
-	// kills every process in it.
-	h.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := h.cmd.Start(); err != nil {
+	// kills every process in it. Out of the terminal's group, a Ctrl-C
+	// never reaches it, so it gets SIGTERM when the test process dies
+	// (forked from a thread that lives as long as the process, as the
+	// death signal follows the thread).
+	h.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+	if err := startOnLongLivedThread(h.cmd); err != nil {
 		return err
 	}
 	h.done = make(chan struct{})

@@ -21,19 +21,21 @@ import (
 const cgroupMount = "/sys/fs/cgroup"
 
 // NodeCgroups is the cgroup layout of a real node, made under a root of
-// its own in every cgroup v1 hierarchy: the kubelet's QoS tree
+// its own in every cgroup v1 hierarchy (or the unified one, on a machine
+// with no v1): the kubelet's QoS tree
 // (<root>/kubepods/{burstable,besteffort}/pod<uid>) and the runtime and
 // kubelet in <root>/runtime, as a node runs them in a slice of their own.
 type NodeCgroups struct {
 	// Root is the kubelet's cgroupRoot, relative to each hierarchy.
 	Root string
-	dirs []string // one per v1 hierarchy: <mount>/<hierarchy>
+	dirs []string // one per v1 hierarchy (<mount>/<hierarchy>), or the v2 mount
 	// all are every hierarchy, the unified one too, where the kubelet
 	// also makes cgroups in hybrid mode: removal looks in each.
 	all []string
 }
 
-// NewNodeCgroups creates root and root/runtime in every v1 hierarchy.
+// NewNodeCgroups creates root and root/runtime in every v1 hierarchy, or
+// in the unified one if there is no v1 hierarchy.
 func NewNodeCgroups(root string) (*NodeCgroups, error) {
 	entries, err := os.ReadDir(cgroupMount)
 	if err != nil {
@@ -60,7 +62,24 @@ func NewNodeCgroups(root string) (*NodeCgroups, error) {
 		}
 	}
 	if len(g.dirs) == 0 {
-		return nil, errors.New("no cgroup v1 hierarchy under " + cgroupMount)
+		return g.unified()
+	}
+	return g, nil
+}
+
+// unified lays the tree out in the one hierarchy of a cgroup v2 only
+// machine, where the kubelet puts it too. A process's line there
+// ("0::/<root>/kubepods/besteffort/pod<uid>") names the pod as the v1
+// lines do, and the agent's repair reads every line. The cpu and cpuacct
+// accessors still need v1.
+func (g *NodeCgroups) unified() (*NodeCgroups, error) {
+	if _, err := os.Stat(filepath.Join(cgroupMount, "cgroup.controllers")); err != nil {
+		return nil, errors.New("no cgroup v1 hierarchy under " + cgroupMount + ", and it is no cgroup v2 mount either")
+	}
+	g.dirs, g.all = []string{cgroupMount}, []string{cgroupMount}
+	if err := mkCgroup(cgroupMount, filepath.Join(g.Root, "runtime")); err != nil {
+		g.Remove()
+		return nil, err
 	}
 	return g, nil
 }

@@ -4,6 +4,7 @@
 package testenv
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/rsa"
@@ -33,8 +34,10 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// KubeVersion is the Kubernetes version hack/build-kube.sh builds.
-const KubeVersion = "v1.34.4"
+// KubeVersion is the Kubernetes version whose binaries the tests run:
+// $KUBE_VERSION, which hack/build-kube.sh builds, with the same default,
+// so that a version built on request is the one looked for.
+var KubeVersion = cmp.Or(os.Getenv("KUBE_VERSION"), "v1.34.4")
 
 // Cluster is a running etcd and kube-apiserver.
 type Cluster struct {

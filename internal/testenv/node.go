@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"sync/atomic"
 	"syscall"
@@ -59,7 +60,19 @@ func EnterNodeNamespace() {
 	// what `make setup` downloaded. Saying so makes a missing download fail
 	// at once with the tools' own "offline" messages instead of DNS errors.
 	cmd.Env = append(os.Environ(), nodeNSEnv+"=1", "GOPROXY=off", "GOTOOLCHAIN=local", "ISTIO_CNI_OFFLINE=1")
-	err := cmd.Run()
+	// This process only waits: a SIGINT or SIGTERM goes on to the child,
+	// whose clean-ups need its namespaces, and the exit follows them.
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	err := cmd.Start()
+	if err == nil {
+		go func() {
+			for sig := range sigs {
+				_ = cmd.Process.Signal(sig)
+			}
+		}()
+		err = cmd.Wait()
+	}
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
 		os.Exit(ee.ExitCode())

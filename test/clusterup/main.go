@@ -28,7 +28,10 @@ func main() {
 }
 
 func run(withChart bool) error {
-	ctx := context.Background()
+	// Installed before start-up, so a Ctrl-C during it tears down what
+	// was started too, instead of killing this process and leaving it.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
 	setup := testenv.NodeSetup{}
 	if withChart {
 		setup = testenv.NodeSetup{AgentImage: true, Namespaces: []string{"istio-system"}}
@@ -46,6 +49,10 @@ func run(withChart bool) error {
 		}
 		defer func() { _ = rel.Uninstall() }()
 	}
+	// Interrupted during start-up: no banner for a cluster about to go.
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	kc := filepath.Join(one.Dir, "admin.kubeconfig")
 	if err := cluster.AdminKubeconfig(kc); err != nil {
 		return err
@@ -59,8 +66,6 @@ func run(withChart bool) error {
 Images loaded: %s, %s%s.
 Ctrl-C here tears everything down.
 `, testenv.NodeName, os.Getpid(), kc, node.Socket, testenv.PauseImage, testenv.AppImage, map[bool]string{true: ", " + testenv.AgentImage + " (chart installed)"}[withChart])
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
-	<-sig
+	<-ctx.Done()
 	return nil
 }

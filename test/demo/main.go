@@ -16,6 +16,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -33,8 +34,16 @@ import (
 func main() {
 	testenv.RunHelperIfRequested()
 	testenv.EnterNodeNamespace()
+	// A signal cancels the run instead of killing the process, so its
+	// clean-ups stop the agent and the cluster and remove what it made.
+	// Never stopped: the process ends with the run.
+	ctx, _ := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	start := time.Now()
-	if err := run(); err != nil {
+	if err := run(ctx); err != nil {
+		if ctx.Err() != nil {
+			fmt.Fprintln(os.Stderr, "\nDEMO INTERRUPTED; cleaned up.")
+			os.Exit(130)
+		}
 		fmt.Fprintln(os.Stderr, "\nDEMO FAILED:", err)
 		os.Exit(1)
 	}
@@ -63,18 +72,25 @@ type demo struct {
 	cleanups []func()
 }
 
-func run() error {
-	d := &demo{ctx: context.Background()}
+func run(ctx context.Context) (err error) {
+	d := &demo{ctx: ctx}
 	defer func() {
 		for i := len(d.cleanups) - 1; i >= 0; i-- {
 			d.cleanups[i]()
 		}
 	}()
-	var err error
 	if d.dir, err = os.MkdirTemp("", "istio-cni-demo-"); err != nil {
 		return err
 	}
-	d.cleanups = append(d.cleanups, func() { _ = os.RemoveAll(d.dir) }, testenv.RemoveSandboxCgroups)
+	d.cleanups = append(d.cleanups, func() {
+		// The logs a failure points to (agent.log, cluster.log) are in
+		// there; an interrupted run leaves nothing behind.
+		if err != nil && ctx.Err() == nil {
+			err = fmt.Errorf("%w\n(the demo's files are kept in %s)", err, d.dir)
+			return
+		}
+		_ = os.RemoveAll(d.dir)
+	}, testenv.RemoveSandboxCgroups)
 	_ = os.Chmod(d.dir, 0o755)
 
 	say("== istio-cni on one machine ==")
@@ -124,7 +140,10 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	code, out := d.runValidation(early)
+	code, out, err := d.runValidation(early)
+	if err != nil {
+		return err
+	}
 	if code != 126 {
 		return fmt.Errorf("validation of the raced pod exited %d, want 126:\n%s", code, out)
 	}
@@ -159,7 +178,10 @@ func run() error {
 		return err
 	}
 	say("   Event on the pod: %s: %s", ev.Reason, ev.Message)
-	if code, out := d.runValidation(early); code != 0 {
+	if code, out, err = d.runValidation(early); err != nil {
+		return err
+	}
+	if code != 0 {
 		return fmt.Errorf("validation after repair exited %d:\n%s", code, out)
 	}
 	say("   The validation command now passes in that pod.")
@@ -188,18 +210,16 @@ func run() error {
 	say("   up in its cache and prepared the rules; the relay committed them: %s", served[0])
 
 	step("Connections from and to the app go through a stand-in proxy, which prints what it sees.")
-	if err := d.proxied(web, "0.0.0.0:15001", "the app connects to "+testenv.RemoteV4+":80", func() (net.Conn, error) {
-		return testenv.Dial(web, "tcp4", testenv.RemoteV4+":80")
-	}); err != nil {
+	if err := d.proxied(web, "0.0.0.0:15001", "the app", web, netip.AddrPortFrom(netip.MustParseAddr(testenv.RemoteV4), 80)); err != nil {
 		return err
 	}
-	target := netip.AddrPortFrom(webIP, 8080)
-	if err := d.proxied(web, "0.0.0.0:15006", "a client on the node connects to "+target.String(), func() (net.Conn, error) {
-		return testenv.Dial(nil, "tcp4", target.String())
-	}); err != nil {
+	if err := d.proxied(web, "0.0.0.0:15006", "a client on the node", nil, netip.AddrPortFrom(webIP, 8080)); err != nil {
 		return err
 	}
-	if code, out := d.runValidation(web); code != 0 {
+	if code, out, err = d.runValidation(web); err != nil {
+		return err
+	}
+	if code != 0 {
 		return fmt.Errorf("validation of demo/web exited %d:\n%s", code, out)
 	}
 	say("   The validation command passes in demo/web too.")
@@ -311,24 +331,27 @@ func (d *demo) sandbox(name string) (*testenv.Pod, netip.Addr, error) {
 	return pod, ip, nil
 }
 
-func (d *demo) runValidation(pod *testenv.Pod) (int, string) {
-	var out bytes.Buffer
-	code := -1
-	_ = pod.InPod(func() error {
+// runValidation runs the validation command in pod as the proxy's uid and
+// returns its exit code and output; err is for a command that did not run.
+func (d *demo) runValidation(pod *testenv.Pod) (code int, out string, err error) {
+	var buf bytes.Buffer
+	err = pod.InPod(func() error {
 		cmd := exec.Command(d.validate, "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT",
 			"--run-validation", "--skip-rule-apply", "--probe-timeout", "2s")
-		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.Stdout, cmd.Stderr = &buf, &buf
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1337, Gid: 1337}}
 		err := cmd.Run()
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
 			code = ee.ExitCode()
-		} else if err == nil {
-			code = 0
+			return nil
 		}
-		return nil
+		return err
 	})
-	return code, out.String()
+	if err != nil {
+		return -1, buf.String(), fmt.Errorf("running the validation command in pod %s/%s as uid 1337: %w", pod.Namespace, pod.Name, err)
+	}
+	return code, buf.String(), nil
 }
 
 func (d *demo) reportValidationFailed(name string, ip netip.Addr) error {
@@ -360,9 +383,11 @@ func (d *demo) waitEvent(pod, reason string) (*corev1.Event, error) {
 	return nil, fmt.Errorf("no %s event for %s within 20s", reason, pod)
 }
 
-// proxied runs a stand-in proxy on listen in the pod and asserts that the
-// dialled connection arrives there; it prints the original destination.
-func (d *demo) proxied(pod *testenv.Pod, listen, what string, dial func() (net.Conn, error)) error {
+// proxied runs a stand-in proxy on listen in the pod, connects to dst from
+// the pod from (nil: the node) and asserts that the connection arrives at
+// the proxy with dst as its original destination.
+func (d *demo) proxied(pod *testenv.Pod, listen, who string, from *testenv.Pod, dst netip.AddrPort) error {
+	what := who + " connects to " + dst.String()
 	l, err := testenv.Listen(pod, "tcp4", listen, false)
 	if err != nil {
 		return err
@@ -375,7 +400,7 @@ func (d *demo) proxied(pod *testenv.Pod, listen, what string, dial func() (net.C
 		}
 		close(got)
 	}()
-	c, err := dial()
+	c, err := testenv.Dial(from, "tcp4", dst.String())
 	if err != nil {
 		return err
 	}
@@ -388,6 +413,9 @@ func (d *demo) proxied(pod *testenv.Pod, listen, what string, dial func() (net.C
 	orig, err := testenv.OriginalDst(conn)
 	if err != nil {
 		return err
+	}
+	if orig != dst {
+		return fmt.Errorf("%s: the proxy on %s got it with original destination %s, not %s", what, listen, orig, dst)
 	}
 	say("   %s -> the stand-in proxy on port %s got it; original destination %s (SO_ORIGINAL_DST)",
 		what, strings.TrimPrefix(listen, "0.0.0.0:"), orig)

@@ -16,7 +16,7 @@ func TestMain(m *testing.M) {
 // TestDemo runs the README's first command in the test suite, so the demo
 // keeps doing what it says.
 func TestDemo(t *testing.T) {
-	if err := run(); err != nil {
+	if err := run(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 }
