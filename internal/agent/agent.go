@@ -294,6 +294,9 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	if err := os.MkdirAll(runDir, 0o755); err != nil { //nolint:gosec // G301: Istio's mode for the run dir, which the plugin and host tools read
 		return nil, fmt.Errorf("creating run dir: %w", err)
 	}
+	if err := publishForcedVariant(runDir, cfg); err != nil {
+		return nil, fmt.Errorf("telling the fallback the forced iptables variant: %w", err)
+	}
 	pluginLog := a.PluginLog
 	if pluginLog == nil {
 		pluginLog = a.log.With("scope", logging.ScopePlugin)

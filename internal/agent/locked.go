@@ -64,5 +64,12 @@ func iptablesRules(cfg *Config) plugin.Rules {
 	return &iptables.Applier{Force: cfg.ForceIPTablesBinary}
 }
 
+// publishForcedVariant tells the fallback, in the run directory, the
+// variant the agent forces, so that the pods it serves get their rules
+// where the agent's go.
+func publishForcedVariant(runDir string, cfg *Config) error {
+	return iptables.WriteForced(runDir, cfg.ForceIPTablesBinary)
+}
+
 // nftablesRules is the nftables backend.
 func nftablesRules() plugin.Rules { return &nftables.Applier{} }

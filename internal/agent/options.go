@@ -472,6 +472,12 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 	in.Kubeconfig.Host, _ = lookupEnv("KUBERNETES_SERVICE_HOST")
 	in.Kubeconfig.Port, _ = lookupEnv("KUBERNETES_SERVICE_PORT")
 	o.ForceIPTablesBinary, _ = lookupEnv("FORCE_IPTABLES_BINARY")
+	switch o.ForceIPTablesBinary {
+	case "", "legacy", "nft":
+	default:
+		// Every ADD would fail on it.
+		return nil, fmt.Errorf("FORCE_IPTABLES_BINARY=%q: want legacy or nft, or leave it unset to detect the variant", o.ForceIPTablesBinary)
+	}
 	if o.NodeName == "" {
 		o.NodeName = repairNode
 	}

@@ -428,6 +428,20 @@ func TestKubeconfigModeNamesTheValue(t *testing.T) {
 	}
 }
 
+// TestForceIPTablesBinaryChecked: a variant name the plugin does not know
+// would fail every ADD; the agent refuses it at start, naming it.
+func TestForceIPTablesBinaryChecked(t *testing.T) {
+	_, err := ParseOptions(nil, envOf(map[string]string{"FORCE_IPTABLES_BINARY": "iptables-legacy"}))
+	if err == nil || !strings.Contains(err.Error(), `FORCE_IPTABLES_BINARY="iptables-legacy"`) {
+		t.Fatalf("FORCE_IPTABLES_BINARY=iptables-legacy: %v", err)
+	}
+	for _, v := range []string{"legacy", "nft"} {
+		if cfg, err := ParseOptions(nil, envOf(map[string]string{"FORCE_IPTABLES_BINARY": v})); err != nil || cfg.ForceIPTablesBinary != v {
+			t.Fatalf("FORCE_IPTABLES_BINARY=%s: %v", v, err)
+		}
+	}
+}
+
 // TestServiceLinkIsNotAPort: a Service named "monitoring" in the agent's
 // namespace makes the kubelet set MONITORING_PORT=tcp://...; the agent
 // keeps its default port, with a note, instead of exiting 2 at every

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
@@ -92,6 +93,11 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 	cfg.NodeName = "n"
 	cfg.DaemonSetName = "istio-cni-node"
 	cfg.Loop.Install.Entry.PodNamespace = "istio-system"
+	// Said in the run dir for the fallback.
+	cfg.ForceIPTablesBinary = "legacy"
+	if err := os.WriteFile(filepath.Join(cfg.Loop.Install.RunDir, iptables.ForcedName), []byte("nft\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	broken := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u1", Labels: map[string]string{"app": "broken"},
 		Annotations: map[string]string{"sidecar.istio.io/status": "{}"}},
 		Spec: corev1.PodSpec{NodeName: "n"},
@@ -126,6 +132,9 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 	}
 	if runErr != nil {
 		t.Fatalf("Run: %v", runErr)
+	}
+	if got := iptables.ReadForced(cfg.Loop.Install.RunDir); got != "legacy" {
+		t.Fatalf("the forced variant said in the run dir: %q, want legacy (an earlier agent said nft)", got)
 	}
 	if atCleanup == nil {
 		t.Fatal("Run did not get to the clean-up")

@@ -29,6 +29,14 @@ func Main() int {
 		Stdout:   os.Stdout,
 		Rules:    &iptables.Applier{Force: os.Getenv("FORCE_IPTABLES_BINARY")},
 		NFTables: &nftables.Applier{},
+		// The agent's FORCE_IPTABLES_BINARY wins over the runtime's, as it
+		// does for the ADDs the agent serves.
+		AgentForced: func(runDir string) Rules {
+			if v := iptables.ReadForced(runDir); v != "" {
+				return &iptables.Applier{Force: v}
+			}
+			return nil
+		},
 		// Set by the relay (istio-cni) when no node agent answered.
 		FallbackReason: os.Getenv(cnirelay.FallbackReasonEnv),
 		SkipAgentCache: os.Getenv(cnirelay.FallbackSkipAgentEnv) == "1",

@@ -39,6 +39,10 @@ type Plugin struct {
 	Rules  Rules
 	// NFTables is the backend for native_nftables: true.
 	NFTables Rules
+	// AgentForced, when set, is the iptables backend forced to the
+	// variant the node agent in the config's run directory forces, or nil
+	// when it forces none: it replaces Rules.
+	AgentForced func(runDir string) Rules
 	// NewSource builds the pod source for a config and the pod's UID (the
 	// agent's cache, then the API, by default).
 	NewSource func(conf *Config, uid string) (podinfo.Source, error)
@@ -274,6 +278,11 @@ func (p *Plugin) load(cmd string, args *skel.CmdArgs) (*request, error) {
 		log.Warn("plugin_log_level not understood; using "+logging.LevelName(lv), "plugin_log_level", conf.PluginLogLevel)
 	}
 	rules := p.Rules
+	if p.AgentForced != nil {
+		if r := p.AgentForced(conf.CNIAgentRunDir); r != nil {
+			rules = r
+		}
+	}
 	if conf.NativeNftables && p.NFTables != nil {
 		rules = p.NFTables
 	}

@@ -1,0 +1,74 @@
+package iptables
+
+import (
+	"errors"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+)
+
+// ForcedName is the file in the run directory in which the node agent
+// names the iptables variant its FORCE_IPTABLES_BINARY forces. The
+// fallback runs in the runtime's environment, not the agent's: it reads
+// the variant there, so that a pod gets the same rules whichever serves
+// it, and a CHECK, served by either, looks where they are.
+const ForcedName = "iptables-variant"
+
+// WriteForced says in runDir that the agent forces variant ("legacy" or
+// "nft"); "" removes what an earlier agent said. The file is replaced
+// whole by a rename, so a reader never sees a part of it.
+func WriteForced(runDir, variant string) error {
+	path := filepath.Join(runDir, ForcedName)
+	if variant == "" {
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
+	f, err := os.CreateTemp(runDir, "."+ForcedName+"-*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	_, werr := f.WriteString(variant + "\n")
+	if err := errors.Join(werr, f.Chmod(0o644), f.Close()); err != nil {
+		_ = os.Remove(tmp)
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// ReadForced is the variant the agent said it forces in runDir, or ""
+// when it said none. Only this user's (root's) regular file, which no
+// other user can write, is read: the variant decides where a pod's rules
+// go.
+func ReadForced(runDir string) string {
+	f, err := os.OpenFile(filepath.Join(runDir, ForcedName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || !fi.Mode().IsRegular() || fi.Mode().Perm()&0o022 != 0 {
+		return ""
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || st.Uid != uint32(os.Geteuid()) { //nolint:gosec // G115: a uid
+		return ""
+	}
+	b, err := io.ReadAll(io.LimitReader(f, 64))
+	if err != nil {
+		return ""
+	}
+	switch v := strings.TrimSpace(string(b)); v {
+	case VariantLegacy, VariantNFT:
+		return v
+	}
+	return ""
+}
