@@ -9,6 +9,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/plugin"
 	"github.com/istio-cni-go/istio-cni/internal/podnet"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -68,7 +69,7 @@ func iptablesRules(cfg *Config) plugin.Rules {
 // variant the agent forces, so that the pods it serves get their rules
 // where the agent's go.
 func publishForcedVariant(runDir string, cfg *Config) error {
-	return iptables.WriteForced(runDir, cfg.ForceIPTablesBinary)
+	return prepared.WriteForcedVariant(runDir, cfg.ForceIPTablesBinary)
 }
 
 // nftablesRules is the nftables backend.

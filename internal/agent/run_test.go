@@ -19,9 +19,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
 // goroutine is one entry of a full stack dump.
@@ -95,7 +95,7 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 	cfg.Loop.Install.Entry.PodNamespace = "istio-system"
 	// Said in the run dir for the fallback.
 	cfg.ForceIPTablesBinary = "legacy"
-	if err := os.WriteFile(filepath.Join(cfg.Loop.Install.RunDir, iptables.ForcedName), []byte("nft\n"), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(cfg.Loop.Install.RunDir, prepared.VariantName), []byte("nft\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	broken := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p", UID: "u1", Labels: map[string]string{"app": "broken"},
@@ -133,7 +133,7 @@ func TestRunWaitsForEveryPart(t *testing.T) {
 	if runErr != nil {
 		t.Fatalf("Run: %v", runErr)
 	}
-	if got := iptables.ReadForced(cfg.Loop.Install.RunDir); got != "legacy" {
+	if got := prepared.ReadForcedVariant(cfg.Loop.Install.RunDir); got != "legacy" {
 		t.Fatalf("the forced variant said in the run dir: %q, want legacy (an earlier agent said nft)", got)
 	}
 	if atCleanup == nil {

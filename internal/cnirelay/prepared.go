@@ -67,7 +67,9 @@ func (r *Relay) servePrepared(start time.Time, a *Args, conf *prepared.Config, r
 		if e.Kind == nsfacts.KindIPTablesNFT {
 			// The runtime's choice of iptables is the agent's to weigh
 			// against its own.
-			if v := r.getenv("FORCE_IPTABLES_BINARY"); v != "" && v != "nft" {
+			// The agent's own forced variant wins, as it does when the
+			// agent serves (prepared with it).
+			if v := r.getenv("FORCE_IPTABLES_BINARY"); v != "" && v != "nft" && prepared.ReadForcedVariant(runDir) == "" {
 				return false, "the runtime's FORCE_IPTABLES_BINARY=" + v, false, nil
 			}
 		}

@@ -47,6 +47,7 @@ func TestServePrepared(t *testing.T) {
 		noRecord    bool
 		addrs       []string
 		env         string
+		agentForces string // the agent's own FORCE_IPTABLES_BINARY, said in the run dir
 		setup       func(t *testing.T, n ns.NetNS)
 		sendFails   bool
 		containerID string
@@ -64,6 +65,8 @@ func TestServePrepared(t *testing.T) {
 		{name: "a pod that gets no rules", skip: "no istio-proxy container", wantFromRecord: true},
 		{name: "iptables-nft rules", kind: nsfacts.KindIPTablesNFT, env: "nft", wantSent: "v4", wantFromRecord: true},
 		{name: "the runtime forces legacy iptables", kind: nsfacts.KindIPTablesNFT, env: "legacy"},
+		{name: "the runtime forces legacy iptables, the agent nft", kind: nsfacts.KindIPTablesNFT, env: "legacy", agentForces: "nft",
+			wantSent: "v4", wantFromRecord: true},
 		{name: "no record", noRecord: true},
 		{name: "another pod of the name", args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=other;K8S_POD_UID=" + uid},
 		{name: "no UID", args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p"},
@@ -122,6 +125,9 @@ func TestServePrepared(t *testing.T) {
 			kind := c.kind
 			if kind == "" {
 				kind = nsfacts.KindNFTables
+			}
+			if err := prepared.WriteForcedVariant(a.runDir, c.agentForces); err != nil {
+				t.Fatal(err)
 			}
 			dir := filepath.Join(a.runDir, prepared.DirName)
 			if err := prepared.Dir(dir).Reset(); err != nil {

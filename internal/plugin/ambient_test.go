@@ -391,6 +391,8 @@ func TestAmbientCheck(t *testing.T) {
 		{name: "agent: enrolled and as it should be", check: &hookRecorder{enrolled: true}, ns: "default", pod: "web", checked: true},
 		{name: "agent: enrolled, redirection differs", check: &hookRecorder{enrolled: true, err: errors.New("ztunnel has not acknowledged the pod")},
 			ns: "default", pod: "web", checked: true, wantCode: uint(types.ErrInternal), wantErr: []string{"pod default/web", "ztunnel has not acknowledged the pod"}},
+		{name: "agent: pod undecided (unreadable), CHECK passes as Istio's", check: &hookRecorder{err: errors.New("ambient mode: cannot read pod default/web")},
+			ns: "default", pod: "web", checked: true},
 		{name: "agent: not enrolled, sidecar check", check: &hookRecorder{}, ns: "default", pod: "web", obj: injected(nil), checked: true, podReads: 1, ruleCheck: 1},
 		{name: "agent: excluded namespace not asked", check: &hookRecorder{enrolled: true, err: errors.New("asked")}, ns: "kube-system", pod: "dns"},
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/iptables"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nftables"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
 // Version is set at build time.
@@ -32,7 +33,7 @@ func Main() int {
 		// The agent's FORCE_IPTABLES_BINARY wins over the runtime's, as it
 		// does for the ADDs the agent serves.
 		AgentForced: func(runDir string) Rules {
-			if v := iptables.ReadForced(runDir); v != "" {
+			if v := prepared.ReadForcedVariant(runDir); v != "" {
 				return &iptables.Applier{Force: v}
 			}
 			return nil

@@ -88,8 +88,9 @@ type Plugin struct {
 	// then gets no sidecar rules; an error fails the ADD.
 	Ambient func(ctx context.Context, a *K8sArgs) (bool, error)
 	// AmbientCheck is Ambient's CHECK: true means the pod is enrolled
-	// and its ambient redirection is as it should be; an error names
-	// what differs.
+	// and its ambient redirection is as it should be; an error with true
+	// names what differs, an error with false says the pod could not be
+	// decided (it or its namespace could not be read).
 	AmbientCheck func(ctx context.Context, a *K8sArgs) (bool, error)
 	// Namespaces reads namespaces' labels when this process decides
 	// ambient enrolment itself (the fallback); nil means the API server
@@ -615,6 +616,10 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	if p.AmbientCheck != nil && skipByName(req.conf, req.args) == "" {
 		enrolled, err := p.AmbientCheck(context.Background(), req.args)
+		if err != nil && !enrolled {
+			req.log.Warn("check skipped: the pod could not be decided", "error", err.Error())
+			return nil
+		}
 		if err != nil {
 			req.log.Error("check failed", "error", err.Error())
 			return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
@@ -629,8 +634,9 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 		return nil
 	}
 	if d.Skip != "" {
-		// Ambient mode's pods among them (never a sidecar pod): their
-		// redirection is the agent's, with ztunnel, checked above when the
+		// Ambient mode's pods among them: a pod that gets sidecar rules
+		// has the injector's status annotation, which ambient mode never
+		// enrols. An enrolled pod's redirection is checked above when the
 		// agent serves; the fallback can tell no more than Istio's plugin.
 		req.log.Debug("check: the pod gets no rules from istio-cni's sidecar mode", "reason", d.Skip)
 		return nil

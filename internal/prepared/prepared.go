@@ -275,8 +275,10 @@ func openRegular(path string, limit int64, what string) (*os.File, int64, error)
 	// What a record says decides a pod's rules: only the agent's own
 	// files (it runs as the relay's user, root) are taken, and none that
 	// another user could have written into.
-	if st, ok := fi.Sys().(*syscall.Stat_t); err == nil && ok && (st.Uid != uint32(os.Geteuid()) || fi.Mode().Perm()&0o022 != 0) { //nolint:gosec // G115: a uid
-		err = fmt.Errorf("%s is not %s: owned by uid %d with mode %v", path, what, st.Uid, fi.Mode().Perm())
+	if err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok && (st.Uid != uint32(os.Geteuid()) || fi.Mode().Perm()&0o022 != 0) { //nolint:gosec // G115: a uid
+			err = fmt.Errorf("%s is not %s: owned by uid %d with mode %v", path, what, st.Uid, fi.Mode().Perm())
+		}
 	}
 	if err != nil {
 		_ = f.Close()

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-cni-go/istio-cni/internal/iptables"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
 )
 
@@ -34,7 +34,7 @@ func TestFallbackFollowsAgentsVariant(t *testing.T) {
 		{said: "legacy", want: "iptables-legacy-save", notWant: "iptables-nft-save"},
 		{said: "", want: "iptables-nft-save", notWant: "iptables-legacy-save"},
 	} {
-		if err := iptables.WriteForced(e.node.RunDir, c.said); err != nil {
+		if err := prepared.WriteForcedVariant(e.node.RunDir, c.said); err != nil {
 			t.Fatal(err)
 		}
 		pod := e.newPod(&testenv.PodSpec{Sidecar: true})

@@ -1,4 +1,4 @@
-package iptables
+package prepared
 
 import (
 	"os"
@@ -11,15 +11,15 @@ import (
 // value that is no variant is taken as nothing said.
 func TestForcedVariantFile(t *testing.T) {
 	dir := t.TempDir()
-	path := filepath.Join(dir, ForcedName)
-	if got := ReadForced(dir); got != "" {
+	path := filepath.Join(dir, VariantName)
+	if got := ReadForcedVariant(dir); got != "" {
 		t.Fatalf("nothing said: %q", got)
 	}
-	for _, v := range []string{VariantLegacy, VariantNFT} {
-		if err := WriteForced(dir, v); err != nil {
+	for _, v := range []string{"legacy", "nft"} {
+		if err := WriteForcedVariant(dir, v); err != nil {
 			t.Fatal(err)
 		}
-		if got := ReadForced(dir); got != v {
+		if got := ReadForcedVariant(dir); got != v {
 			t.Fatalf("said %q, read %q", v, got)
 		}
 	}
@@ -29,16 +29,16 @@ func TestForcedVariantFile(t *testing.T) {
 	if err := os.Chmod(path, 0o666); err != nil {
 		t.Fatal(err)
 	}
-	if got := ReadForced(dir); got != "" {
+	if got := ReadForcedVariant(dir); got != "" {
 		t.Fatalf("a world-writable file read as %q", got)
 	}
-	if err := WriteForced(dir, ""); err != nil {
+	if err := WriteForcedVariant(dir, ""); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Lstat(path); !os.IsNotExist(err) {
 		t.Fatalf("after saying nothing: %v", err)
 	}
-	if err := WriteForced(dir, ""); err != nil {
+	if err := WriteForcedVariant(dir, ""); err != nil {
 		t.Fatalf("saying nothing twice: %v", err)
 	}
 	other := filepath.Join(t.TempDir(), "v")
@@ -48,7 +48,7 @@ func TestForcedVariantFile(t *testing.T) {
 	if err := os.Symlink(other, path); err != nil {
 		t.Fatal(err)
 	}
-	if got := ReadForced(dir); got != "" {
+	if got := ReadForcedVariant(dir); got != "" {
 		t.Fatalf("a link read as %q", got)
 	}
 	if err := os.Remove(path); err != nil {
@@ -57,7 +57,7 @@ func TestForcedVariantFile(t *testing.T) {
 	if err := os.WriteFile(path, []byte("iptables\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if got := ReadForced(dir); got != "" {
+	if got := ReadForcedVariant(dir); got != "" {
 		t.Fatalf("no variant read as %q", got)
 	}
 	entries, _ := os.ReadDir(dir)

@@ -1,4 +1,4 @@
-package iptables
+package prepared
 
 import (
 	"errors"
@@ -10,25 +10,25 @@ import (
 	"syscall"
 )
 
-// ForcedName is the file in the run directory in which the node agent
+// VariantName is the file in the run directory in which the node agent
 // names the iptables variant its FORCE_IPTABLES_BINARY forces. The
 // fallback runs in the runtime's environment, not the agent's: it reads
 // the variant there, so that a pod gets the same rules whichever serves
 // it, and a CHECK, served by either, looks where they are.
-const ForcedName = "iptables-variant"
+const VariantName = "iptables-variant"
 
-// WriteForced says in runDir that the agent forces variant ("legacy" or
+// WriteForcedVariant says in runDir that the agent forces variant ("legacy" or
 // "nft"); "" removes what an earlier agent said. The file is replaced
 // whole by a rename, so a reader never sees a part of it.
-func WriteForced(runDir, variant string) error {
-	path := filepath.Join(runDir, ForcedName)
+func WriteForcedVariant(runDir, variant string) error {
+	path := filepath.Join(runDir, VariantName)
 	if variant == "" {
 		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return err
 		}
 		return nil
 	}
-	f, err := os.CreateTemp(runDir, "."+ForcedName+"-*")
+	f, err := os.CreateTemp(runDir, "."+VariantName+"-*")
 	if err != nil {
 		return err
 	}
@@ -45,12 +45,12 @@ func WriteForced(runDir, variant string) error {
 	return nil
 }
 
-// ReadForced is the variant the agent said it forces in runDir, or ""
+// ReadForcedVariant is the variant the agent said it forces in runDir, or ""
 // when it said none. Only this user's (root's) regular file, which no
 // other user can write, is read: the variant decides where a pod's rules
 // go.
-func ReadForced(runDir string) string {
-	f, err := os.OpenFile(filepath.Join(runDir, ForcedName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+func ReadForcedVariant(runDir string) string {
+	f, err := os.OpenFile(filepath.Join(runDir, VariantName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return ""
 	}
@@ -67,7 +67,7 @@ func ReadForced(runDir string) string {
 		return ""
 	}
 	switch v := strings.TrimSpace(string(b)); v {
-	case VariantLegacy, VariantNFT:
+	case "legacy", "nft":
 		return v
 	}
 	return ""
