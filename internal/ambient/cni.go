@@ -43,6 +43,12 @@ func (c *Controller) decideForCNI(ctx context.Context, namespace, name, uid stri
 	if err != nil {
 		return nil, Decision{}, fmt.Errorf("ambient mode: cannot read pod %s/%s: %w", namespace, name, err)
 	}
+	// A pod never enrolled (a sidecar pod, most often) needs no namespace:
+	// one that cannot be read must not fail it, as it does not when the
+	// fallback serves.
+	if c.cfg.Policy.Exclusion(enablementPod(pod)) != "" {
+		return pod, decide(c.cfg.Policy, pod, nil), nil
+	}
 	nsLabels, err := c.namespaceForAdd(ctx, namespace)
 	if err != nil {
 		return nil, Decision{}, fmt.Errorf("ambient mode: cannot read namespace %s of pod %s/%s: %w", namespace, namespace, name, err)

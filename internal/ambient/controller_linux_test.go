@@ -1424,3 +1424,31 @@ func TestEnrolAfterRulesetFlush(t *testing.T) {
 		t.Fatal("the node's probe SNAT is not back")
 	}
 }
+
+// A pod ambient mode never enrols (here a sidecar pod) is decided without
+// its namespace: one that cannot be read does not fail its ADD, as it
+// does not when the fallback serves it.
+func TestExcludedPodNeedsNoNamespace(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		uid, pns := newUID(), e.podNS("10.7.9.6")
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "not-there", Name: "sidecar", UID: k8stypes.UID(uid),
+				Annotations: map[string]string{"sidecar.istio.io/status": "{}"}},
+			Spec: corev1.PodSpec{NodeName: node},
+		}
+		if _, err := e.cs.CoreV1().Pods("not-there").Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if enrolled, err := e.c.EnrolOnAdd(context.Background(), "not-there", "sidecar", uid, f); enrolled || err != nil {
+			t.Fatalf("EnrolOnAdd = %v, %v; want the pod left to sidecar mode", enrolled, err)
+		}
+		if enrolled, err := e.c.CheckOnCNI(context.Background(), "not-there", "sidecar", uid, f); enrolled || err != nil {
+			t.Fatalf("CheckOnCNI = %v, %v; want the pod left to sidecar mode", enrolled, err)
+		}
+	})
+}

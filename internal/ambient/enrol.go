@@ -74,8 +74,12 @@ type (
 
 // decide applies the policy to a pod and its namespace's labels.
 func decide(p Policy, pod *corev1.Pod, nsLabels map[string]string) Decision {
-	return p.Decide(enablement.Pod{Namespace: pod.Namespace, Name: pod.Name, Labels: pod.Labels,
-		Annotations: pod.Annotations, HostNetwork: pod.Spec.HostNetwork}, nsLabels)
+	return p.Decide(enablementPod(pod), nsLabels)
+}
+
+func enablementPod(pod *corev1.Pod) enablement.Pod {
+	return enablement.Pod{Namespace: pod.Namespace, Name: pod.Name, Labels: pod.Labels,
+		Annotations: pod.Annotations, HostNetwork: pod.Spec.HostNetwork}
 }
 
 // Defaults are the node's settings a pod's annotations can override.
