@@ -100,9 +100,14 @@ type podState struct {
 	info zds.WorkloadInfo
 	// netns is the pod's namespace, held open: from the ADD (a dup of the
 	// relay's descriptor) or from /proc. nil when not found (yet).
-	netns  *os.File
-	ips    []netip.Addr
-	params ruleset.AmbientParams
+	netns *os.File
+	ips   []netip.Addr
+	// staleStatus is the pod's status addresses when its ADD found other
+	// ones in its namespace (a new sandbox of the pod, as after a node's
+	// reboot): until the kubelet reports the new ones, the status is the
+	// old sandbox's, and ips (the ADD's) are the pod's.
+	staleStatus []netip.Addr
+	params      ruleset.AmbientParams
 	// applied: the rules are in the namespace (or were, before a
 	// restart), so the pod's addresses belong in the probe set and the
 	// pod in ztunnel's snapshot.
@@ -517,7 +522,7 @@ func (c *Controller) reconcile(ctx context.Context, uid string) error {
 	if !d.Enrol {
 		return c.teardown(ctx, uid, pod, false)
 	}
-	ips := podIPs(pod)
+	ips := c.currentIPs(uid, podIPs(pod))
 	if c.upToDate(pod, ips) {
 		return nil
 	}
@@ -575,6 +580,17 @@ func podIPs(p *corev1.Pod) []netip.Addr {
 	return out
 }
 
+// currentIPs is the pod's addresses: its status's, unless they are still
+// those its last ADD found stale (staleStatus).
+func (c *Controller) currentIPs(uid string, status []netip.Addr) []netip.Addr {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st := c.pods[uid]; st != nil && st.staleStatus != nil && slices.Equal(c.probeIPs(status), st.staleStatus) {
+		return slices.Clone(st.ips)
+	}
+	return status
+}
+
 // upToDate: enrolled as the pod now asks, acknowledged and annotated.
 func (c *Controller) upToDate(pod *corev1.Pod, ips []netip.Addr) bool {
 	return pod.Annotations[AnnotationRedirection] == RedirectionEnabled && c.enrolledAsAsked(pod, ips)
@@ -628,7 +644,8 @@ func (c *Controller) probeIPs(ips []netip.Addr) []netip.Addr {
 // waits for the acknowledgement (for up to ZtunnelWait for a ztunnel to
 // be connected), and annotates the pod enabled. The pod's IPs are its
 // status's, else the namespace's own addresses (an ADD runs before the
-// kubelet reports them). An error names the pod and what failed; the pod
+// kubelet reports them, and for a new sandbox of a pod the status holds
+// the old one's until then). An error names the pod and what failed; the pod
 // is then annotated pending if ztunnel was the cause, and the controller
 // keeps retrying the ztunnel step.
 //
@@ -650,12 +667,15 @@ func (c *Controller) AddPod(ctx context.Context, pod *corev1.Pod, netns *os.File
 	if err != nil {
 		return fmt.Errorf("ambient enrolment of pod %s/%s: keeping its network namespace: %w", pod.Namespace, pod.Name, err)
 	}
-	ips := podIPs(pod)
+	// The namespace's own addresses are this sandbox's; the status may
+	// still be an earlier sandbox's.
+	ips, err := netnsAddrs(f)
+	if err != nil {
+		_ = f.Close()
+		return fmt.Errorf("ambient enrolment of pod %s/%s: reading its addresses: %w", pod.Namespace, pod.Name, err)
+	}
 	if len(ips) == 0 {
-		if ips, err = netnsAddrs(f); err != nil {
-			_ = f.Close()
-			return fmt.Errorf("ambient enrolment of pod %s/%s: reading its addresses: %w", pod.Namespace, pod.Name, err)
-		}
+		ips = podIPs(pod)
 	}
 	if err := c.enrol(ctx, pod, f, ips, c.cfg.ZtunnelWait, "cni"); err != nil {
 		return fmt.Errorf("ambient enrolment of pod %s/%s (uid %s): %w", pod.Namespace, pod.Name, pod.UID, err)
@@ -713,6 +733,11 @@ func (c *Controller) enrol(ctx context.Context, pod *corev1.Pod, netns *os.File,
 
 func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os.File, ips []netip.Addr, wait time.Duration, onADD bool) error {
 	uid := string(pod.UID)
+	if !onADD {
+		// An ADD may have enrolled a new sandbox since the caller read
+		// the status (it waited for the pod's lock).
+		ips = c.currentIPs(uid, ips)
+	}
 	params, err := PodParams(pod, c.cfg.Defaults)
 	if err != nil {
 		if netns != nil {
@@ -777,6 +802,14 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	}
 	c.mu.Lock()
 	st.params, st.paramsUnknown, st.applied, st.ips = params, false, true, c.probeIPs(ips)
+	switch status := c.probeIPs(podIPs(pod)); {
+	case onADD && len(status) > 0 && !slices.Equal(status, st.ips):
+		st.staleStatus = status
+	case !onADD && slices.Equal(status, st.staleStatus):
+		// Still the old sandbox's: the kubelet has not reported yet.
+	default:
+		st.staleStatus = nil
+	}
 	c.seq++
 	st.claim = c.seq
 	info := st.info

@@ -1452,3 +1452,51 @@ func TestExcludedPodNeedsNoNamespace(t *testing.T) {
 		}
 	})
 }
+
+// A new sandbox of a running pod (a node's reboot, a sandbox that died)
+// has a new address, and the pod's status keeps the old sandbox's until
+// the kubelet reports it: the ADD enrols the namespace's own address, and
+// the controller does not take it back for the stale status meanwhile;
+// once the status changes, it is followed.
+func TestNewSandboxAddressOverStaleStatus(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		const oldIP, newIP = "10.7.3.8", "10.7.3.9"
+		uid, pns := newUID(), e.podNS(newIP)
+		pod := e.createPod(nsAmbient, "resandboxed", uid, nil, oldIP)
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
+			t.Fatal(err)
+		}
+		e.requireProbes(map[string]string{newIP: uid})
+		e.waitSim(sim, "pod handed to ztunnel", hasWorkload(uid, inode(t, pns)))
+		// The controller's own pass over the pod, with the stale status.
+		for deadline := time.Now().Add(10 * time.Second); e.c.podByUID(uid) == nil; {
+			if time.Now().After(deadline) {
+				t.Fatal("the pod never reached the controller's cache")
+			}
+			time.Sleep(5 * time.Millisecond) // polling an informer, bounded
+		}
+		if err := e.c.reconcile(context.Background(), uid); err != nil {
+			t.Fatalf("reconcile with the stale status: %v", err)
+		}
+		e.requireProbes(map[string]string{newIP: uid})
+		// The kubelet reports the new address: nothing to change.
+		pod, err = e.cs.CoreV1().Pods(nsAmbient).Get(context.Background(), "resandboxed", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pod.Status.PodIP, pod.Status.PodIPs = newIP, []corev1.PodIP{{IP: newIP}}
+		if _, err := e.cs.CoreV1().Pods(nsAmbient).UpdateStatus(context.Background(), pod, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.c.reconcile(context.Background(), uid); err != nil {
+			t.Fatalf("reconcile with the new status: %v", err)
+		}
+		e.requireProbes(map[string]string{newIP: uid})
+	})
+}
