@@ -20,8 +20,8 @@ const lastApplied = "kubectl.kubernetes.io/last-applied-configuration"
 // precondition, event references), labels, annotations, deletion
 // timestamp; containers' and init containers' name, args, literal env
 // values and run-as user and group; host network, host users and node
-// name; pod IPs; and of the init containers' statuses, how they ended
-// (repair's predicate).
+// name; pod phase and IPs; and of the init containers' statuses, how they
+// ended (repair's predicate).
 func Trim(obj any) (any, error) {
 	p, ok := obj.(*corev1.Pod)
 	if !ok {
@@ -44,7 +44,7 @@ func Trim(obj any) (any, error) {
 			Labels: p.Labels, Annotations: annotations, DeletionTimestamp: p.DeletionTimestamp},
 		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, HostNetwork: p.Spec.HostNetwork, HostUsers: p.Spec.HostUsers,
 			InitContainers: trimContainers(p.Spec.InitContainers), Containers: trimContainers(p.Spec.Containers)},
-		Status: corev1.PodStatus{PodIP: p.Status.PodIP, PodIPs: p.Status.PodIPs},
+		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIP: p.Status.PodIP, PodIPs: p.Status.PodIPs},
 	}
 	if n := len(p.Status.InitContainerStatuses); n > 0 {
 		out.Status.InitContainerStatuses = make([]corev1.ContainerStatus, n)

@@ -208,8 +208,9 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 		return
 	}
 	if err := VerifyPodNetNS(netns, podNetNS(pod)); err != nil {
-		c.log.Warn("start-up scan: not the pod's network namespace; leaving it alone", "pod", pod.Namespace+"/"+pod.Name, "error", err.Error())
-		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonRepairFailed, "start-up check refused the pod's network namespace: %v", err)
+		// Most often a pod mid-creation (no IP reported yet) or a new
+		// sandbox the status does not name yet: no Event on a healthy pod.
+		c.log.Info("start-up scan: not (yet) the pod's network namespace; leaving it alone", "pod", pod.Namespace+"/"+pod.Name, "error", err.Error())
 		return
 	}
 	facts, err := toFacts(pod)
@@ -293,10 +294,13 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 	pod, err := c.lister(key.Namespace, key.Name)
 	if apierrors.IsNotFound(err) {
 		c.mu.Lock()
+		_, broken := c.brokenSeen[key]
 		delete(c.repaired, key)
 		delete(c.brokenSeen, key)
 		c.mu.Unlock()
-		c.log.Info("pod gone before it could be acted on; nothing to do", "pod", key.String())
+		if broken {
+			c.log.Info("pod gone before it could be acted on; nothing to do", "pod", key.String())
+		}
 		return nil
 	}
 	if err != nil {
@@ -348,7 +352,9 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	done := c.repaired[key] == pod.UID
 	c.mu.Unlock()
 	if done {
-		c.done("repair", "skip", pod)
+		// Its validation goes on failing until its next restart; Istio
+		// counts nothing for it either.
+		c.log.Debug("pod repaired already", "pod", key.String())
 		return nil
 	}
 	fail := func(err error) error {
@@ -356,6 +362,14 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonRepairFailed, "pod detected as broken (%s) but repair failed: %v", reason, err)
 		c.log.Error("repair failed", "pod", key.String(), "error", err.Error())
 		return err
+	}
+	if pod.Status.Phase == corev1.PodFailed || pod.Status.Phase == corev1.PodSucceeded {
+		// A pod that does not restart (restartPolicy Never): its sandbox
+		// is gone with its failed validation, and there is nothing left
+		// to repair.
+		c.done("repair", "skip", pod)
+		c.log.Info("not repairing: the pod has ended", "pod", key.String(), "phase", string(pod.Status.Phase))
+		return nil
 	}
 	if pod.Spec.HostNetwork {
 		// Its processes are in the node's namespace, which holds its IP
@@ -391,6 +405,19 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	if err != nil {
 		return fail(err)
 	}
+	if c.rules.Check(netns, plan) == nil {
+		// Not a pod that raced the plugin: its validation fails with the
+		// rules in place (the validation's uid, its ports, or a policy
+		// dropping its probe). Saying "repaired" would hide that.
+		c.mu.Lock()
+		c.repaired[key] = pod.UID
+		c.mu.Unlock()
+		c.done("repair", "skip", pod)
+		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonRepairFailed,
+			"pod detected as broken (%s), but its redirect rules are in place: its validation fails for another reason (check the istio-validation container's uid and ports)", reason)
+		c.log.Warn("not repairing: the pod's redirect rules are in place, so its validation fails for another reason", "pod", key.String())
+		return nil
+	}
 	rep, err := c.rules.Apply(netns, plan)
 	if err != nil {
 		return fail(err)
@@ -412,14 +439,16 @@ func (c *Controller) delete(ctx context.Context, pod *corev1.Pod, reason string)
 		c.done("delete", "skip", pod)
 		return nil
 	}
+	// Istio's Events, word for word: alerts match them.
 	if err != nil {
 		c.done("delete", "fail", pod)
-		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonDeleted, "pod detected as broken (%s) but failed to delete: %v", reason, err)
+		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonDeleted, "pod detected as broken, but failed to delete: %v", err)
+		c.log.Error("deleting broken pod failed", "pod", pod.Namespace+"/"+pod.Name, "reason", reason, "error", err.Error())
 		return err
 	}
 	c.done("delete", "success", pod)
-	c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonDeleted, "pod detected as broken (%s), deleted", reason)
-	c.log.Info("deleted broken pod", "pod", pod.Namespace+"/"+pod.Name)
+	c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonDeleted, "pod detected as broken, deleted")
+	c.log.Info("deleted broken pod", "pod", pod.Namespace+"/"+pod.Name, "reason", reason)
 	return nil
 }
 
@@ -432,11 +461,13 @@ func (c *Controller) label(ctx context.Context, pod *corev1.Pod, reason string) 
 	_, err := c.cs.Pods(pod.Namespace).Patch(ctx, pod.Name, k8stypes.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	if err != nil {
 		c.done("label", "fail", pod)
-		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonLabeled, "pod detected as broken (%s) but failed to label: %v", reason, err)
+		c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonLabeled, "pod detected as broken, but failed to label: %v", err)
+		c.log.Error("labelling broken pod failed", "pod", pod.Namespace+"/"+pod.Name, "reason", reason, "error", err.Error())
 		return err
 	}
 	c.done("label", "success", pod)
-	c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonLabeled, "pod detected as broken (%s), labeled %s=%s", reason, c.cfg.LabelKey, c.cfg.LabelValue)
+	c.recorder.Eventf(pod, corev1.EventTypeWarning, ReasonLabeled, "pod detected as broken, labeled")
+	c.log.Info("labelled broken pod", "pod", pod.Namespace+"/"+pod.Name, "label", c.cfg.LabelKey+"="+c.cfg.LabelValue, "reason", reason)
 	return nil
 }
 

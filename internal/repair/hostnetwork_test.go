@@ -43,3 +43,23 @@ func TestRepairSkipsHostNetworkPods(t *testing.T) {
 		t.Fatalf("rules written %d times for a pod on the node's network", rules.applied)
 	}
 }
+
+// TestRepairSkipsEndedPods: a pod that does not restart (restartPolicy
+// Never) and failed its validation has no sandbox left to repair; it is
+// skipped, not searched for in /proc at every agent start.
+func TestRepairSkipsEndedPods(t *testing.T) {
+	rules := &countingRules{}
+	c := New(DefaultConfig(), clientset.Of(fake.NewClientset()), rules, "/nonexistent", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	for _, phase := range []corev1.PodPhase{corev1.PodFailed, corev1.PodSucceeded} {
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "job", UID: "u-job",
+			Annotations: map[string]string{"sidecar.istio.io/status": "{}"}},
+			Spec:   corev1.PodSpec{Containers: []corev1.Container{{Name: "app"}, {Name: "istio-proxy"}}},
+			Status: corev1.PodStatus{Phase: phase, PodIP: "10.1.2.3", PodIPs: []corev1.PodIP{{IP: "10.1.2.3"}}}}
+		if err := c.repair(pod, "validation failed"); err != nil {
+			t.Fatalf("repair of a pod %s: %v, want it skipped", phase, err)
+		}
+	}
+	if rules.applied != 0 {
+		t.Fatalf("rules written %d times for ended pods", rules.applied)
+	}
+}

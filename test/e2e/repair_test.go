@@ -149,6 +149,27 @@ func TestRepairInPlace(t *testing.T) {
 	}
 	h.waitMetric(`istio_cni_repair_pods_repaired_total{result="success",type="repair"}`, "1", 5*time.Second)
 
+	t.Run("rules-in-place", func(t *testing.T) {
+		// Validation failing with the rules in place is not the race:
+		// nothing is rewritten, and no "repaired" is claimed.
+		sb := e.add(&testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
+		stop, err := sb.pod.StartSandboxProcess()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(stop)
+		before := rulesIn(t, sb.pod)
+		markValidation(t, sb.pod.Name, sb.v4.String(), 126)
+		ev := waitEvent(t, sb.pod.Name, "RepairPodFailed")
+		if !strings.Contains(ev.Message, "redirect rules are in place") {
+			t.Fatalf("event does not say why: %q", ev.Message)
+		}
+		h.waitMetric(`istio_cni_repair_pods_repaired_total{result="skip",type="repair"}`, "1", 5*time.Second)
+		h.waitMetric(`istio_cni_repair_pods_repaired_total{result="success",type="repair"}`, "1", 5*time.Second)
+		if after := rulesIn(t, sb.pod); after != before {
+			t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
+		}
+	})
 	t.Run("namespace-not-found", func(t *testing.T) {
 		_, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: "ghost", Sidecar: true})
 		if err != nil {
@@ -181,7 +202,11 @@ func TestRepairDeleteAndLabel(t *testing.T) {
 			mk("plain", testenv.PodSpec{}, 126)
 			mk("elsewhere", testenv.PodSpec{Sidecar: true, Node: "other-node"}, 126)
 			reason := map[string]string{"delete": "DeleteBrokenPod", "label": "LabelBrokenPod"}[mode]
-			waitEvent(t, mode+"-broken", reason)
+			// Istio's words, which operators' alerts match.
+			if ev, want := waitEvent(t, mode+"-broken", reason), map[string]string{"delete": "pod detected as broken, deleted",
+				"label": "pod detected as broken, labeled"}[mode]; ev.Message != want {
+				t.Fatalf("event %q, want Istio's %q", ev.Message, want)
+			}
 			broken, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, mode+"-broken", metav1.GetOptions{})
 			switch mode {
 			case "delete":
