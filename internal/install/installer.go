@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"syscall"
@@ -303,8 +304,10 @@ func stepErr(err error) error {
 const DefaultIstioOwnedConfName = "02-istio-cni.conflist"
 
 // istioOwnedLeftover is the path of a conflist Istio's agent left under
-// IstioOwnedConfName in dir (a regular file holding an istio-cni entry
-// other than this agent's), or "".
+// IstioOwnedConfName in dir, or "": a regular file holding an istio-cni
+// entry other than this agent's, or holding this agent's (the same chart
+// values make the same entry) beside another config in dir with the same
+// plugins but for the entry, of which it is Istio's copy.
 func (in *Installer) istioOwnedLeftover(dir string) string {
 	name := in.cfg.IstioOwnedConfName
 	if name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
@@ -320,11 +323,59 @@ func (in *Installer) istioOwnedLeftover(dir string) string {
 		return ""
 	}
 	// Istio's entry, not ours: a file this agent put its entry into (it
-	// was the runtime's primary) is the primary.
-	if st, err := Inspect(data, in.entry); err != nil || st != EntryStale {
+	// was the runtime's primary, with no other config it is a copy of) is
+	// the primary.
+	st, err := Inspect(data, in.entry)
+	switch {
+	case err != nil || st == EntryMissing:
 		return ""
+	case st == EntryStale || copyOfAnother(dir, p, data):
+		return p
 	}
-	return p
+	return ""
+}
+
+// copyOfAnother reports whether another config file in dir holds the
+// plugins of data but for its istio-cni entries.
+func copyOfAnother(dir, path string, data []byte) bool {
+	want, ok := pluginsBut(data)
+	if !ok {
+		return false
+	}
+	files, err := filepath.Glob(filepath.Join(dir, "*.conflist"))
+	if err != nil {
+		return false
+	}
+	for _, f := range files {
+		if f == path {
+			continue
+		}
+		other, err := readFile(f)
+		if err != nil {
+			continue
+		}
+		if got, ok := pluginsBut(other); ok && reflect.DeepEqual(got, want) {
+			return true
+		}
+	}
+	return false
+}
+
+// pluginsBut is a list's plugins other than istio-cni, decoded.
+func pluginsBut(data []byte) ([]any, bool) {
+	var list struct {
+		Plugins []map[string]any `json:"plugins"`
+	}
+	if json.Unmarshal(data, &list) != nil || len(list.Plugins) == 0 {
+		return nil, false
+	}
+	var out []any
+	for _, p := range list.Plugins {
+		if p["type"] != PluginType {
+			out = append(out, p)
+		}
+	}
+	return out, len(out) > 0
 }
 
 // retireIstioOwned removes the conflist Istio's agent left, once the
@@ -427,8 +478,12 @@ func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMo
 	return RemoveIfUnchanged(conf, data)
 }
 
+// istioWrapName is the network name Istio's agent gives a .conf it wraps.
+const istioWrapName = "k8s-pod-network"
+
 // otherNetwork says why list is not an earlier wrap of conf ("" when it
-// is): the same network name, and one plugin of the same type besides ours.
+// is): the same network name (or Istio's wrap's), and one plugin of the
+// same type besides ours.
 func otherNetwork(list, conf []byte) string {
 	var l struct {
 		Name    string            `json:"name"`
@@ -441,7 +496,9 @@ func otherNetwork(list, conf []byte) string {
 	if json.Unmarshal(list, &l) != nil || json.Unmarshal(conf, &c) != nil {
 		return "it does not parse as a plugin list"
 	}
-	if l.Name != c.Name {
+	// Istio's own wrap of the .conf names the list k8s-pod-network; the
+	// .conf back again (its writer restarted) replaces that wrap too.
+	if l.Name != c.Name && l.Name != istioWrapName {
 		return fmt.Sprintf("network %q, not %q", l.Name, c.Name)
 	}
 	var types []string
@@ -541,26 +598,19 @@ func (in *Installer) Cleanup() error {
 	return nil
 }
 
-// removeEntry removes our entry from every config file that holds it; on
-// failure it names the file whose entry is left.
+// removeEntry removes our entry from every config file that holds it, in
+// either mode: a switch of CHAINED_CNI_PLUGIN during a rollout (which
+// keeps the plugin) leaves the other mode's behind, an entry in the
+// primary or a standalone file, both naming the binaries about to go.
+// Istio's conflist copy goes whole. On failure it names the file whose
+// entry is left.
 func (in *Installer) removeEntry() (string, error) {
 	dir := in.cfg.MountedCNINetDir
-	if !in.cfg.Chained {
-		p := in.standalonePath(dir)
-		cur, err := readFile(p)
-		if errors.Is(err, os.ErrNotExist) {
-			return "", nil
-		}
-		if err != nil {
-			return p, err
-		}
-		if pluginType(cur) != PluginType {
-			return "", nil
-		}
+	if p := in.istioOwnedLeftover(dir); p != "" {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return p, fmt.Errorf("removing %s: %w", p, err)
 		}
-		return "", nil
+		in.log.Info("removed the conflist Istio's agent left (ISTIO_OWNED_CNI_CONFIG)", "file", p)
 	}
 	// Remove the entry from wherever it is now, not only from the file we
 	// wrote: the primary may have changed since.
@@ -571,6 +621,18 @@ func (in *Installer) removeEntry() (string, error) {
 	for _, f := range files {
 		if !strings.HasSuffix(f, ".conf") && !strings.HasSuffix(f, ".conflist") {
 			continue
+		}
+		if strings.HasSuffix(f, ".conf") {
+			// A standalone config of ours (a .conf of our type) goes whole.
+			if fi, err := os.Lstat(f); err == nil && fi.Mode().IsRegular() {
+				if cur, err := readFile(f); err == nil && pluginType(cur) == PluginType {
+					if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
+						return f, fmt.Errorf("removing %s: %w", f, err)
+					}
+					in.log.Info("removed the standalone istio-cni config", "file", f)
+					continue
+				}
+			}
 		}
 		resolved, err := ResolveInDir(dir, f)
 		if err != nil {

@@ -355,3 +355,71 @@ func TestIstioOwnedLeftoverRetired(t *testing.T) {
 		t.Fatalf("the operator's link was removed: %v", err)
 	}
 }
+
+// TestIstioOwnedLeftoverWithOurEntry: Istio's conflist copy holding an
+// entry the same as this agent's (the same chart values make the same
+// entry) beside the config it copied is still Istio's leftover: the entry
+// goes into the real primary and the copy is removed; and a clean-up
+// before any pass removes the copy whole, not only its entry (a frozen
+// copy of the primary, sorted first, would be the node's config).
+func TestIstioOwnedLeftoverWithOurEntry(t *testing.T) {
+	files := func(n *node) {
+		t.Helper()
+		copyOf := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[` + calico + `,` + string(n.in.entry) + `]}`
+		if err := os.WriteFile(filepath.Join(n.netDir, DefaultIstioOwnedConfName), []byte(copyOf), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	primary := conflist("k8s-pod-network", calico)
+	n := newNode(t, true, map[string]string{"10-calico.conflist": primary})
+	n.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
+	files(n)
+	placed := n.install(t)
+	if want := filepath.Join(n.netDir, "10-calico.conflist"); placed.Path != want {
+		t.Fatalf("the entry went into %s, want the primary %s", placed.Path, want)
+	}
+	if _, err := os.Stat(filepath.Join(n.netDir, DefaultIstioOwnedConfName)); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Istio's copy is still there: %v", err)
+	}
+
+	early := newNode(t, true, map[string]string{"10-calico.conflist": primary})
+	early.in.cfg.IstioOwnedConfName = DefaultIstioOwnedConfName
+	files(early)
+	if err := early.in.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	entries, _ := os.ReadDir(early.netDir)
+	if len(entries) != 1 || entries[0].Name() != "10-calico.conflist" || string(read(t, filepath.Join(early.netDir, "10-calico.conflist"))) != primary {
+		t.Fatalf("after clean-up: %v", entries)
+	}
+}
+
+// TestCleanupAfterModeSwitch: a rollout that switches CHAINED_CNI_PLUGIN
+// keeps the plugin, so the old mode's config stays (an entry in the
+// primary, or a standalone file); the clean-up at uninstall removes it in
+// either mode, leaving no config that names the binaries it removes.
+func TestCleanupAfterModeSwitch(t *testing.T) {
+	primary := conflist("k8s-pod-network", calico)
+	for _, chained := range []bool{false, true} {
+		n := newNode(t, chained, map[string]string{"10-calico.conflist": primary})
+		other := newNode(t, !chained, nil)
+		other.netDir = n.netDir
+		other.in.cfg.MountedCNINetDir = n.netDir
+		// The old mode's pass, then this mode's.
+		if _, err := other.in.EnsureConf(); err != nil {
+			t.Fatal(err)
+		}
+		n.install(t)
+		if err := n.in.Cleanup(); err != nil {
+			t.Fatalf("chained=%v: %v", chained, err)
+		}
+		entries, _ := os.ReadDir(n.netDir)
+		if len(entries) != 1 || string(read(t, filepath.Join(n.netDir, "10-calico.conflist"))) != primary {
+			var names []string
+			for _, e := range entries {
+				names = append(names, e.Name())
+			}
+			t.Fatalf("chained=%v: after clean-up %v, primary:\n%s", chained, names, read(t, filepath.Join(n.netDir, "10-calico.conflist")))
+		}
+	}
+}

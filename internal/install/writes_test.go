@@ -265,6 +265,34 @@ func TestWrapNeverOverwritesAnotherNetwork(t *testing.T) {
 	}
 }
 
+// TestWrapReplacesIstiosWrap: Istio's agent wrapped a .conf into a list
+// named k8s-pod-network (Multus's 00-multus.conf); the .conf back again
+// (its writer restarted) is wrapped over Istio's list, which is that
+// .conf's network, not another's.
+func TestWrapReplacesIstiosWrap(t *testing.T) {
+	dir := t.TempDir()
+	conf := []byte(`{"cniVersion":"0.3.1","name":"multus-cni-network","type":"multus","kubeconfig":"/etc/cni/net.d/multus.d/multus.kubeconfig","delegates":[{"cniVersion":"0.3.1","name":"k8s-pod-network","plugins":[{"type":"calico"}]}]}`)
+	istios := []byte(`{"cniVersion":"0.3.1","name":"k8s-pod-network","plugins":[{"cniVersion":"0.3.1","name":"multus-cni-network","type":"multus","kubeconfig":"/etc/cni/net.d/multus.d/multus.kubeconfig","delegates":[]},{"type":"istio-cni","cni_agent_run_dir":"/var/run/istio-cni"}]}`)
+	if err := os.WriteFile(filepath.Join(dir, "00-multus.conf"), conf, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "00-multus.conflist"), istios, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	in := newTestInstaller(t, dir)
+	placed, err := in.EnsureConf()
+	if err != nil || placed.Path != filepath.Join(dir, "00-multus.conflist") {
+		t.Fatalf("wrap over Istio's wrap: %v %v", placed, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "00-multus.conf")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatal("the .conf is still there")
+	}
+	got, _ := os.ReadFile(filepath.Join(dir, "00-multus.conflist"))
+	if st, _ := Inspect(got, in.entry); st != EntryOK || !bytes.Contains(got, []byte(`"multus-cni-network"`)) || !bytes.Contains(got, []byte(`"delegates":[{`)) {
+		t.Fatalf("the list after the wrap: %s", got)
+	}
+}
+
 // TestStandaloneNeverOverwritesAnotherNetwork: a standalone config name
 // that is another network's file is refused.
 func TestStandaloneNeverOverwritesAnotherNetwork(t *testing.T) {

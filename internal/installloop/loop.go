@@ -398,6 +398,15 @@ func (l *Loop) recheck(conf string) {
 // noteRewrite records a re-insertion at now and returns how long to back
 // off when the rewrites come faster than the conflict limit allows.
 func (l *Loop) noteRewrite(now time.Time) time.Duration {
+	if n := len(l.rewrites); l.backoff > 0 && n > 0 && now.Sub(l.rewrites[n-1]) <= l.backoff+l.cfg.ConflictWindow {
+		// Reverted again within a window of the back-off's end: the
+		// component is as quick as before. Counting rewrites within the
+		// window alone would miss the ones the back-off spaced out, and
+		// start over with a burst of immediate rewrites.
+		l.rewrites = append(l.rewrites[:0], now)
+		l.backoff = min(2*l.backoff, 30*time.Second)
+		return l.backoff
+	}
 	keep := l.rewrites[:0]
 	for _, t := range l.rewrites {
 		if now.Sub(t) < l.cfg.ConflictWindow {

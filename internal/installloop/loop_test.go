@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -116,6 +117,29 @@ func TestNoteRewrite(t *testing.T) {
 		if got := l.noteRewrite(t0.Add(s.after)); got != s.want {
 			t.Fatalf("step %d (+%s): back-off %s, want %s", i, s.after, got, s.want)
 		}
+	}
+}
+
+// TestBackoffHoldsAgainstAQuickReverter: a component that reverts the
+// config moments after each write (Cilium's exclusive mode) meets a
+// back-off that grows to 30 s and stays there, with the defaults; it
+// started over with bursts of immediate rewrites once the growing
+// back-off spaced the rewrites out beyond the window.
+func TestBackoffHoldsAgainstAQuickReverter(t *testing.T) {
+	l := New(Config{ConflictWindow: 10 * time.Second, ConflictLimit: 5}, quiet, NewMetrics())
+	now := time.Unix(1_000_000, 0)
+	var got []time.Duration
+	for range 30 {
+		d := l.noteRewrite(now)
+		got = append(got, d)
+		now = now.Add(d + 10*time.Millisecond)
+	}
+	want := []time.Duration{0, 0, 0, 0, 0, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second}
+	for len(want) < len(got) {
+		want = append(want, 30*time.Second)
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("back-offs %v, want %v", got, want)
 	}
 }
 
