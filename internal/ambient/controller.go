@@ -580,6 +580,16 @@ func podIPs(p *corev1.Pod) []netip.Addr {
 	return out
 }
 
+// overlap reports whether a and b share an address.
+func overlap(a, b []netip.Addr) bool {
+	for _, x := range a {
+		if slices.Contains(b, x.Unmap()) || slices.Contains(b, x) {
+			return true
+		}
+	}
+	return false
+}
+
 // currentIPs is the pod's addresses: its status's, unless they are still
 // those its last ADD found stale (staleStatus).
 func (c *Controller) currentIPs(uid string, status []netip.Addr) []netip.Addr {
@@ -667,15 +677,16 @@ func (c *Controller) AddPod(ctx context.Context, pod *corev1.Pod, netns *os.File
 	if err != nil {
 		return fmt.Errorf("ambient enrolment of pod %s/%s: keeping its network namespace: %w", pod.Namespace, pod.Name, err)
 	}
-	// The namespace's own addresses are this sandbox's; the status may
-	// still be an earlier sandbox's.
+	// The status's addresses, when the namespace holds one of them (it
+	// may hold more: a secondary network's); else the namespace's own,
+	// this sandbox's, while the status is still an earlier sandbox's.
 	ips, err := netnsAddrs(f)
 	if err != nil {
 		_ = f.Close()
 		return fmt.Errorf("ambient enrolment of pod %s/%s: reading its addresses: %w", pod.Namespace, pod.Name, err)
 	}
-	if len(ips) == 0 {
-		ips = podIPs(pod)
+	if status := podIPs(pod); len(ips) == 0 || overlap(status, ips) {
+		ips = status
 	}
 	if err := c.enrol(ctx, pod, f, ips, c.cfg.ZtunnelWait, "cni"); err != nil {
 		return fmt.Errorf("ambient enrolment of pod %s/%s (uid %s): %w", pod.Namespace, pod.Name, pod.UID, err)
@@ -803,7 +814,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	c.mu.Lock()
 	st.params, st.paramsUnknown, st.applied, st.ips = params, false, true, c.probeIPs(ips)
 	switch status := c.probeIPs(podIPs(pod)); {
-	case onADD && len(status) > 0 && !slices.Equal(status, st.ips):
+	case onADD && len(status) > 0 && !overlap(status, st.ips):
 		st.staleStatus = status
 	case !onADD && slices.Equal(status, st.staleStatus):
 		// Still the old sandbox's: the kubelet has not reported yet.

@@ -1500,3 +1500,26 @@ func TestNewSandboxAddressOverStaleStatus(t *testing.T) {
 		e.requireProbes(map[string]string{newIP: uid})
 	})
 }
+
+// A pod whose namespace holds more than its status names at its ADD (a
+// secondary network's address) is enrolled with its status's address
+// alone, when the namespace holds it: only the status is stale-checked.
+func TestStatusAddressAmongMore(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		const podIP, extra = "10.7.3.10", "10.7.30.10"
+		uid, pns := newUID(), e.podNS(podIP)
+		e.sh(pns, "ip", "addr", "add", extra+"/32", "dev", "eth0")
+		pod := e.createPod(nsAmbient, "multi", uid, nil, podIP)
+		f, err := os.Open(pns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
+			t.Fatal(err)
+		}
+		e.requireProbes(map[string]string{podIP: uid})
+		e.waitSim(sim, "pod handed to ztunnel", hasWorkload(uid, inode(t, pns)))
+	})
+}

@@ -49,8 +49,8 @@ func newNamespaceInformer(nss Namespaces) cache.SharedIndexInformer {
 // annotations (selection, parameters, the redirection state), the service
 // account (ztunnel's workload info), host network and users, the phase
 // (a finished Job's pod leaves the mesh) and the IPs. podcache.Trim drops
-// the service account and the phase, so the pod cache's informer cannot
-// be shared as it is.
+// the service account, so the pod cache's informer cannot be shared as it
+// is.
 func trimPod(obj any) (any, error) {
 	p, ok := obj.(*corev1.Pod)
 	if !ok {

@@ -623,8 +623,10 @@ func (in *Installer) removeEntry() (string, error) {
 			continue
 		}
 		if strings.HasSuffix(f, ".conf") {
-			// A standalone config of ours (a .conf of our type) goes whole.
-			if fi, err := os.Lstat(f); err == nil && fi.Mode().IsRegular() {
+			// A standalone config of ours (a .conf of our type) goes whole;
+			// a link to one goes (the agent writes through a link within
+			// the dir), and so does its target when it is in the dir.
+			if fi, err := os.Stat(f); err == nil && fi.Mode().IsRegular() {
 				if cur, err := readFile(f); err == nil && pluginType(cur) == PluginType {
 					if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
 						return f, fmt.Errorf("removing %s: %w", f, err)

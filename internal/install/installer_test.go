@@ -423,3 +423,25 @@ func TestCleanupAfterModeSwitch(t *testing.T) {
 		}
 	}
 }
+
+// TestCleanupRemovesLinkedStandalone: a standalone config that is a link
+// within the dir (the agent writes through it) goes at clean-up, with its
+// target: neither may name the binaries about to go.
+func TestCleanupRemovesLinkedStandalone(t *testing.T) {
+	n := newNode(t, false, nil)
+	n.install(t)
+	p := n.in.standalonePath(n.netDir)
+	target := filepath.Join(n.netDir, "real-istio-cni.conf.d")
+	if err := os.Rename(p, target); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Base(target), p); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(p); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("the link to the standalone config is left: %v", err)
+	}
+}

@@ -215,7 +215,7 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 			if !changedAt.IsZero() {
 				l.metrics.ReinsertDelay.Observe(time.Since(changedAt).Seconds())
 			}
-			if d := l.noteRewrite(time.Now()); d > 0 {
+			if d := l.noteRewrite(time.Now(), changedAt); d > 0 {
 				l.metrics.Conflicts.Inc()
 				hint := ""
 				if strings.Contains(strings.ToLower(conf), "cilium") {
@@ -395,14 +395,19 @@ func (l *Loop) recheck(conf string) {
 	}
 }
 
-// noteRewrite records a re-insertion at now and returns how long to back
+// noteRewrite records a re-insertion at now, of a config reverted at
+// changedAt (zero when no file event said), and returns how long to back
 // off when the rewrites come faster than the conflict limit allows.
-func (l *Loop) noteRewrite(now time.Time) time.Duration {
-	if n := len(l.rewrites); l.backoff > 0 && n > 0 && now.Sub(l.rewrites[n-1]) <= l.backoff+l.cfg.ConflictWindow {
-		// Reverted again within a window of the back-off's end: the
-		// component is as quick as before. Counting rewrites within the
+func (l *Loop) noteRewrite(now, changedAt time.Time) time.Duration {
+	n := len(l.rewrites)
+	quick := l.cfg.ConflictWindow / time.Duration(max(l.cfg.ConflictLimit, 1))
+	if l.backoff > 0 && n > 0 && !changedAt.IsZero() && changedAt.Sub(l.rewrites[n-1]) < quick &&
+		now.Sub(l.rewrites[n-1]) <= l.backoff+l.cfg.ConflictWindow {
+		// Reverted as quickly as before (faster than the limit's rate),
+		// right after the back-off's end: counting rewrites within the
 		// window alone would miss the ones the back-off spaced out, and
-		// start over with a burst of immediate rewrites.
+		// start over with a burst of immediate rewrites. A component that
+		// only reverts now and then is no conflict, whatever came before.
 		l.rewrites = append(l.rewrites[:0], now)
 		l.backoff = min(2*l.backoff, 30*time.Second)
 		return l.backoff

@@ -114,7 +114,8 @@ func TestNoteRewrite(t *testing.T) {
 		{63 * time.Second, time.Second}, // a new conflict starts at a second again
 	}
 	for i, s := range steps {
-		if got := l.noteRewrite(t0.Add(s.after)); got != s.want {
+		// Reverted right before each re-insertion.
+		if got := l.noteRewrite(t0.Add(s.after), t0.Add(s.after-time.Millisecond)); got != s.want {
 			t.Fatalf("step %d (+%s): back-off %s, want %s", i, s.after, got, s.want)
 		}
 	}
@@ -126,20 +127,39 @@ func TestNoteRewrite(t *testing.T) {
 // started over with bursts of immediate rewrites once the growing
 // back-off spaced the rewrites out beyond the window.
 func TestBackoffHoldsAgainstAQuickReverter(t *testing.T) {
-	l := New(Config{ConflictWindow: 10 * time.Second, ConflictLimit: 5}, quiet, NewMetrics())
-	now := time.Unix(1_000_000, 0)
-	var got []time.Duration
-	for range 30 {
-		d := l.noteRewrite(now)
-		got = append(got, d)
-		now = now.Add(d + 10*time.Millisecond)
+	// Each write is reverted after revertAfter; the next one comes when
+	// the back-off (if any) has ended and the revert has been seen.
+	run := func(writes int, revertAfter func(i int) time.Duration) []time.Duration {
+		l := New(Config{ConflictWindow: 10 * time.Second, ConflictLimit: 5}, quiet, NewMetrics())
+		now := time.Unix(1_000_000, 0)
+		var got []time.Duration
+		var changed time.Time
+		for i := range writes {
+			d := l.noteRewrite(now, changed)
+			got = append(got, d)
+			changed = now.Add(revertAfter(i))
+			now = now.Add(max(d, revertAfter(i)) + time.Millisecond)
+		}
+		return got
 	}
+	got := run(30, func(int) time.Duration { return 10 * time.Millisecond })
 	want := []time.Duration{0, 0, 0, 0, 0, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second}
 	for len(want) < len(got) {
 		want = append(want, 30*time.Second)
 	}
 	if !slices.Equal(got, want) {
-		t.Fatalf("back-offs %v, want %v", got, want)
+		t.Fatalf("a quick reverter: back-offs %v, want %v", got, want)
+	}
+	// A burst, then a component that rewrites the config 8 s after each
+	// write (under the limit): no conflict, whatever the burst started.
+	got = run(14, func(i int) time.Duration {
+		if i < 7 {
+			return 10 * time.Millisecond
+		}
+		return 8 * time.Second
+	})
+	if last := got[len(got)-1]; last != 0 {
+		t.Fatalf("a revert 8 s after each write, after a burst: back-offs %v, want none at the end", got)
 	}
 }
 

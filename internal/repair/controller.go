@@ -66,6 +66,9 @@ type Controller struct {
 	// Informer, when set, is a started informer on the node's pods to
 	// share instead of watching them again.
 	Informer cache.SharedIndexInformer
+	// started is when this controller was made: a validation that failed
+	// before may have been repaired by the agent before this one.
+	started time.Time
 }
 
 type seen struct {
@@ -88,7 +91,8 @@ func New(cfg Config, cs kubeclient.Interface, rules plugin.Rules, procDir string
 		counter: counter,
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[k8stypes.NamespacedName](
 			100*time.Millisecond, 10*time.Second)),
-		repaired: map[k8stypes.NamespacedName]k8stypes.UID{}, brokenSeen: map[k8stypes.NamespacedName]seen{}}
+		repaired: map[k8stypes.NamespacedName]k8stypes.UID{}, brokenSeen: map[k8stypes.NamespacedName]seen{},
+		started: time.Now()}
 }
 
 // Run watches the pods of node until ctx ends. It returns only once every
@@ -406,6 +410,12 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		return fail(err)
 	}
 	if c.rules.Check(netns, plan) == nil {
+		if failed := c.lastFailure(pod); !failed.IsZero() && failed.Before(c.started) {
+			// Failed before this agent started: the one before may have
+			// repaired it since, and its next run will tell.
+			c.log.Debug("the pod's rules are in place and its validation last failed before this agent started; waiting for its next run", "pod", key.String())
+			return nil
+		}
 		// Not a pod that raced the plugin: its validation fails with the
 		// rules in place (the validation's uid, its ports, or a policy
 		// dropping its probe). Saying "repaired" would hide that.
@@ -429,6 +439,24 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	c.recorder.Eventf(pod, corev1.EventTypeNormal, ReasonRepaired, "pod detected as broken (%s); redirect rules applied in its network namespace", reason)
 	c.log.Info("repaired pod", "pod", key.String(), "netns", netns, "result", rep.String())
 	return nil
+}
+
+// lastFailure is when the pod's validation container last ended with a
+// failure, as its status says (zero when it does not).
+func (c *Controller) lastFailure(pod *corev1.Pod) time.Time {
+	var last time.Time
+	for i := range pod.Status.InitContainerStatuses {
+		st := &pod.Status.InitContainerStatuses[i]
+		if c.cfg.InitContainerName != "" && st.Name != c.cfg.InitContainerName {
+			continue
+		}
+		for _, t := range []*corev1.ContainerStateTerminated{st.State.Terminated, st.LastTerminationState.Terminated} {
+			if t != nil && t.ExitCode != 0 && t.FinishedAt.After(last) {
+				last = t.FinishedAt.Time
+			}
+		}
+	}
+	return last
 }
 
 func (c *Controller) delete(ctx context.Context, pod *corev1.Pod, reason string) error {

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -61,5 +62,25 @@ func TestRepairSkipsEndedPods(t *testing.T) {
 	}
 	if rules.applied != 0 {
 		t.Fatalf("rules written %d times for ended pods", rules.applied)
+	}
+}
+
+// TestLastFailure: the validation container's latest failed end, from its
+// current or its last state; a success or another container does not
+// count.
+func TestLastFailure(t *testing.T) {
+	c := New(DefaultConfig(), clientset.Of(fake.NewClientset()), &countingRules{}, "/proc", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	at := func(min int) metav1.Time { return metav1.NewTime(time.Date(2026, 11, 29, 10, min, 0, 0, time.UTC)) }
+	pod := &corev1.Pod{Status: corev1.PodStatus{InitContainerStatuses: []corev1.ContainerStatus{
+		{Name: "other", State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 1, FinishedAt: at(50)}}},
+		{Name: "istio-validation",
+			State:                corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0, FinishedAt: at(40)}},
+			LastTerminationState: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 126, FinishedAt: at(30)}}},
+	}}}
+	if got := c.lastFailure(pod); !got.Equal(at(30).Time) {
+		t.Fatalf("last failure %v, want %v", got, at(30))
+	}
+	if got := c.lastFailure(&corev1.Pod{}); !got.IsZero() {
+		t.Fatalf("no statuses: %v", got)
 	}
 }
