@@ -70,7 +70,9 @@ func TestRepairSkipsEndedPods(t *testing.T) {
 // count.
 func TestLastFailure(t *testing.T) {
 	c := New(DefaultConfig(), clientset.Of(fake.NewClientset()), &countingRules{}, "/proc", NewMetric(), slog.New(slog.NewTextHandler(io.Discard, nil)))
-	at := func(min int) metav1.Time { return metav1.NewTime(time.Date(2026, 11, 29, 10, min, 0, 0, time.UTC)) }
+	at := func(minute int) metav1.Time {
+		return metav1.NewTime(time.Date(2026, 11, 29, 10, minute, 0, 0, time.UTC))
+	}
 	pod := &corev1.Pod{Status: corev1.PodStatus{InitContainerStatuses: []corev1.ContainerStatus{
 		{Name: "other", State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 1, FinishedAt: at(50)}}},
 		{Name: "istio-validation",
