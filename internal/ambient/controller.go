@@ -580,14 +580,10 @@ func podIPs(p *corev1.Pod) []netip.Addr {
 	return out
 }
 
-// overlap reports whether a and b share an address.
+// overlap reports whether a and b share an address (both unmapped, as
+// podIPs, probeIPs and the namespace's addresses are).
 func overlap(a, b []netip.Addr) bool {
-	for _, x := range a {
-		if slices.Contains(b, x.Unmap()) || slices.Contains(b, x) {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(a, func(x netip.Addr) bool { return slices.Contains(b, x) })
 }
 
 // currentIPs is the pod's addresses: its status's, unless they are still

@@ -289,6 +289,18 @@ func (e *env) podNS(ip string) ns.NetNS {
 	return p
 }
 
+// openNS opens a pod's namespace as the relay hands it to the agent,
+// closed when the test ends.
+func (e *env) openNS(n ns.NetNS) *os.File {
+	e.t.Helper()
+	f, err := os.Open(n.Path())
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = f.Close() })
+	return f
+}
+
 func (e *env) sh(n ns.NetNS, args ...string) string {
 	e.t.Helper()
 	out, err := run(n, args...)
@@ -625,12 +637,8 @@ func TestPendingUntilZtunnelConnects(t *testing.T) {
 			})
 			uid, pns := newUID(), e.podNS("10.7.1.1")
 			pod := e.createPod(nsAmbient, "p", uid, nil, "")
-			f, err := os.Open(pns.Path())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
-			err = e.c.AddPod(context.Background(), pod, f)
+			f := e.openNS(pns)
+			err := e.c.AddPod(context.Background(), pod, f)
 			if err == nil || !errors.Is(err, zds.ErrNotConnected) || !strings.Contains(err.Error(), nsAmbient+"/p") {
 				t.Fatalf("AddPod = %v, want a ztunnel-not-connected error naming the pod", err)
 			}
@@ -655,12 +663,8 @@ func TestNackAndZtunnelRestart(t *testing.T) {
 		uid, pns := newUID(), e.podNS("10.7.2.1")
 		sim := e.startSim(map[string]string{uid: "no certificate yet"})
 		pod := e.createPod(nsAmbient, "p", uid, nil, "10.7.2.1")
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		err = e.c.AddPod(context.Background(), pod, f)
+		f := e.openNS(pns)
+		err := e.c.AddPod(context.Background(), pod, f)
 		var nack *zds.NackError
 		if !errors.As(err, &nack) || !strings.Contains(err.Error(), "no certificate yet") || !strings.Contains(err.Error(), nsAmbient+"/p") {
 			t.Fatalf("AddPod = %v, want ztunnel's refusal naming the pod", err)
@@ -817,11 +821,7 @@ func TestIPReuse(t *testing.T) {
 
 		uidNew, nsNew := newUID(), e.podNS(ip)
 		pod := e.createPod(nsAmbient, "new", uidNew, nil, "")
-		f, err := os.Open(nsNew.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(nsNew)
 		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
 			t.Fatal(err)
 		}
@@ -1076,11 +1076,7 @@ func TestAnnotationOffTheADDPath(t *testing.T) {
 		sim := e.startSim(nil)
 		uid, pns := newUID(), e.podNS("10.7.9.1")
 		e.createPod(nsAmbient, "p", uid, nil, "")
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "p", uid, f)
 		if err != nil || !enrolled {
 			t.Fatalf("EnrolOnAdd = %v, %v; want the pod enrolled though its annotation cannot be written", enrolled, err)
@@ -1113,11 +1109,7 @@ func TestStalledZtunnel(t *testing.T) {
 		sim.Stall(true)
 		uid, pns := newUID(), e.podNS("10.7.9.2")
 		e.createPod(nsAmbient, "stalled", uid, nil, "")
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		start := time.Now()
 		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "stalled", uid, f)
 		if err == nil || !enrolled || !strings.Contains(err.Error(), nsAmbient+"/stalled") {
@@ -1148,11 +1140,7 @@ func TestDualStack(t *testing.T) {
 			uid, pns := newUID(), e.podNS("10.7.9.3")
 			e.sh(pns, "ip", "-6", "addr", "add", "fd07::3/128", "dev", "eth0", "nodad")
 			e.createPod(nsAmbient, "dual", uid, nil, "")
-			f, err := os.Open(pns.Path())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
+			f := e.openNS(pns)
 			if enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "dual", uid, f); err != nil || !enrolled {
 				t.Fatalf("EnrolOnAdd = %v, %v", enrolled, err)
 			}
@@ -1257,11 +1245,7 @@ func TestInvalidAnnotationFailsTheADD(t *testing.T) {
 		if _, err := e.cs.CoreV1().Pods(nsAmbient).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		enrolled, err := e.c.EnrolOnAdd(context.Background(), nsAmbient, "bad", uid, f)
 		if !enrolled || err == nil || !strings.Contains(err.Error(), AnnotationDNSCapture) || !strings.Contains(err.Error(), "sometimes") {
 			t.Fatalf("EnrolOnAdd = %v, %v; want the ADD failed naming the annotation and its value", enrolled, err)
@@ -1439,11 +1423,7 @@ func TestExcludedPodNeedsNoNamespace(t *testing.T) {
 		if _, err := e.cs.CoreV1().Pods("not-there").Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		if enrolled, err := e.c.EnrolOnAdd(context.Background(), "not-there", "sidecar", uid, f); enrolled || err != nil {
 			t.Fatalf("EnrolOnAdd = %v, %v; want the pod left to sidecar mode", enrolled, err)
 		}
@@ -1464,11 +1444,7 @@ func TestNewSandboxAddressOverStaleStatus(t *testing.T) {
 		const oldIP, newIP = "10.7.3.8", "10.7.3.9"
 		uid, pns := newUID(), e.podNS(newIP)
 		pod := e.createPod(nsAmbient, "resandboxed", uid, nil, oldIP)
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
 			t.Fatal(err)
 		}
@@ -1486,7 +1462,7 @@ func TestNewSandboxAddressOverStaleStatus(t *testing.T) {
 		}
 		e.requireProbes(map[string]string{newIP: uid})
 		// The kubelet reports the new address: nothing to change.
-		pod, err = e.cs.CoreV1().Pods(nsAmbient).Get(context.Background(), "resandboxed", metav1.GetOptions{})
+		pod, err := e.cs.CoreV1().Pods(nsAmbient).Get(context.Background(), "resandboxed", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1511,11 +1487,7 @@ func TestStatusAddressAmongMore(t *testing.T) {
 		uid, pns := newUID(), e.podNS(podIP)
 		e.sh(pns, "ip", "addr", "add", extra+"/32", "dev", "eth0")
 		pod := e.createPod(nsAmbient, "multi", uid, nil, podIP)
-		f, err := os.Open(pns.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		f := e.openNS(pns)
 		if err := e.c.AddPod(context.Background(), pod, f); err != nil {
 			t.Fatal(err)
 		}

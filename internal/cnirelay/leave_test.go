@@ -58,28 +58,21 @@ func startSlowAgent(t *testing.T, reply []byte, delay time.Duration) *slowAgent 
 	return a
 }
 
-// fallbackRunner records the fallback's reason, and whether the relay
-// had closed its connection to the agent before it started.
+// fallbackRunner is a reasonRunner that also records whether the relay
+// had closed its connection to the agent before the fallback started.
 type fallbackRunner struct {
+	reasonRunner
 	agent        *slowAgent
-	reasons      []string
-	skipAgent    bool
 	closedBefore bool
 }
 
-func (f *fallbackRunner) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) {
-	for _, e := range c.Env {
-		if r, ok := strings.CutPrefix(e, FallbackReasonEnv+"="); ok {
-			f.reasons = append(f.reasons, r)
-		}
-		f.skipAgent = f.skipAgent || e == FallbackSkipAgentEnv+"=1"
-	}
+func (f *fallbackRunner) Run(ctx context.Context, c *execrun.Cmd) (execrun.Result, error) {
 	select {
 	case <-f.agent.closed:
 		f.closedBefore = true
 	case <-time.After(5 * time.Second):
 	}
-	return execrun.Result{Stdout: []byte("from the fallback")}, nil
+	return f.reasonRunner.Run(ctx, c)
 }
 
 // TestRelayLeavesAnAgentBehind: a relay with no record for its pod, on a

@@ -183,8 +183,12 @@ func (d Dir) PutData(uid string, data []byte) error {
 	return d.write(uid, data)
 }
 
-// write replaces the file name in the directory with data, whole.
-func (d Dir) write(name string, data []byte) error {
+// write replaces the file name in the directory with data, whole, mode
+// 0600.
+func (d Dir) write(name string, data []byte) error { return d.writeMode(name, data, 0o600) }
+
+// writeMode is write with the file's mode.
+func (d Dir) writeMode(name string, data []byte, mode os.FileMode) error {
 	f, err := os.CreateTemp(string(d), ".new-")
 	if err != nil {
 		return err
@@ -192,8 +196,12 @@ func (d Dir) write(name string, data []byte) error {
 	// The run directory is a tmpfs: a record lost to a crash only sends
 	// its pod the slow way, so it is not synced.
 	_, werr := f.Write(data)
+	var merr error
+	if mode != 0o600 { // CreateTemp's own
+		merr = f.Chmod(mode)
+	}
 	cerr := f.Close()
-	if err := errors.Join(werr, cerr); err != nil {
+	if err := errors.Join(werr, merr, cerr); err != nil {
 		_ = os.Remove(f.Name())
 		return err
 	}

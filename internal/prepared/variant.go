@@ -28,21 +28,7 @@ func WriteForcedVariant(runDir, variant string) error {
 		}
 		return nil
 	}
-	f, err := os.CreateTemp(runDir, "."+VariantName+"-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	_, werr := f.WriteString(variant + "\n")
-	if err := errors.Join(werr, f.Chmod(0o644), f.Close()); err != nil {
-		_ = os.Remove(tmp)
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = os.Remove(tmp)
-		return err
-	}
-	return nil
+	return Dir(runDir).writeMode(VariantName, []byte(variant+"\n"), 0o644)
 }
 
 // ReadForcedVariant is the variant the agent said it forces in runDir, or ""
