@@ -70,12 +70,12 @@ func TestAgentBehindRelayLeaves(t *testing.T) {
 	expectRedirect(t, pod, "tcp4", "0.0.0.0:15001", ap(testenv.RemoteV4+":80"), func() (net.Conn, error) {
 		return testenv.Dial(pod, "tcp4", testenv.RemoteV4+":80")
 	})
-	rules := sansComments(rulesIn(t, pod))
+	rules := sameRulesIn(t, pod)
 
 	h.Signal(syscall.SIGCONT)
 	stopped = false
 	h.waitMetric(leftADDs, strconv.Itoa(left+1), 20*time.Second)
-	if got := sansComments(rulesIn(t, pod)); got != rules {
+	if got := sameRulesIn(t, pod); got != rules {
 		t.Fatalf("the pod's rules changed once the agent resumed:\nbefore:\n%s\nafter:\n%s", rules, got)
 	}
 	logs := h.WaitLog(10*time.Second, testenv.LogLine("served without the node agent", testNS+"/"+pod.Name))
@@ -104,16 +104,4 @@ func TestAgentBehindRelayLeaves(t *testing.T) {
 		t.Fatalf("the fallback did not send the agent's stored plan:\n%s", line)
 	}
 	t.Logf("the fallback's process CPU for the ADD: %s", cpu)
-}
-
-// sansComments is an iptables-save dump without its comment lines, which
-// carry the time of the dump.
-func sansComments(dump string) string {
-	var out []string
-	for _, l := range strings.Split(dump, "\n") {
-		if !strings.HasPrefix(l, "#") {
-			out = append(out, l)
-		}
-	}
-	return strings.Join(out, "\n")
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -186,6 +187,17 @@ func resultIPs(t *testing.T, res types.Result) []netip.Addr {
 		}
 	}
 	return out
+}
+
+// saveNoise is what differs between two dumps of the same rules: the
+// comment lines carry the time of the dump, and the counters move.
+var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
+
+// sameRulesIn is the pod's rules in a form two dumps of the same rules
+// agree on.
+func sameRulesIn(t *testing.T, pod *testenv.Pod) string {
+	t.Helper()
+	return saveNoise.ReplaceAllString(rulesIn(t, pod), "")
 }
 
 func rulesIn(t *testing.T, pod *testenv.Pod) string {

@@ -5,7 +5,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -107,8 +106,6 @@ func setPodIP(t *testing.T, name, ip string) {
 	}
 }
 
-var saveNoise = regexp.MustCompile(`(?m)^#.*\n|\[\d+:\d+\]`)
-
 // repairHost starts an agent for the test node, with a primary config in
 // place and the given flags.
 func repairHost(t *testing.T, flags ...string) *host {
@@ -143,7 +140,7 @@ func TestRepairInPlace(t *testing.T) {
 	})
 	// Repair writes exactly what the plugin writes for the same pod.
 	ref := e.add(&testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
-	got, want := saveNoise.ReplaceAllString(rulesIn(t, pod), ""), saveNoise.ReplaceAllString(rulesIn(t, ref.pod), "")
+	got, want := sameRulesIn(t, pod), sameRulesIn(t, ref.pod)
 	if got != want {
 		t.Fatalf("repaired rules differ from the plugin's:\n--- repair\n%s\n--- plugin\n%s", got, want)
 	}
@@ -158,7 +155,7 @@ func TestRepairInPlace(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(stop)
-		before := rulesIn(t, sb.pod)
+		before := sameRulesIn(t, sb.pod)
 		markValidation(t, sb.pod.Name, sb.v4.String(), 126)
 		ev := waitEvent(t, sb.pod.Name, "RepairPodFailed")
 		if !strings.Contains(ev.Message, "redirect rules are in place") {
@@ -166,7 +163,7 @@ func TestRepairInPlace(t *testing.T) {
 		}
 		h.waitMetric(`istio_cni_repair_pods_repaired_total{result="skip",type="repair"}`, "1", 5*time.Second)
 		h.waitMetric(`istio_cni_repair_pods_repaired_total{result="success",type="repair"}`, "1", 5*time.Second)
-		if after := rulesIn(t, sb.pod); after != before {
+		if after := sameRulesIn(t, sb.pod); after != before {
 			t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
 		}
 	})
@@ -267,7 +264,7 @@ func TestRepairStartupScanLeavesOtherRules(t *testing.T) {
 	}
 	t.Cleanup(stop)
 	setPodIP(t, kept.pod.Name, kept.v4.String())
-	before := saveNoise.ReplaceAllString(rulesIn(t, kept.pod), "")
+	before := sameRulesIn(t, kept.pod)
 	p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, kept.pod.Name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -305,7 +302,7 @@ func TestRepairStartupScanLeavesOtherRules(t *testing.T) {
 	if err != nil || got.DeletionTimestamp != nil {
 		t.Fatalf("the pod with rules was deleted: %v", err)
 	}
-	if after := saveNoise.ReplaceAllString(rulesIn(t, kept.pod), ""); after != before {
+	if after := sameRulesIn(t, kept.pod); after != before {
 		t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
 	}
 }
