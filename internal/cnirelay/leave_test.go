@@ -139,8 +139,12 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			// The relay's clock starts when the beat is dated, so the
+			// time taken before it runs cannot round into its message.
+			var relayStart time.Time
 			if c.stale {
-				at := time.Now().Add(-2 * time.Minute)
+				relayStart = time.Now()
+				at := relayStart.Add(-2 * time.Minute)
 				if err := os.Chtimes(filepath.Join(string(dir), ".agent-alive"), at, at); err != nil {
 					t.Fatal(err)
 				}
@@ -168,7 +172,7 @@ func TestRelayLeavesAnAgentBehind(t *testing.T) {
 			}
 			fb := &fallbackRunner{agent: a}
 			var out bytes.Buffer
-			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: time.Minute, Runner: fb}
+			r := &Relay{Fallback: "/opt/cni/bin/istio-cni-fallback", Stdout: &out, Stderr: io.Discard, Timeout: time.Minute, Runner: fb, Start: relayStart}
 			stdin := `{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"istio-cni","cni_agent_run_dir":"` + a.runDir +
 				`","prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.2/24"}]}}`
 			start := time.Now()

@@ -174,8 +174,12 @@ func ambientPod(ns, name string, labels map[string]string) *corev1.Pod {
 			Containers: []corev1.Container{
 				{Name: "app", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"http", fmt.Sprintf(":%d", ambientAppPort)},
 					ReadinessProbe: &corev1.Probe{
-						ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromInt32(ambientAppPort)}},
-						PeriodSeconds: 1, TimeoutSeconds: 1, FailureThreshold: 3,
+						ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromInt32(ambientAppPort)}},
+						// A probe that is answered at all is answered in
+						// milliseconds; the timeout only has to outlast a
+						// loaded 2-core node, so that "went unready" below
+						// means probes were refused, not slow.
+						PeriodSeconds: 1, TimeoutSeconds: 5, FailureThreshold: 3,
 					}},
 				{Name: "client", Image: testenv.AppImage, ImagePullPolicy: never, Args: []string{"dial-loop", testenv.RemoteV4 + ":80"}},
 			}},

@@ -38,7 +38,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 	}
 	cni := libcni.NewCNIConfigWithCacheDir([]string{h.BinDir}, t.TempDir(), nil)
 	name := "agent-installed"
-	k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
+	k8sPod, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func TestAgentInstalledNodeRedirects(t *testing.T) {
 			return h.metricCount(t, `istio_cni_plugin_pod_lookups_total{source="`+source+`"}`)
 		}
 		name := "from-cache"
-		k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
+		k8sPod, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
 		if err != nil {
 			t.Fatal(err)
 		}

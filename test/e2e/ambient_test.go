@@ -80,13 +80,10 @@ func newAmbientNode(t *testing.T, subnet string, nft bool) *ambientNode {
 // runtime does; it returns the pod and the ADD's error.
 func (n *ambientNode) add(t *testing.T, spec testenv.PodSpec, containerID string) (*testenv.Pod, *corev1.Pod, netip.Addr, error) {
 	t.Helper()
-	k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, spec)
+	k8sPod, err := createPod(t, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_ = cluster.Client.CoreV1().Pods(spec.Namespace).Delete(context.Background(), spec.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
-	})
 	pod, err := testenv.NewPod(spec.Namespace, spec.Name, string(k8sPod.UID), containerID)
 	if err != nil {
 		t.Fatal(err)

@@ -1,15 +1,12 @@
 package e2e
 
 import (
-	"context"
 	"errors"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
-
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -101,13 +98,10 @@ func TestDiagExcludedNamespace(t *testing.T) {
 		time.Sleep(20 * time.Millisecond) // polling a file another process writes, bounded
 	}
 	spec := testenv.PodSpec{Namespace: "kube-system", Name: "excluded-sidecar", Sidecar: true}
-	k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, spec)
+	k8sPod, err := createPod(t, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_ = cluster.Client.CoreV1().Pods(spec.Namespace).Delete(context.Background(), spec.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
-	})
 	pod, err := testenv.NewPod(spec.Namespace, spec.Name, string(k8sPod.UID), "cexcluded")
 	if err != nil {
 		t.Fatal(err)

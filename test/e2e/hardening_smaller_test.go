@@ -42,7 +42,7 @@ func TestHardeningLookupsShareATransport(t *testing.T) {
 	}
 	// A pod without a sidecar: looked up, then left alone.
 	name := fmt.Sprintf("plain-%d", podSeq.Add(1))
-	if _, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name}); err != nil {
+	if _, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: name}); err != nil {
 		t.Fatal(err)
 	}
 	lookup(name)

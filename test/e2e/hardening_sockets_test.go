@@ -43,7 +43,7 @@ func TestHardeningSocketsRefuseOthers(t *testing.T) {
 	// A pod whose proxy's environment carries a secret, in the agent's cache.
 	const secret = "s3cr3t-token-value"
 	victim := "victim-" + strings.ToLower(t.Name()[len(t.Name())-6:])
-	if _, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: victim, Sidecar: true,
+	if _, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: victim, Sidecar: true,
 		ProxyEnv: map[string]string{"API_TOKEN": secret}}); err != nil {
 		t.Fatal(err)
 	}

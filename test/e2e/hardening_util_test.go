@@ -71,7 +71,7 @@ func (n *agentNode) sandbox(spec testenv.PodSpec) *testenv.Pod {
 	if spec.Name == "" {
 		spec.Name = fmt.Sprintf("hpod-%d", seq)
 	}
-	p, err := testenv.CreatePod(context.Background(), cluster.Client, spec)
+	p, err := createPod(n.t, spec)
 	if err != nil {
 		n.t.Fatal(err)
 	}
@@ -318,7 +318,13 @@ func makeTraversable(t *testing.T, path string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := os.Chmod(d, fi.Mode().Perm()|0o011); err != nil {
+		// The sticky and set-id bits stay: the walk reaches the
+		// machine's /tmp, whose sticky bit every user relies on.
+		mode := fi.Mode() & (os.ModePerm | os.ModeSticky | os.ModeSetuid | os.ModeSetgid)
+		if mode&0o011 == 0o011 {
+			continue
+		}
+		if err := os.Chmod(d, mode|0o011); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -64,7 +64,7 @@ func TestIstioLoggingFlags(t *testing.T) {
 		name string
 		list *libcni.NetworkConfigList
 	}{{"via-agent", list}, {"via-fallback", fallbackList}} {
-		k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: "logging-" + c.name, Sidecar: true})
+		k8sPod, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: "logging-" + c.name, Sidecar: true})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -137,7 +137,7 @@ func TestIstioManifestsRunTheAgent(t *testing.T) {
 			}
 
 			name := "manifest-" + c.name
-			k8sPod, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
+			k8sPod, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true})
 			if err != nil {
 				t.Fatal(err)
 			}

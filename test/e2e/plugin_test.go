@@ -22,6 +22,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
@@ -94,17 +95,11 @@ func (e *env) newPodIn(mk func(namespace, name, uid, containerID string) (*teste
 	uid := ""
 	if spec != nil {
 		spec.Namespace, spec.Name = testNS, name
-		p, err := testenv.CreatePod(context.Background(), cluster.Client, *spec)
+		p, err := createPod(e.t, *spec)
 		if err != nil {
 			e.t.Fatal(err)
 		}
 		uid = string(p.UID)
-		// Gone with the test: the API server is the suite's, and every
-		// agent a later test starts would otherwise hold (and prepare)
-		// every pod of the tests before it.
-		e.t.Cleanup(func() {
-			_ = cluster.Client.CoreV1().Pods(testNS).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
-		})
 	}
 	pod, err := mk(testNS, name, uid, fmt.Sprintf("c%060d", n))
 	if err != nil {
@@ -187,6 +182,21 @@ func resultIPs(t *testing.T, res types.Result) []netip.Addr {
 		}
 	}
 	return out
+}
+
+// createPod creates a pod object that is gone with the test: the API
+// server is the suite's, and every agent a later test starts would
+// otherwise hold, prepare and (in repair mode) retry every pod of the
+// tests before it.
+func createPod(t testing.TB, spec testenv.PodSpec) (*corev1.Pod, error) {
+	t.Helper()
+	p, err := testenv.CreatePod(context.Background(), cluster.Client, spec)
+	if err == nil {
+		t.Cleanup(func() {
+			_ = cluster.Client.CoreV1().Pods(spec.Namespace).Delete(context.Background(), spec.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+		})
+	}
+	return p, err
 }
 
 // saveNoise is what differs between two dumps of the same rules: the

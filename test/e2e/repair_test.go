@@ -168,7 +168,7 @@ func TestRepairInPlace(t *testing.T) {
 		}
 	})
 	t.Run("namespace-not-found", func(t *testing.T) {
-		_, err := testenv.CreatePod(context.Background(), cluster.Client, testenv.PodSpec{Namespace: testNS, Name: "ghost", Sidecar: true})
+		_, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: "ghost", Sidecar: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -189,7 +189,7 @@ func TestRepairDeleteAndLabel(t *testing.T) {
 			ctx := context.Background()
 			mk := func(name string, spec testenv.PodSpec, exit int32) {
 				spec.Namespace, spec.Name = testNS, mode+"-"+name
-				if _, err := testenv.CreatePod(ctx, cluster.Client, spec); err != nil {
+				if _, err := createPod(t, spec); err != nil {
 					t.Fatal(err)
 				}
 				markValidation(t, spec.Name, "10.250.0.1", exit)
@@ -343,7 +343,7 @@ func TestRepairGoesOn(t *testing.T) {
 		h := repairHost(t, "--repair-repair-pods=false", "--repair-delete-pods", "--kubeconfig", kc)
 		h.waitReadyz(200, 20*time.Second)
 		for _, name := range []string{"refused-1", "refused-2"} {
-			if _, err := testenv.CreatePod(ctx, cluster.Client, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true}); err != nil {
+			if _, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: name, Sidecar: true}); err != nil {
 				t.Fatal(err)
 			}
 			markValidation(t, name, "10.250.0.2", 126)
