@@ -9,13 +9,9 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/repair"
 )
 
-// fdPath names an open namespace by the agent's descriptor, for the
-// backends, which take paths: no bind mount of the runtime's is needed,
-// and the name cannot come to mean another namespace while the file is
-// open.
-func fdPath(f *os.File) string {
-	return fmt.Sprintf("/proc/self/fd/%d", f.Fd())
-}
+// fdPath names an open namespace by the agent's descriptor (no bind
+// mount of the runtime's is needed).
+func fdPath(f *os.File) string { return repair.FDPath(f) }
 
 // netnsIndex maps pod UIDs to /proc/<pid>/ns/net of their sandbox
 // process, read once per pass over many pods.
@@ -45,13 +41,8 @@ func (x *netnsIndex) find(uid string, ips []netip.Addr, hostUsers *bool) (*os.Fi
 	if len(ips) == 0 {
 		return nil, fmt.Errorf("pod %s has no IP yet to check its network namespace %s against", uid, path)
 	}
-	f, err := os.Open(path) //nolint:gosec // G304: a namespace under the host's /proc, found by the pod's cgroup
+	f, err := repair.OpenVerifiedNetNS(path, repair.PodNetNS{UID: uid, IPs: ips, HostUsers: hostUsers})
 	if err != nil {
-		return nil, fmt.Errorf("opening the network namespace of pod %s: %w", uid, err)
-	}
-	// Checked through the descriptor, so what is checked is what is held.
-	if err := repair.VerifyPodNetNS(fdPath(f), repair.PodNetNS{UID: uid, IPs: ips, HostUsers: hostUsers}); err != nil {
-		_ = f.Close()
 		return nil, fmt.Errorf("the network namespace of pod %s's sandbox process: %w", uid, err)
 	}
 	return f, nil

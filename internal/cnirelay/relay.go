@@ -336,7 +336,11 @@ func (r *Relay) fallback(reason string, a *Args, env ...string) error {
 	// the CNI answer, read whole.
 	res, err := runner.Run(context.Background(), &execrun.Cmd{Path: r.Fallback,
 		Env:   append(append(append([]string{}, r.Environ...), FallbackReasonEnv+"="+reason), env...),
-		Stdin: a.Stdin, Stderr: r.Stderr})
+		Stdin: a.Stdin, Stderr: r.Stderr,
+		// Its own budgets bound it (API calls, lock waits, its commands'
+		// timeouts), and it dies with the relay when the runtime kills
+		// the relay at its deadline.
+		Timeout: -1})
 	var exit *execrun.ExitError
 	switch {
 	case err == nil:

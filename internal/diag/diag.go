@@ -75,6 +75,9 @@ func (r *report) say(format string, args ...any) { fmt.Fprintf(r.w, format+"\n",
 
 func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int, error) {
 	var pod *podinfo.Pod
+	// Found by the pod, the namespace is held open and used through the
+	// descriptor, so that what was checked is what is inspected.
+	shown := netnsPath
 	if podRef != "" {
 		ns, name, ok := strings.Cut(podRef, "/")
 		if !ok {
@@ -105,13 +108,15 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 				}
 				id.IPs = append(id.IPs, ip)
 			}
-			var err error
-			if netnsPath, err = repair.FindPodNetNS(procDir, id); err != nil {
+			held, err := repair.OpenPodNetNS(procDir, id)
+			if err != nil {
 				return 0, err
 			}
+			defer held.Close()
+			shown, netnsPath = held.Name(), repair.FDPath(held)
 		}
 	}
-	r.say("network namespace %s", netnsPath)
+	r.say("network namespace %s", shown)
 
 	ipt := &iptables.Applier{}
 	nft := &nftables.Applier{}

@@ -13,8 +13,23 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
+	"time"
 )
+
+// DefaultTimeout bounds a command whose Cmd sets no Timeout: twice the
+// xtables lock's 30 s wait the iptables writes ask for. A tool that hangs
+// (stopped, or stuck in the kernel) would otherwise hold its pod's
+// namespace lock, and every ADD waiting on the same prepared plan,
+// forever.
+const DefaultTimeout = time.Minute
+
+// waitDelay is how long a killed command's output may still be read: a
+// grandchild holding its pipes open must not keep Run waiting.
+const waitDelay = 2 * time.Second
+
+var errTimedOut = errors.New("the command's timeout passed")
 
 // Cmd is one process to run, argument list only: nothing goes through a
 // shell.
@@ -30,6 +45,9 @@ type Cmd struct {
 	// Stdout and Stderr, when set, receive the output as it comes instead
 	// of it being returned in Result.
 	Stdout, Stderr io.Writer
+	// Timeout is how long the command may run before it is killed: 0 is
+	// DefaultTimeout; negative, only ctx bounds it.
+	Timeout time.Duration
 }
 
 // String is the command line as a person would type it, for errors and
@@ -79,11 +97,30 @@ type Runner interface {
 // OS runs commands for real.
 type OS struct{}
 
-// Run starts c and waits for it; ctx ending kills it.
+// Run starts c and waits for it; ctx ending or c's timeout passing kills
+// it, and so does the death of the calling process (a plugin process the
+// runtime killed at its deadline must not leave its children writing
+// into a sandbox being torn down, nor holding the runtime's stderr).
 func (OS) Run(ctx context.Context, c *Cmd) (Result, error) {
+	timeout := c.Timeout
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, timeout, errTimedOut)
+		defer cancel()
+	}
 	// Running what the caller describes is this package's job; argv only,
 	// never a shell.
 	cmd := exec.CommandContext(ctx, c.Path, c.Args...) //nolint:gosec // G204: see above.
+	cmd.WaitDelay = waitDelay
+	cmd.SysProcAttr = dieWithParent()
+	// The parent-death signal comes when the thread that forked exits, not
+	// the process: the goroutine keeps its thread until the child is
+	// reaped, so no thread the runtime retires can take the child along.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	cmd.Env = c.Env
 	if cmd.Env == nil {
 		cmd.Env = []string{}
@@ -104,7 +141,11 @@ func (OS) Run(ctx context.Context, c *Cmd) (Result, error) {
 	res := Result{Stdout: stdout.Bytes(), Stderr: stderr.Bytes()}
 	var exit *exec.ExitError
 	if errors.As(err, &exit) {
-		return res, &ExitError{Cmd: c.String(), Code: exit.ExitCode(), Status: exit.String(), Stderr: stderr.String()}
+		status := exit.String()
+		if errors.Is(context.Cause(ctx), errTimedOut) && exit.ExitCode() == -1 {
+			status = fmt.Sprintf("%s after %s", status, timeout)
+		}
+		return res, &ExitError{Cmd: c.String(), Code: exit.ExitCode(), Status: status, Stderr: stderr.String()}
 	}
 	return res, err
 }

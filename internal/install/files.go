@@ -55,6 +55,15 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode, keep bool) erro
 // writeTemp writes data into a new temp file beside path, synced, with
 // the given mode and (uid >= 0) owner, and returns its name.
 func writeTemp(path string, data []byte, mode os.FileMode, uid, gid int) (string, error) {
+	if mode&0o111 != 0 {
+		// A child the agent forks (an iptables command) holds a copy of
+		// every descriptor until its own exec closes it. Had it one to
+		// this file, a runtime running the binary just installed would
+		// fail with "text file busy", and the pod's ADD with it. Forking
+		// waits while the file is open: binaries are written rarely.
+		syscall.ForkLock.RLock()
+		defer syscall.ForkLock.RUnlock()
+	}
 	tmp := tempName(path)
 	f, err := openFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {

@@ -207,16 +207,19 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 	if _, ok := pod.Annotations[c.cfg.SidecarAnnotation]; !ok || pod.Spec.HostNetwork || pod.DeletionTimestamp != nil {
 		return
 	}
-	netns, ok := index[string(pod.UID)]
+	path, ok := index[string(pod.UID)]
 	if !ok {
 		return
 	}
-	if err := VerifyPodNetNS(netns, podNetNS(pod)); err != nil {
+	held, err := OpenVerifiedNetNS(path, podNetNS(pod))
+	if err != nil {
 		// Most often a pod mid-creation (no IP reported yet) or a new
 		// sandbox the status does not name yet: no Event on a healthy pod.
 		c.log.Info("start-up scan: not (yet) the pod's network namespace; leaving it alone", "pod", pod.Namespace+"/"+pod.Name, "error", err.Error())
 		return
 	}
+	defer held.Close()
+	netns := FDPath(held)
 	facts, err := toFacts(pod)
 	if err != nil {
 		return
@@ -386,10 +389,12 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	if len(id.IPs) == 0 {
 		return fail(fmt.Errorf("pod has no IP yet"))
 	}
-	netns, err := FindPodNetNS(c.procDir, id)
+	held, err := OpenPodNetNS(c.procDir, id)
 	if err != nil {
 		return fail(err)
 	}
+	defer held.Close()
+	netns := FDPath(held)
 	facts, err := toFacts(pod)
 	if err != nil {
 		return fail(err)
@@ -437,7 +442,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	c.mu.Unlock()
 	c.done("repair", "success", pod)
 	c.recorder.Eventf(pod, corev1.EventTypeNormal, ReasonRepaired, "pod detected as broken (%s); redirect rules applied in its network namespace", reason)
-	c.log.Info("repaired pod", "pod", key.String(), "netns", netns, "result", rep.String())
+	c.log.Info("repaired pod", "pod", key.String(), "netns", held.Name(), "result", rep.String())
 	return nil
 }
 

@@ -99,35 +99,66 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 	return index, nil
 }
 
-// FindPodNetNS returns the network namespace of pod, found by its UID and
-// verified by VerifyPodNetNS.
-func FindPodNetNS(procDir string, pod PodNetNS) (string, error) {
+// OpenPodNetNS opens the network namespace of pod, found by its UID and
+// verified by VerifyPodNetNS through the open file, so what was verified
+// is what is held: a path under /proc names whatever process comes to
+// have that PID once the sandbox's has ended. Rules go in through FDPath
+// of the file, which the caller closes.
+func OpenPodNetNS(procDir string, pod PodNetNS) (*os.File, error) {
 	index, err := IndexPodNetNS(procDir)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	path, ok := index[pod.UID]
 	if !ok {
-		return "", fmt.Errorf("%w: no process on this node runs in the cgroup of pod %s", ErrNoNetNS, pod.UID)
+		return nil, fmt.Errorf("%w: no process on this node runs in the cgroup of pod %s", ErrNoNetNS, pod.UID)
 	}
-	return path, VerifyPodNetNS(path, pod)
+	return OpenVerifiedNetNS(path, pod)
+}
+
+// OpenVerifiedNetNS opens the namespace at path and verifies it as the
+// pod's through the open file; the error names path.
+func OpenVerifiedNetNS(path string, pod PodNetNS) (*os.File, error) {
+	f, err := os.Open(path) //nolint:gosec // G304: a namespace under the host's /proc, found by the pod's cgroup
+	if err != nil {
+		return nil, err
+	}
+	if err := verifyOpen(f, path, pod); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// FDPath names an open namespace by this process's descriptor, for the
+// rule backends, which take paths: the name cannot come to mean another
+// namespace while the file is open.
+func FDPath(f *os.File) string {
+	return fmt.Sprintf("/proc/self/fd/%d", f.Fd())
 }
 
 // VerifyPodNetNS checks that the namespace at path is the pod's: it holds
 // one of the pod's IPs, and it belongs to the node's user namespace (or,
 // for a pod with hostUsers: false, to another one). A namespace that fails
-// either is refused, never programmed.
+// either is refused, never programmed. A caller that goes on to program
+// it opens it with OpenVerifiedNetNS instead.
 func VerifyPodNetNS(path string, pod PodNetNS) error {
 	f, err := os.Open(path) //nolint:gosec // G304: a namespace under the host's /proc, found by scanning it
 	if err != nil {
 		return err
 	}
 	defer f.Close()
+	return verifyOpen(f, path, pod)
+}
+
+// verifyOpen is VerifyPodNetNS of the open namespace f, called name in
+// errors.
+func verifyOpen(f *os.File, name string, pod PodNetNS) error {
 	if err := checkUserNS(f, pod.HostUsers); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return fmt.Errorf("%s: %w", name, err)
 	}
 	var held []netip.Addr
-	err = ns.WithNetNSPath(path, func(ns.NetNS) error {
+	err := ns.WithNetNSPath(FDPath(f), func(ns.NetNS) error {
 		addrs, err := net.InterfaceAddrs()
 		if err != nil {
 			return err
@@ -140,7 +171,7 @@ func VerifyPodNetNS(path string, pod PodNetNS) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("entering %s: %w", path, err)
+		return fmt.Errorf("entering %s: %w", name, err)
 	}
 	for _, want := range pod.IPs {
 		for _, h := range held {
@@ -149,7 +180,7 @@ func VerifyPodNetNS(path string, pod PodNetNS) error {
 			}
 		}
 	}
-	return fmt.Errorf("%w (%s holds %v, the pod has %v)", ErrNotPodIP, path, held, pod.IPs)
+	return fmt.Errorf("%w (%s holds %v, the pod has %v)", ErrNotPodIP, name, held, pod.IPs)
 }
 
 func checkUserNS(netns *os.File, hostUsers *bool) error {

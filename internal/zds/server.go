@@ -677,6 +677,15 @@ func (s *Server) sendSnapshot(c *conn) error {
 			continue
 		}
 		res := s.roundTrip(c, req, data, p.Netns)
+		if errors.Is(res.err, errNetnsReleased) {
+			// A new sandbox of the pod replaced this one since the list
+			// was taken (nothing was sent): the new one goes to ztunnel by
+			// its own ADD, or by the retry after the snapshot. Dropping
+			// the connection would restart the snapshot, again and again
+			// while pods restart.
+			c.log.Info("leaving a pod out of the snapshot: its network namespace was released meanwhile", "uid", p.UID)
+			continue
+		}
 		if res.err != nil {
 			return fmt.Errorf("%s of workload %s: %w", req.Kind, p.UID, res.err)
 		}
@@ -749,15 +758,23 @@ func send(uc *net.UnixConn, data []byte, netns *os.File) error {
 	}
 	rc, err := netns.SyscallConn()
 	if err != nil {
-		return fmt.Errorf("the network namespace file: %w", err)
+		return released(err)
 	}
 	var werr error
 	if err := rc.Control(func(fd uintptr) {
 		_, _, werr = uc.WriteMsgUnix(data, unix.UnixRights(int(fd)), nil)
 	}); err != nil {
-		return fmt.Errorf("the network namespace file: %w", err)
+		return released(err)
 	}
 	return werr
+}
+
+// errNetnsReleased: the namespace file was closed before it could be
+// sent (a file's Control fails only so), and nothing was sent.
+var errNetnsReleased = errors.New("the pod's network namespace was released")
+
+func released(err error) error {
+	return fmt.Errorf("%w: %w", errNetnsReleased, err)
 }
 
 func (s *Server) register(c *conn) {

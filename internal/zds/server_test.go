@@ -762,3 +762,45 @@ func dialIn(path, addr string) (string, error) {
 	})
 	return line, err
 }
+
+// closingPods closes a pod's namespace file when ztunnel acknowledges
+// the pod before it in the snapshot: a new sandbox of that pod replacing
+// its namespace while the snapshot is being sent.
+type closingPods struct {
+	*pods
+	after  string
+	closes *os.File
+}
+
+func (p *closingPods) SnapshotAcked(uid string, _ *os.File) {
+	if uid == p.after {
+		_ = p.closes.Close()
+	}
+}
+func (*closingPods) SnapshotRefused(string, *os.File) {}
+func (*closingPods) SnapshotDone()                    {}
+
+// TestSnapshotPodReleasedMeanwhile: a pod whose namespace is released
+// while the snapshot is sent is left out of it; the others and the end of
+// the snapshot still go, on the same connection.
+func TestSnapshotPodReleasedMeanwhile(t *testing.T) {
+	p := &closingPods{pods: &pods{}, after: "a"}
+	f := newFixture(t, func(c *zds.Config) { c.Snapshotter = p })
+	b, err := os.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.closes = b
+	t.Cleanup(func() { _ = b.Close() })
+	netns := selfNetns(t)
+	p.set(pod("a", netns), pod("b", b), pod("c", netns))
+	sim := f.sim(ztunnelsim.Config{})
+	st := wait(t, sim, "snapshot", snapshotDone)
+	if got, want := kinds(st.Events), "add a, add c, snapshot_sent"; got != want {
+		t.Fatalf("snapshot %q, want %q", got, want)
+	}
+	if st.Snapshots != 1 || st.Conns != 1 {
+		t.Fatalf("%d snapshots over %d connections, want one of each", st.Snapshots, st.Conns)
+	}
+	f.waitConns(1)
+}
