@@ -760,12 +760,16 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 		c.pods[uid] = st
 	}
 	st.info = zds.WorkloadInfo{Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}
-	if netns != nil {
-		if old := st.netns; old != nil {
-			if !sameNetns(old, netns) {
-				// A new sandbox of the pod: ztunnel must get the new one.
-				st.acked = false
-			}
+	switch old := st.netns; {
+	case netns == nil:
+	case sameNetns(old, netns):
+		// The namespace already held (a repeated ADD): the held file
+		// stays, as a snapshot being sent may be using it.
+		_ = netns.Close()
+	default:
+		if old != nil {
+			// A new sandbox of the pod: ztunnel must get the new one.
+			st.acked = false
 			_ = old.Close()
 		}
 		st.netns = netns

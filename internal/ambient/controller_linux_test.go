@@ -1495,3 +1495,34 @@ func TestStatusAddressAmongMore(t *testing.T) {
 		e.waitSim(sim, "pod handed to ztunnel", hasWorkload(uid, inode(t, pns)))
 	})
 }
+
+// TestRepeatedADDKeepsTheHeldNamespace: a second ADD handing over the
+// namespace already held leaves the held file open, as a snapshot being
+// sent may be using it; ztunnel keeps the pod.
+func TestRepeatedADDKeepsTheHeldNamespace(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		sim := e.startSim(nil)
+		const podIP = "10.7.4.10"
+		uid, pns := newUID(), e.podNS(podIP)
+		pod := e.createPod(nsAmbient, "again", uid, nil, podIP)
+		if err := e.c.AddPod(context.Background(), pod, e.openNS(pns)); err != nil {
+			t.Fatal(err)
+		}
+		e.waitSim(sim, "pod handed to ztunnel", hasWorkload(uid, inode(t, pns)))
+		snap := e.c.Snapshot()
+		if len(snap) != 1 || snap[0].Netns == nil {
+			t.Fatalf("snapshot %+v, want the pod with its namespace", snap)
+		}
+		if err := e.c.AddPod(context.Background(), pod, e.openNS(pns)); err != nil {
+			t.Fatal(err)
+		}
+		rc, err := snap[0].Netns.SyscallConn()
+		if err == nil {
+			err = rc.Control(func(uintptr) {})
+		}
+		if err != nil {
+			t.Fatalf("the namespace file a snapshot took was closed by the repeated ADD: %v", err)
+		}
+		e.waitSim(sim, "pod kept in ztunnel", hasWorkload(uid, inode(t, pns)))
+	})
+}

@@ -55,21 +55,17 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode, keep bool) erro
 // writeTemp writes data into a new temp file beside path, synced, with
 // the given mode and (uid >= 0) owner, and returns its name.
 func writeTemp(path string, data []byte, mode os.FileMode, uid, gid int) (string, error) {
-	if mode&0o111 != 0 {
-		// A child the agent forks (an iptables command) holds a copy of
-		// every descriptor until its own exec closes it. Had it one to
-		// this file, a runtime running the binary just installed would
-		// fail with "text file busy", and the pod's ADD with it. Forking
-		// waits while the file is open: binaries are written rarely.
-		syscall.ForkLock.RLock()
-		defer syscall.ForkLock.RUnlock()
-	}
 	tmp := tempName(path)
-	f, err := openFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
-	if err != nil {
-		return "", fmt.Errorf("creating temp file for %s: %w", path, err)
+	var err error
+	if mode&0o111 != 0 {
+		err = writeExecutable(tmp, data, mode)
+	} else {
+		var f *os.File
+		if f, err = openFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode); err != nil {
+			return "", fmt.Errorf("creating temp file for %s: %w", path, err)
+		}
+		err = writeSyncClose(f, bytes.NewReader(data))
 	}
-	err = writeSyncClose(f, bytes.NewReader(data))
 	if err == nil {
 		err = os.Chmod(tmp, mode)
 	}
@@ -249,6 +245,34 @@ func ResolveInDir(dir, path string) (string, error) {
 		return "", &LinkError{Path: path, Target: target, Why: "is not a regular file"}
 	}
 	return resolved, nil
+}
+
+// writeExecutable writes a binary to the new file tmp. A child the agent
+// forks (an iptables command) holds a copy of every descriptor until its
+// own exec closes it; had it one open for writing to this file, a runtime
+// running the binary just installed would fail with "text file busy", and
+// the pod's ADD with it. So forking waits while the file is open for
+// writing, and the file is synced through a read-only descriptor after,
+// as the sync can take long on a busy disk.
+func writeExecutable(tmp string, data []byte, mode os.FileMode) error {
+	err := func() error {
+		syscall.ForkLock.RLock()
+		defer syscall.ForkLock.RUnlock()
+		f, err := openFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
+		if err != nil {
+			return err
+		}
+		_, err = f.Write(data)
+		return errors.Join(err, f.Close())
+	}()
+	if err != nil {
+		return err
+	}
+	f, err := open(tmp)
+	if err != nil {
+		return err
+	}
+	return errors.Join(f.Sync(), f.Close())
 }
 
 func writeSyncClose(f *os.File, r io.Reader) error {

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
@@ -362,7 +363,11 @@ func (a *Applier) hostRun(bin, stdin string, args ...string) (string, error) {
 	if r == nil {
 		r = execrun.OS{}
 	}
-	c := &execrun.Cmd{Path: bin, Args: args, Env: []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin"}}
+	c := &execrun.Cmd{Path: bin, Args: args, Env: []string{"PATH=/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin"},
+		// The node's nat table can hold kube-proxy's rules for tens of
+		// thousands of services, read whole, after up to 30 s waiting for
+		// the node's xtables lock: slow is not hung there.
+		Timeout: 5 * time.Minute}
 	if stdin != "" {
 		c.Stdin = []byte(stdin)
 	}

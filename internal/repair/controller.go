@@ -412,7 +412,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	}
 	plan, err := podrules.BuildPlan(c.rules, netns, params)
 	if err != nil {
-		return fail(err)
+		return fail(fmt.Errorf("%s: %w", held.Name(), err))
 	}
 	if c.rules.Check(netns, plan) == nil {
 		if failed := c.lastFailure(pod); !failed.IsZero() && failed.Before(c.started) {
@@ -435,7 +435,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	}
 	rep, err := c.rules.Apply(netns, plan)
 	if err != nil {
-		return fail(err)
+		return fail(fmt.Errorf("%s: %w", held.Name(), err))
 	}
 	c.mu.Lock()
 	c.repaired[key] = pod.UID
