@@ -173,6 +173,17 @@ func TestIstioManifestsRunTheAgent(t *testing.T) {
 					break
 				}
 			}
+			// The pod goes before the agent uninstalls, as on a node: after
+			// it, the chain's DEL finds no istio-cni, never reaches ptp, and
+			// the next case's pod gets the same address beside a stale route.
+			if standalone != nil {
+				if err := cni.DelNetwork(ctx, standalone, pod.RT); err != nil {
+					t.Errorf("DEL of the standalone config: %v", err)
+				}
+			}
+			if err := cni.DelNetworkList(ctx, list, pod.RT); err != nil {
+				t.Errorf("DEL: %v", err)
+			}
 			if code := h.stop(syscall.SIGTERM); code != 0 {
 				t.Fatalf("exit code %d on SIGTERM", code)
 			}
