@@ -22,6 +22,7 @@ require (
 	k8s.io/apimachinery v0.34.4
 	k8s.io/cli-runtime v0.33.2
 	k8s.io/client-go v0.34.4
+	k8s.io/component-helpers v0.34.4
 	k8s.io/cri-api v0.34.4
 	sigs.k8s.io/yaml v1.6.0
 )

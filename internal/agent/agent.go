@@ -297,6 +297,17 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	if err := publishForcedVariant(runDir, cfg); err != nil {
 		return nil, fmt.Errorf("telling the fallback the forced iptables variant: %w", err)
 	}
+	a.mu.Lock()
+	loop := a.loop
+	a.mu.Unlock()
+	// The plugin kubeconfig before any socket: a relay that leaves this
+	// starting agent for the fallback must find its credentials, not the
+	// previous agent's, which the API server invalidated with that pod.
+	if changed, err := loop.WriteKubeconfig(); err != nil {
+		a.log.Warn("cannot write the plugin kubeconfig yet; the install pass retries", "error", err.Error())
+	} else if changed {
+		a.log.Info("wrote the plugin kubeconfig ahead of the first install pass")
+	}
 	pluginLog := a.PluginLog
 	if pluginLog == nil {
 		pluginLog = a.log.With("scope", logging.ScopePlugin)
@@ -353,7 +364,6 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 	p.cni = cniDone
 	a.mu.Lock()
 	a.health = append(a.health, cni.Health)
-	loop := a.loop
 	a.mu.Unlock()
 	loop.OnPlaced(func(conf []byte) {
 		if err := cni.ExpectConflist(conf, install.PluginType); err != nil {
@@ -371,7 +381,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		// The watch outlives the other parts: the termination's decision
 		// may wait for its news of the DaemonSet (watchGrace).
 		wctx, stop := context.WithCancel(context.Background())
-		w := watchDaemonSet(wctx, a.Clientset, cfg.Loop.Install.Entry.PodNamespace, cfg.DaemonSetName, a.log)
+		w := watchDaemonSet(wctx, a.Clientset, cfg.Loop.Install.Entry.PodNamespace, cfg.DaemonSetName, cfg.NodeName, a.log)
 		p.stopWatch, p.watchDone = stop, w.done
 		present = w.present
 	}

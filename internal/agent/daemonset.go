@@ -8,10 +8,12 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient"
 )
@@ -26,7 +28,10 @@ import (
 type daemonSetWatch struct {
 	cs       kubeclient.Interface
 	ns, name string
-	log      *slog.Logger
+	// node is the agent's node, which the DaemonSet must still target
+	// for its termination to be an upgrade.
+	node string
+	log  *slog.Logger
 
 	// done is closed once the watch has stopped, after ctx ended.
 	done chan struct{}
@@ -41,8 +46,8 @@ type daemonSetWatch struct {
 	changed chan struct{}
 }
 
-func watchDaemonSet(ctx context.Context, cs kubeclient.Interface, ns, name string, log *slog.Logger) *daemonSetWatch {
-	d := &daemonSetWatch{cs: cs, ns: ns, name: name, log: log, done: make(chan struct{}), changed: make(chan struct{})}
+func watchDaemonSet(ctx context.Context, cs kubeclient.Interface, ns, name, node string, log *slog.Logger) *daemonSetWatch {
+	d := &daemonSetWatch{cs: cs, ns: ns, name: name, node: node, log: log, done: make(chan struct{}), changed: make(chan struct{})}
 	go func() {
 		defer close(d.done)
 		d.run(ctx)
@@ -193,14 +198,14 @@ func (d *daemonSetWatch) goneWithin(ctx context.Context, grace time.Duration) bo
 }
 
 // present says, at termination, whether the DaemonSet still exists (and
-// is not being deleted).
+// is not being deleted) and still targets this node.
 func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
 	ds, err := d.cs.DaemonSets(d.ns).Get(ctx, d.name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
 		return false, nil
 	case err == nil:
-		return ds.DeletionTimestamp == nil, nil
+		return ds.DeletionTimestamp == nil && d.targetsNode(ctx, ds), nil
 	case d.seenGone():
 		return false, nil
 	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
@@ -220,4 +225,39 @@ func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
 		return false, fmt.Errorf("the API server refused to read the DaemonSet and it was not seen deleted: %w", err)
 	}
 	return false, err
+}
+
+// targetsNode says whether the DaemonSet's pods still go to the agent's
+// node: its template's nodeSelector and required node affinity match the
+// node, as Istio's agent checks. An upgrade that narrows them takes the
+// agent off this node for good; the plugin kept would use the agent's
+// credentials, which the API server invalidates with the agent's pod,
+// and fail every later pod here. Whatever cannot be told (no node name,
+// the node unreadable) counts as targeted: the rollout case, as before.
+func (d *daemonSetWatch) targetsNode(ctx context.Context, ds *appsv1.DaemonSet) bool {
+	spec := &ds.Spec.Template.Spec
+	if len(spec.NodeSelector) == 0 && (spec.Affinity == nil || spec.Affinity.NodeAffinity == nil ||
+		spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution == nil) {
+		return true
+	}
+	if d.node == "" {
+		return true
+	}
+	node, err := d.cs.Nodes().Get(ctx, d.node, metav1.GetOptions{})
+	if err != nil {
+		d.log.Warn("cannot read the agent's node to tell whether its DaemonSet still targets it; taking the termination for an upgrade",
+			"node", d.node, "error", err.Error())
+		return true
+	}
+	match, err := nodeaffinity.GetRequiredNodeAffinity(&corev1.Pod{Spec: *spec}).Match(node)
+	if err != nil {
+		d.log.Warn("cannot match the DaemonSet's node affinity against the agent's node; taking the termination for an upgrade",
+			"node", d.node, "error", err.Error())
+		return true
+	}
+	if !match {
+		d.log.Info("the agent's DaemonSet no longer targets this node (its nodeSelector or node affinity): no agent will come back here",
+			"daemonset", d.ns+"/"+d.name, "node", d.node)
+	}
+	return match
 }

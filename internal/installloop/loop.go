@@ -366,6 +366,11 @@ func isConfName(base string) bool {
 		(strings.HasSuffix(base, ".conf") || strings.HasSuffix(base, ".conflist") || strings.HasSuffix(base, ".json"))
 }
 
+// WriteKubeconfig writes the plugin kubeconfig now, ahead of the first
+// pass (which writes it again only if it changed), and reports whether
+// it wrote.
+func (l *Loop) WriteKubeconfig() (bool, error) { return l.in.WriteKubeconfig() }
+
 // installOnce runs every install step and reports whether the CNI config
 // was written.
 func (l *Loop) installOnce() (bool, error) {

@@ -32,6 +32,7 @@ import (
 type Interface interface {
 	Pods(namespace string) Pods
 	DaemonSets(namespace string) DaemonSets
+	Nodes() Nodes
 	// Events is where the repair controller's event recorder writes.
 	Events() record.EventSink
 }
@@ -50,6 +51,12 @@ type Pods interface {
 type DaemonSets interface {
 	Get(ctx context.Context, name string, opts metav1.GetOptions) (*appsv1.DaemonSet, error)
 	Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+// Nodes are the agent's reads of its own node, at termination (does its
+// DaemonSet still target it).
+type Nodes interface {
+	Get(ctx context.Context, name string, opts metav1.GetOptions) (*corev1.Node, error)
 }
 
 // Scheme knows the core and apps groups' types, for decoding and for
@@ -119,6 +126,9 @@ func (c *Client) Pods(namespace string) Pods { return pods{c.core, namespace} }
 // DaemonSets implements Interface.
 func (c *Client) DaemonSets(namespace string) DaemonSets { return daemonSets{c.apps, namespace} }
 
+// Nodes implements Interface.
+func (c *Client) Nodes() Nodes { return nodes{c.core} }
+
 // Events implements Interface.
 func (c *Client) Events() record.EventSink { return events{c.core} }
 
@@ -177,6 +187,14 @@ func (d daemonSets) Get(ctx context.Context, name string, opts metav1.GetOptions
 func (d daemonSets) Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
 	opts.Watch = true
 	return d.c.Get().Namespace(d.ns).Resource("daemonsets").VersionedParams(&opts, parameters).Timeout(timeout(opts)).Watch(ctx)
+}
+
+type nodes struct{ c rest.Interface }
+
+func (n nodes) Get(ctx context.Context, name string, opts metav1.GetOptions) (*corev1.Node, error) {
+	out := &corev1.Node{}
+	err := n.c.Get().Resource("nodes").Name(name).VersionedParams(&opts, parameters).Do(ctx).Into(out)
+	return out, err
 }
 
 // events is the recorder's sink, each event in its own namespace (the

@@ -240,8 +240,14 @@ func (c *APIClient) get(ctx context.Context, u string) ([]byte, error) {
 		return body, nil
 	case http.StatusNotFound:
 		return nil, ErrNotFound
-	case http.StatusUnauthorized, http.StatusForbidden:
-		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP %d): %s", status, snippet(body))}
+	case http.StatusUnauthorized:
+		// The kubeconfig carries the node agent's token, bound to the
+		// agent's pod: the API server refuses it once that pod is gone.
+		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP 401): %s; "+
+			"the kubeconfig holds the node agent's token, which ends with the agent's pod: is istio-cni-node being replaced (a rollout), or gone from this node? "+
+			"The next agent rewrites it when it starts", snippet(body))}
+	case http.StatusForbidden:
+		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP 403): %s", snippet(body))}
 	default:
 		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
 	}

@@ -117,7 +117,7 @@ func TestNamespaceLabels(t *testing.T) {
 		{ns: "bare", want: map[string]string{}},
 		{ns: "gone", notFound: true},
 		{ns: "denied", permanent: true, errSays: []string{"403", "cannot get resource"}},
-		{ns: "unauth", permanent: true, errSays: []string{"401", "Unauthorized"}},
+		{ns: "unauth", permanent: true, errSays: []string{"401", "Unauthorized", "istio-cni-node being replaced"}},
 		{ns: "busy", errSays: []string{"503", "unable to handle"}},
 		{ns: "garbled", errSays: []string{"namespace garbled"}},
 	} {

@@ -397,6 +397,7 @@ const ourHub = "cni:\n  hub: " + testenv.TestHub + "\n"
 var valueSets = map[string]valueSet{
 	"default": {golden: true, check: all(
 		wantObjects(defaultObjects...),
+		wantBaseRBAC,
 		wantNoAmbient,
 		wantConfig(ambientDefaultConfig...),
 		wantSelectors(defaultSelectors),
@@ -948,6 +949,17 @@ func wantAmbientRBAC(t *testing.T, r *rendered) {
 	if !found {
 		t.Errorf("istio-cni rules %+v lack apps/daemonsets get, watch on istio-cni-node", r.rules(t, "istio-cni"))
 	}
+}
+
+// wantBaseRBAC: the agent's base role, exactly: its node's pods, its own
+// DaemonSet by name, and nodes read (its own, at termination).
+func wantBaseRBAC(t *testing.T, r *rendered) {
+	t.Helper()
+	eq(t, "istio-cni rules", r.rules(t, "istio-cni"), []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"istio-cni-node"}, Verbs: []string{"get", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
+	})
 }
 
 func sortedSets() []string {

@@ -19,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -186,17 +187,25 @@ const primaryDir = "../../internal/install/testdata/primary"
 
 func ensureDaemonSet(t *testing.T, present bool) {
 	t.Helper()
+	if present {
+		ensureDaemonSetSelecting(t, nil)
+		return
+	}
+	_ = cluster.Client.AppsV1().DaemonSets("istio-system").Delete(context.Background(), "istio-cni-node", metav1.DeleteOptions{})
+}
+
+// ensureDaemonSetSelecting makes the agent's DaemonSet, with nodeSelector
+// (nil: every node).
+func ensureDaemonSetSelecting(t *testing.T, nodeSelector map[string]string) {
+	t.Helper()
 	ctx := context.Background()
 	dss := cluster.Client.AppsV1().DaemonSets("istio-system")
 	_ = dss.Delete(ctx, "istio-cni-node", metav1.DeleteOptions{})
-	if !present {
-		return
-	}
 	labels := map[string]string{"k8s-app": "istio-cni-node"}
 	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "istio-cni-node"},
 		Spec: appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
-				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "install-cni", Image: "install-cni:test"}}}}}}
+				Spec: corev1.PodSpec{NodeSelector: nodeSelector, Containers: []corev1.Container{{Name: "install-cni", Image: "install-cni:test"}}}}}}
 	if _, err := dss.Create(ctx, ds, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -359,6 +368,92 @@ func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 	if !strings.Contains(h.LogText(), "leaving the plugin in place") {
 		t.Fatal("no log line explaining why the plugin stayed")
 	}
+}
+
+// TestAgentLeavesANodeItsDaemonSetNoLongerTargets: a helm upgrade that
+// narrows the DaemonSet's nodeSelector takes the agent off this node for
+// good. Its termination removes the plugin, which would otherwise fail
+// every later pod here with the credentials of the agent's deleted pod;
+// with the selector still matching the node, it is a rollout and the
+// plugin stays.
+func TestAgentLeavesANodeItsDaemonSetNoLongerTargets(t *testing.T) {
+	ctx := context.Background()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: testenv.NodeName, Labels: map[string]string{"pool": "mesh"}}}
+	if _, err := cluster.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cluster.Client.CoreV1().Nodes().Delete(context.Background(), testenv.NodeName, metav1.DeleteOptions{})
+	})
+	for _, c := range []struct {
+		pool string
+		kept bool
+	}{{"mesh", true}, {"elsewhere", false}} {
+		t.Run(c.pool, func(t *testing.T) {
+			ensureDaemonSetSelecting(t, map[string]string{"pool": c.pool})
+			h := newHost(t)
+			calico := filepath.Join(h.NetDir, "10-calico.conflist")
+			copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), calico)
+			h.start("--kubernetes-node-name", testenv.NodeName)
+			h.waitReadyz(200, 20*time.Second)
+			if code := h.stop(syscall.SIGTERM); code != 0 {
+				t.Fatalf("exit code %d", code)
+			}
+			n, _ := entryCount(t, calico)
+			_, binErr := os.Stat(filepath.Join(h.BinDir, "istio-cni"))
+			if kept := n == 1 && binErr == nil; kept != c.kept {
+				t.Fatalf("DaemonSet selecting pool=%s on a node of pool=mesh: entries %d, relay %v; want kept %v\n%s", c.pool, n, binErr, c.kept, h.LogText())
+			}
+			if !c.kept && !strings.Contains(h.LogText(), "no longer targets this node") {
+				t.Fatalf("the removal's reason is not logged:\n%s", h.LogText())
+			}
+		})
+	}
+}
+
+// TestAgentWritesKubeconfigFirst: a starting agent writes the plugin
+// kubeconfig before it serves a relay, and whatever its install pass
+// meets: a relay that leaves it for the fallback must not find the
+// previous agent's credentials, which the API server refuses once that
+// agent's pod is gone. Here the pass fails on every round (the bin dir is
+// a file), so the kubeconfig is written ahead of it or never.
+func TestAgentWritesKubeconfigFirst(t *testing.T) {
+	ensureDaemonSet(t, false)
+	h := newHost(t)
+	copyFile(t, filepath.Join(primaryDir, "10-calico.conflist"), filepath.Join(h.NetDir, "10-calico.conflist"))
+	if err := os.MkdirAll(h.RunDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig := filepath.Join(h.RunDir, "istio-cni-kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte("the previous agent's"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.RemoveAll(h.BinDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(h.BinDir, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.start()
+	h.waitLog("not a directory", 20*time.Second)
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		_, sockErr := os.Stat(filepath.Join(h.RunDir, cnirelay.SocketName))
+		b, err := os.ReadFile(kubeconfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sockErr == nil {
+			if string(b) == "the previous agent's" || !strings.Contains(string(b), "token") {
+				t.Fatalf("the agent serves relays while the kubeconfig is %q", b)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the agent never served relays")
+		}
+		time.Sleep(20 * time.Millisecond) // polling files the agent writes
+	}
+	h.waitReadyz(503, 10*time.Second)
 }
 
 func TestAgentWaitsForPrimaryAndWrapsConf(t *testing.T) {

@@ -25,6 +25,9 @@ func (c Client) DaemonSets(namespace string) kubeclient.DaemonSets {
 	return c.AppsV1().DaemonSets(namespace)
 }
 
+// Nodes implements kubeclient.Interface.
+func (c Client) Nodes() kubeclient.Nodes { return c.CoreV1().Nodes() }
+
 // Events implements kubeclient.Interface.
 func (c Client) Events() record.EventSink {
 	return &typedcorev1.EventSinkImpl{Interface: c.CoreV1().Events("")}
