@@ -234,6 +234,9 @@ func (d *daemonSetWatch) present(ctx context.Context) (bool, error) {
 // credentials, which the API server invalidates with the agent's pod,
 // and fail every later pod here. Whatever cannot be told (no node name,
 // the node unreadable) counts as targeted: the rollout case, as before.
+// Taints are not weighed: the DaemonSet controller adds tolerations of
+// its own (a rebooting or cordoned node keeps its agent), and the chart
+// tolerates every taint.
 func (d *daemonSetWatch) targetsNode(ctx context.Context, ds *appsv1.DaemonSet) bool {
 	spec := &ds.Spec.Template.Spec
 	if len(spec.NodeSelector) == 0 && (spec.Affinity == nil || spec.Affinity.NodeAffinity == nil ||
@@ -245,15 +248,19 @@ func (d *daemonSetWatch) targetsNode(ctx context.Context, ds *appsv1.DaemonSet) 
 	}
 	node, err := d.cs.Nodes().Get(ctx, d.node, metav1.GetOptions{})
 	if err != nil {
-		d.log.Warn("cannot read the agent's node to tell whether its DaemonSet still targets it; taking the termination for an upgrade",
-			"node", d.node, "error", err.Error())
+		msg := "cannot read the agent's node to tell whether its DaemonSet still targets it; taking the termination for an upgrade"
+		if apierrors.IsNotFound(err) {
+			msg += " (is the node name right? set KUBERNETES_NODE_NAME from spec.nodeName)"
+		}
+		d.log.Warn(msg, "node", d.node, "error", err.Error())
 		return true
 	}
+	// A term that does not parse matches nothing, and the others still
+	// count, as the DaemonSet controller places its pods.
 	match, err := nodeaffinity.GetRequiredNodeAffinity(&corev1.Pod{Spec: *spec}).Match(node)
 	if err != nil {
-		d.log.Warn("cannot match the DaemonSet's node affinity against the agent's node; taking the termination for an upgrade",
+		d.log.Info("the DaemonSet's node affinity has a term that does not parse; it matches nothing, as for the DaemonSet controller",
 			"node", d.node, "error", err.Error())
-		return true
 	}
 	if !match {
 		d.log.Info("the agent's DaemonSet no longer targets this node (its nodeSelector or node affinity): no agent will come back here",

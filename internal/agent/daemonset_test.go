@@ -108,6 +108,7 @@ func TestDaemonSetNoLongerTargetingTheNode(t *testing.T) {
 		{name: "selector no longer matches", selector: map[string]string{"pool": "a"}, nodeLabels: map[string]string{"pool": "b"}, nodeReadable: true, want: false, readsNode: true},
 		{name: "affinity no longer matches", affinity: affinity(corev1.NodeSelectorOpNotIn, "b"), nodeLabels: map[string]string{"pool": "b"}, nodeReadable: true, want: false, readsNode: true},
 		{name: "affinity matches", affinity: affinity(corev1.NodeSelectorOpIn, "a", "b"), nodeLabels: map[string]string{"pool": "b"}, nodeReadable: true, want: true, readsNode: true},
+		{name: "a term that does not parse matches nothing", affinity: affinity(corev1.NodeSelectorOpGt, "abc"), nodeLabels: map[string]string{"pool": "5"}, nodeReadable: true, want: false, readsNode: true},
 		{name: "node unreadable: cannot tell", selector: map[string]string{"pool": "a"}, nodeLabels: map[string]string{"pool": "b"}, want: true, readsNode: true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
