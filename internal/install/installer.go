@@ -184,6 +184,11 @@ func (in *Installer) WriteKubeconfig() (bool, error) {
 	if err := os.MkdirAll(in.cfg.RunDir, 0o755); err != nil { //nolint:gosec // G301: Istio's mode for the run dir, which the plugin and host tools read
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}
+	// A crash mid-write left its temp file, credentials and all, where
+	// nothing would ever read or remove it.
+	if removed, err := RemoveStaleTemps(in.cfg.RunDir); err == nil && len(removed) > 0 {
+		in.log.Info("removed stale temp files", "files", removed)
+	}
 	if err := WriteFileAtomic(path, data, in.cfg.KubeconfigMode, false); err != nil {
 		return false, &StepError{ResultCreateKubeconfig, err}
 	}

@@ -445,3 +445,25 @@ func TestCleanupRemovesLinkedStandalone(t *testing.T) {
 		t.Fatalf("the link to the standalone config is left: %v", err)
 	}
 }
+
+// TestKubeconfigWriteSweepsStaleTemps: the temp file of a kubeconfig
+// write a crash interrupted (it holds the token) goes with the next write.
+func TestKubeconfigWriteSweepsStaleTemps(t *testing.T) {
+	n := newNode(t, true, nil)
+	if err := os.MkdirAll(n.run, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	stale := tempName(n.in.KubeconfigPath())
+	if err := os.WriteFile(stale, []byte("token: old"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := n.in.WriteKubeconfig(); err != nil || !changed {
+		t.Fatalf("kubeconfig: %v %v", changed, err)
+	}
+	if _, err := os.Stat(stale); !os.IsNotExist(err) {
+		t.Fatalf("the interrupted write's temp file %s is still there: %v", stale, err)
+	}
+	if _, err := os.Stat(n.in.KubeconfigPath()); err != nil {
+		t.Fatal(err)
+	}
+}
