@@ -10,6 +10,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/ambient"
 	"github.com/istio-cni-go/istio-cni/internal/ambientnet"
+	"github.com/istio-cni-go/istio-cni/internal/repair"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 	"github.com/istio-cni-go/istio-cni/internal/zds"
 )
@@ -59,7 +60,7 @@ func hostNetns(cfg *Config, log *slog.Logger) (path string, closeFn func(), err 
 		return "", nil, fmt.Errorf("opening the node's network namespace: %w", err)
 	}
 	log.Info("the node's probe SNAT goes into this network namespace", "path", path)
-	return fmt.Sprintf("/proc/self/fd/%d", f.Fd()), func() { _ = f.Close() }, nil
+	return repair.FDPath(f), func() { _ = f.Close() }, nil
 }
 
 // newAmbient builds the controller from the agent's settings; it runs in

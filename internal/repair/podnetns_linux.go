@@ -100,7 +100,7 @@ func IndexPodNetNS(procDir string) (map[string]string, error) {
 }
 
 // OpenPodNetNS opens the network namespace of pod, found by its UID and
-// verified by VerifyPodNetNS through the open file, so what was verified
+// verified (verifyOpen) through the open file, so what was verified
 // is what is held: a path under /proc names whatever process comes to
 // have that PID once the sandbox's has ended. Rules go in through FDPath
 // of the file, which the caller closes.
@@ -137,22 +137,10 @@ func FDPath(f *os.File) string {
 	return fmt.Sprintf("/proc/self/fd/%d", f.Fd())
 }
 
-// VerifyPodNetNS checks that the namespace at path is the pod's: it holds
-// one of the pod's IPs, and it belongs to the node's user namespace (or,
-// for a pod with hostUsers: false, to another one). A namespace that fails
-// either is refused, never programmed. A caller that goes on to program
-// it opens it with OpenVerifiedNetNS instead.
-func VerifyPodNetNS(path string, pod PodNetNS) error {
-	f, err := os.Open(path) //nolint:gosec // G304: a namespace under the host's /proc, found by scanning it
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return verifyOpen(f, path, pod)
-}
-
-// verifyOpen is VerifyPodNetNS of the open namespace f, called name in
-// errors.
+// verifyOpen checks that the open namespace f (called name in errors) is
+// the pod's: it holds one of the pod's IPs, and it belongs to the node's
+// user namespace (or, for a pod with hostUsers: false, to another one). A
+// namespace that fails either is refused, never programmed.
 func verifyOpen(f *os.File, name string, pod PodNetNS) error {
 	if err := checkUserNS(f, pod.HostUsers); err != nil {
 		return fmt.Errorf("%s: %w", name, err)
