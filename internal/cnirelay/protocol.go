@@ -46,6 +46,13 @@ type Request struct {
 	// agent prepares them as netlink requests (an older relay leaves it
 	// unset, and the agent applies them).
 	Steps bool `json:"steps,omitempty"`
+	// TxnForm is the transaction form (nlsteps.BinaryForm) a relay that
+	// sets Steps decodes. An agent writing another form (a release before
+	// or after the relay's, met in an upgrade between the new agent's
+	// socket and its copy of the binaries) treats the ADD as one without
+	// Steps, or answers Unavailable to a relay that may leave, instead of
+	// failing the pod with rules the relay cannot read.
+	TxnForm string `json:"txnForm,omitempty"`
 	// ForceIPTables is the runtime's FORCE_IPTABLES_BINARY, which the
 	// agent honours when it has none of its own.
 	ForceIPTables string `json:"forceIPTables,omitempty"`

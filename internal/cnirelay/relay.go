@@ -221,6 +221,7 @@ func (r *Relay) ask(sock string, a *Args, netns *os.File, unprepared string, lea
 	req.MayLeave = leaveAfter > 0 && req.Steps
 	req.Framed = true
 	if req.Steps {
+		req.TxnForm = nlsteps.BinaryForm
 		getenv := r.Getenv
 		if getenv == nil {
 			getenv = os.Getenv

@@ -189,6 +189,9 @@ func TestProtocol(t *testing.T) {
 			}
 			want := Request{Command: c.command, ContainerID: "c1", Netns: c.netns, HasNetnsFD: c.wantFD, IfName: "eth0",
 				Args: args.Args, Path: args.Path, Stdin: args.Stdin, Steps: c.command == "ADD" && c.wantFD, Framed: true}
+			if want.Steps {
+				want.TxnForm = nlsteps.BinaryForm
+			}
 			if !jsonEqual(t, got.req, want) || got.gotFD != c.wantFD {
 				t.Fatalf("the agent got %+v (descriptor %t), want %+v (descriptor %t)", got.req, got.gotFD, want, c.wantFD)
 			}
@@ -236,11 +239,11 @@ func jsonEqual(t *testing.T, a, b any) bool {
 // upgrade talks to the new agent), so they are pinned here.
 func TestRequestEncoding(t *testing.T) {
 	b, err := json.Marshal(Request{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"),
-		Steps: true, ForceIPTables: "legacy", Framed: true})
+		Steps: true, TxnForm: "NLS1", ForceIPTables: "legacy", Framed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"forceIPTables":"legacy","framed":true}`
+	want := `{"command":"ADD","containerID":"c","netns":"/n","hasNetnsFD":true,"ifName":"eth0","args":"a","path":"/p","stdin":"e30=","steps":true,"txnForm":"NLS1","forceIPTables":"legacy","framed":true}`
 	if string(b) != want {
 		t.Fatalf("request:\n got %s\nwant %s", b, want)
 	}
@@ -497,7 +500,7 @@ func TestFramedAnswers(t *testing.T) {
 // encoding/json's own encoding gives.
 func TestRequestAsJSON(t *testing.T) {
 	for _, req := range []Request{
-		{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"), Steps: true, ForceIPTables: "legacy", Framed: true},
+		{Command: "ADD", ContainerID: "c", Netns: "/n", HasNetnsFD: true, IfName: "eth0", Args: "a", Path: "/p", Stdin: []byte("{}"), Steps: true, TxnForm: "NLS1", ForceIPTables: "legacy", Framed: true},
 		{Command: "DEL"},
 		{Command: "ADD", Args: "a", Done: &Done{}},
 		{Command: "ADD", Args: "a", Unprepared: "no entry for \"this\" config"},
@@ -531,7 +534,7 @@ func FuzzRequestAsJSON(f *testing.F) {
 	f.Add("ADD", "c1", "/var/run/netns/x", "K8S_POD_NAME=p", []byte(`{"cniVersion":"1.0.0"}`), true)
 	f.Add("DEL", "\x00\\\"", "\xff", "é\u2028", []byte(nil), false)
 	f.Fuzz(func(t *testing.T, cmd, id, netns, args string, stdin []byte, steps bool) {
-		checkRequestJSON(t, Request{Command: cmd, ContainerID: id, Netns: netns, Args: args, Stdin: stdin, Steps: steps, HasNetnsFD: steps, ForceIPTables: netns, Framed: !steps})
+		checkRequestJSON(t, Request{Command: cmd, ContainerID: id, Netns: netns, Args: args, Stdin: stdin, Steps: steps, TxnForm: id, HasNetnsFD: steps, ForceIPTables: netns, Framed: !steps})
 	})
 }
 

@@ -138,6 +138,7 @@ func (req *Request) appendJSON(b []byte) []byte {
 		b = append(b, '"')
 	}
 	flag("steps", req.Steps)
+	str("txnForm", req.TxnForm, true)
 	str("forceIPTables", req.ForceIPTables, true)
 	flag("framed", req.Framed)
 	if d := req.Done; d != nil {

@@ -25,6 +25,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/kubeclient/clientset"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/podcache"
 	"github.com/istio-cni-go/istio-cni/internal/sockserve/sockservetest"
 )
@@ -338,7 +339,7 @@ func TestAmbientEnrolledResponseHasNoPreparedRules(t *testing.T) {
 	defer netns.Close()
 	conf := `{"cniVersion":"1.0.0","name":"n","type":"istio-cni","ambient_enabled":true,"cni_agent_run_dir":"/nonexistent","prevResult":` + ambientPrevResult + `}`
 	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c1", IfName: "eth0", Netns: "/var/run/netns/x", HasNetnsFD: true,
-		Steps: true, Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=amb;K8S_POD_UID=u3", Stdin: []byte(conf)})
+		Steps: true, TxnForm: nlsteps.BinaryForm, Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=amb;K8S_POD_UID=u3", Stdin: []byte(conf)})
 	if err != nil {
 		t.Fatal(err)
 	}

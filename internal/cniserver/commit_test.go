@@ -287,7 +287,7 @@ func TestRelaySendFailureFailsTheADD(t *testing.T) {
 		t.Fatal(err)
 	}
 	body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
-		IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web", Stdin: []byte(r.conf), Steps: true})
+		IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web", Stdin: []byte(r.conf), Steps: true, TxnForm: nlsteps.BinaryForm})
 	hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
 	if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
 		t.Fatal(err)
@@ -345,6 +345,57 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 			r.stop()
 			if tc.inPlace != "" && !strings.Contains(r.logs.String(), `"committed_by":"agent","why":"`+tc.inPlace+`"`) {
 				t.Fatalf("the agent did not say why it applied:\n%s", r.logs.String())
+			}
+		})
+	}
+}
+
+// TestRelayOfAnotherTxnForm: a relay that reads another transaction form
+// than this agent writes (another release, met during an upgrade) is not
+// handed rules it cannot decode: the agent applies them itself, or, for a
+// relay that may leave it for the fallback, writes nothing and answers
+// Unavailable, which sends the relay to its fallback.
+func TestRelayOfAnotherTxnForm(t *testing.T) {
+	for _, mayLeave := range []bool{false, true} {
+		t.Run(fmt.Sprintf("may leave %t", mayLeave), func(t *testing.T) {
+			r := newCommitRig(t, CommitterPlugin)
+			conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			f, err := os.Open(r.netns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
+				IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf),
+				Steps: true, TxnForm: "NLS0", MayLeave: mayLeave})
+			hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+			if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
+				t.Fatal(err)
+			}
+			f.Close()
+			if _, err := conn.Write(body); err != nil {
+				t.Fatal(err)
+			}
+			_ = conn.CloseWrite()
+			var resp cnirelay.Response
+			if err := json.NewDecoder(conn).Decode(&resp); err != nil {
+				t.Fatal(err)
+			}
+			if resp.Txn != nil {
+				t.Fatalf("a relay of form NLS0 was handed a transaction of form %s", resp.Txn[:4])
+			}
+			applied := len(r.agent.applied())
+			if mayLeave {
+				if !strings.Contains(resp.Unavailable, `"NLS0"`) || resp.Error != nil || applied != 0 {
+					t.Fatalf("a relay that may leave: answer %+v, %d plans applied by the agent", resp, applied)
+				}
+				return
+			}
+			if resp.Error != nil || resp.Unavailable != "" || !strings.Contains(string(resp.Stdout), `"10.1.0.2/24"`) || applied != 1 {
+				t.Fatalf("answer %+v (stdout %s), %d plans applied by the agent, want 1", resp, resp.Stdout, applied)
 			}
 		})
 	}

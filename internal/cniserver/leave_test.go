@@ -17,6 +17,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/execrun"
+	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
@@ -55,7 +56,7 @@ func sendWebADD(t *testing.T, r *commitRig, client *net.UnixConn, mayLeave bool)
 	}
 	defer f.Close()
 	body, err := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true, IfName: "eth0",
-		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, MayLeave: mayLeave})
+		Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf), Steps: true, TxnForm: nlsteps.BinaryForm, MayLeave: mayLeave})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -345,6 +345,12 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 		return
 	}
 	_ = conn.SetReadDeadline(time.Time{})
+	otherForm := err == nil && req.Steps && req.TxnForm != nlsteps.BinaryForm
+	if otherForm && !req.MayLeave {
+		// A relay of another release: this agent writes the rules itself,
+		// as for a relay that does not send them.
+		req.Steps = false
+	}
 	var resp *cnirelay.Response
 	switch {
 	case errors.Is(err, errNoDescriptor):
@@ -362,6 +368,10 @@ func (s *Server) serveConn(conn *net.UnixConn, st connState) {
 	case req.Done != nil:
 		s.noteDone(req)
 		return
+	case otherForm && req.MayLeave:
+		// It may leave, so this agent must not write to the namespace.
+		resp = &cnirelay.Response{Unavailable: fmt.Sprintf("the relay reads rule transactions in form %q, and this agent writes %q (an upgrade under way)", req.TxnForm, nlsteps.BinaryForm)}
+		s.count(req.Command, resultUnavailable)
 	case req.MayLeave && (s.prep == nil || s.Ambient != nil || s.Committer == CommitterAgent):
 		// A relay that read an earlier agent's records: this agent would
 		// write to the namespace itself, which a relay that may leave

@@ -217,8 +217,12 @@ func (t *Txn) Describe() string {
 	return b.String()
 }
 
-// binaryMagic starts a transaction's binary form.
-const binaryMagic = "NLS1"
+// BinaryForm starts a transaction's binary form and names it: a relay
+// says which form it reads, so an agent of another release never hands it
+// one it cannot decode.
+const BinaryForm = "NLS1"
+
+const binaryMagic = BinaryForm
 
 // MarshalBinary is the transaction in the form the relay reads: decoding
 // JSON is a good part of a short-lived process's first millisecond, and
