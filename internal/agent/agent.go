@@ -165,6 +165,8 @@ type parts struct {
 	cni               <-chan struct{}
 	rest              []<-chan struct{}
 	once              sync.Once
+	// displaced says whether a newer agent took the CNI socket's path.
+	displaced func() bool
 	// stopWatch and watchDone are the DaemonSet watch's, stopped last.
 	stopWatch context.CancelFunc
 	watchDone <-chan struct{}
@@ -233,7 +235,17 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	p.stop()
-	keep := a.keepPlugin(&cfg, present)
+	// Two agents overlap on a node in an update with maxSurge: the one
+	// stopping must not remove what the newer one serves with (the config
+	// entry, the binaries, the kubeconfig, the records), whatever it would
+	// decide alone (Istio's RBAC, which cannot read the DaemonSet, says
+	// remove).
+	keep := p.displaced != nil && p.displaced()
+	if keep {
+		a.log.Info("a newer agent took this node's CNI socket over; leaving the plugin and its files to it")
+	} else {
+		keep = a.keepPlugin(&cfg, present)
+	}
 	p.stopTheWatch()
 	if a.stopped != nil {
 		a.stopped()
@@ -362,6 +374,8 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		return nil, fmt.Errorf("CNI socket: %w", err)
 	}
 	p.cni = cniDone
+	p.displaced = cni.Displaced
+	loop.LeaveWhen(cni.Displaced)
 	a.mu.Lock()
 	a.health = append(a.health, cni.Health)
 	a.mu.Unlock()

@@ -1,15 +1,18 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
+	"github.com/istio-cni-go/istio-cni/internal/install"
 	"github.com/istio-cni-go/istio-cni/internal/pluginlog"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
 )
@@ -74,4 +77,71 @@ func TestRunRemovesSocketsBeforeReturning(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestNewerAgentKeepsTheNode: two agents overlap on a node in an update
+// with maxSurge; the newer one binds the CNI socket over the older's.
+// The older one, stopping, must leave everything the newer one serves
+// with, even where it would remove the plugin alone (no API client here:
+// as Istio's RBAC that cannot read the DaemonSet), and must not write the
+// node's files any more meanwhile.
+func TestNewerAgentKeepsTheNode(t *testing.T) {
+	opts := testNode(t)
+	run := opts.Loop.Install.RunDir
+	a := New(opts, quiet)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	for a.ReadyReason() != "" {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned early: %v", err)
+		case <-time.After(time.Millisecond): // polling the agent's state
+		}
+	}
+	// The newer agent's socket, put in place as an agent does.
+	sock := filepath.Join(run, cnirelay.SocketName)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock + ".newer", Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.SetUnlinkOnClose(false)
+	defer l.Close()
+	if err := os.Rename(sock+".newer", sock); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(opts.Loop.Install.MountedCNINetDir, "10-ptp.conflist")
+	kc := filepath.Join(run, install.KubeconfigName)
+	before := map[string][]byte{}
+	for _, p := range []string{conf, kc, filepath.Join(opts.Loop.Install.BinTargetDirs[0], "istio-cni")} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before[p] = b
+	}
+	// The newer agent's kubeconfig (its own pod's token): the older one
+	// must not write its own back.
+	if err := os.WriteFile(kc, []byte("the newer agent's"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	before[kc] = []byte("the newer agent's")
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range before {
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, want) {
+			t.Errorf("%s changed by the agent that stopped: %q %v", p, got, err)
+		}
+	}
+	if !bytes.Contains(before[conf], []byte(`"istio-cni"`)) {
+		t.Fatalf("the config never had our entry: %s", before[conf])
+	}
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatalf("the newer agent's socket is gone: %v", err)
+	}
+	c.Close()
 }

@@ -254,6 +254,19 @@ func (c *Controller) run(ctx context.Context) error {
 		sink.Stop()
 		c.events.Shutdown()
 	}()
+	// Bound now, served once the snapshot is whole: ztunnel, redialling
+	// with a back-off that grows to 15 s since the old agent went, gets
+	// in at its next try, and its hello waits in the backlog meanwhile.
+	zl, err := zds.Listen(c.cfg.ZDS.Path, c.log)
+	if err != nil {
+		return fmt.Errorf("ambient: %w", err)
+	}
+	served := false
+	defer func() {
+		if !served {
+			_ = zl.Close()
+		}
+	}()
 	infCtx, stopInformers := context.WithCancel(ctx)
 	defer stopInformers()
 	if err := c.addHandlers(); err != nil {
@@ -288,10 +301,12 @@ func (c *Controller) run(ctx context.Context) error {
 	if zcfg.Log == nil {
 		zcfg.Log = c.log
 	}
+	zcfg.Listener = zl
 	srv, err := zds.New(zcfg)
 	if err != nil {
 		return fmt.Errorf("ambient: %w", err)
 	}
+	served = true
 	c.srvMu.Lock()
 	c.srv = srv
 	c.srvMu.Unlock()

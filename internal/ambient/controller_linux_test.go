@@ -1526,3 +1526,83 @@ func TestRepeatedADDKeepsTheHeldNamespace(t *testing.T) {
 		e.waitSim(sim, "pod kept in ztunnel", hasWorkload(uid, inode(t, pns)))
 	})
 }
+
+// heldList holds the pod list until released: an agent whose informers
+// have not synced yet.
+type heldList struct {
+	kubeclient.Interface
+	release chan struct{}
+}
+
+func (h heldList) Pods(namespace string) kubeclient.Pods {
+	return heldPods{h.Interface.Pods(namespace), h.release}
+}
+
+type heldPods struct {
+	kubeclient.Pods
+	release chan struct{}
+}
+
+func (p heldPods) List(ctx context.Context, o metav1.ListOptions) (*corev1.PodList, error) {
+	select {
+	case <-p.release:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return p.Pods.List(ctx, o)
+}
+
+// TestZtunnelConnectsWhileTheAgentSyncs: the ZDS socket is bound before
+// the informers sync, so ztunnel's first try after the old agent went
+// connects (it redials with a back-off growing to 15 s), and its snapshot
+// comes once the agent knows every pod, never before.
+func TestZtunnelConnectsWhileTheAgentSyncs(t *testing.T) {
+	e := newEnv(t, backends()[0], nil)
+	e.stop()
+	release := make(chan struct{})
+	cfg := e.cfg
+	cfg.Kube = heldList{clientset.Of(e.cs), release}
+	cfg.Namespaces = e.cs.CoreV1().Namespaces()
+	cfg.Registerer = prometheus.NewRegistry()
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(waitLimit):
+			t.Error("Run did not return after its context ended")
+		}
+	}()
+	var sim *ztunnelsim.Sim
+	deadline := time.Now().Add(waitLimit)
+	for {
+		// Without Reconnect, Start fails unless it connects.
+		if sim, err = ztunnelsim.Start(ztunnelsim.Config{Path: e.sock, Listeners: true}); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ztunnel could not connect while the agent's pod list was held: %v", err)
+		}
+		time.Sleep(5 * time.Millisecond) // polling the condition, not synchronising
+	}
+	t.Cleanup(sim.Close)
+	if st := sim.State(); st.Snapshots != 0 {
+		t.Fatalf("a snapshot before the informers synced: %+v", st)
+	}
+	close(release)
+	released = true
+	e.waitSim(sim, "the snapshot once synced", func(st ztunnelsim.State) bool { return st.Snapshots == 1 })
+}

@@ -269,10 +269,11 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 		s.mu.Lock()
 		s.draining = true
 		s.mu.Unlock()
-		if s.prep != nil {
+		if s.prep != nil && !srv.Displaced() {
 			// Relays must not leave whatever agent serves next (an
 			// older one, say, that would apply in place) before it says
-			// they may.
+			// they may. A newer agent that took the socket over has
+			// said so already.
 			_ = s.prep.dir.SetAgentWait(0)
 		}
 		_ = srv.Close()
@@ -300,6 +301,16 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 
 // Health is nil while the CNI socket accepts connections, else why not
 // and since when.
+// Displaced says whether another agent's socket took the CNI socket's
+// path: a newer agent serves the node, and this one must leave the
+// node's files to it.
+func (s *Server) Displaced() bool {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	return srv != nil && srv.Displaced()
+}
+
 func (s *Server) Health() (time.Time, error) {
 	s.mu.Lock()
 	srv := s.srv

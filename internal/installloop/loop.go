@@ -99,7 +99,15 @@ type Loop struct {
 	// placed, when set, is handed the CNI config file holding our entry
 	// after each pass that placed it or found it placed the first time.
 	placed func(conf []byte)
+	// leave, when set, says another agent now keeps the node's files.
+	leave func() bool
 }
+
+// LeaveWhen has the loop stop writing once fn says another agent keeps
+// the node's files (a newer one, in an update with maxSurge): two agents
+// would rewrite each other's kubeconfig, each with its own pod's token,
+// and the stopping one's would be left dead on the node. Before Run.
+func (l *Loop) LeaveWhen(fn func() bool) { l.leave = fn }
 
 // OnPlaced has fn handed the content of the primary's config file each
 // time a pass puts our entry in it, and once at the start when it finds
@@ -176,7 +184,10 @@ func (l *Loop) Run(ctx context.Context) error {
 	l.beat.Store(time.Now().UnixNano())
 	l.setReady("starting")
 	c := l.cfg.Install
-	ws, err := newWatchSet(append([]string{c.MountedCNINetDir, c.Kubeconfig.ServiceAccountDir}, c.BinTargetDirs...), l.log)
+	// The run dir for the kubeconfig: another agent stopping on the node
+	// (Istio's, whose kubeconfig has the same name) removes it, and the
+	// fallback must not go without credentials until the next resync.
+	ws, err := newWatchSet(append([]string{c.MountedCNINetDir, c.Kubeconfig.ServiceAccountDir, filepath.Dir(l.in.KubeconfigPath())}, c.BinTargetDirs...), l.log)
 	if err != nil {
 		return fmt.Errorf("creating file watcher: %w", err)
 	}
@@ -197,6 +208,19 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 	defer resync.Stop()
 	for {
 		l.beat.Store(time.Now().UnixNano())
+		if l.leave != nil && l.leave() {
+			l.log.Info("another agent keeps this node's plugin files now; this one no longer writes them")
+			// Still alive to the liveness probe: a restart would have this
+			// agent take the socket back from the newer one.
+			for {
+				select {
+				case <-ctx.Done():
+					return nil
+				case <-resync.C:
+					l.beat.Store(time.Now().UnixNano())
+				}
+			}
+		}
 		ws.sync()
 		wrote, err := l.installOnce()
 		conf := l.confPath()
@@ -346,6 +370,10 @@ func (l *Loop) relevant(ev fsnotify.Event) bool {
 	base := filepath.Base(ev.Name)
 	if strings.Contains(base, ".istio-cni-tmp-") {
 		return false
+	}
+	if filepath.Clean(ev.Name) == l.in.KubeconfigPath() {
+		// Its mode is checked as well as its content.
+		return true
 	}
 	if ev.Op == fsnotify.Chmod {
 		return false

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -386,4 +387,92 @@ func TestNotReadyWhileBackingOff(t *testing.T) {
 	})
 	// After the back-off, the entry is back and so is readiness.
 	eventually(t, "ready after the back-off", func() bool { return l.NotReady() == "" && promtest.ToFloat64(m.InstallReady) == 1 })
+}
+
+// TestLoopPutsKubeconfigBack: the kubeconfig removed (by an Istio agent
+// stopping on the node: its file has our name) or loosened is written
+// again at once, not at the next resync (an hour here).
+func TestLoopPutsKubeconfigBack(t *testing.T) {
+	inst, _, _ := tempNode(t)
+	kc := filepath.Join(inst.RunDir, install.KubeconfigName)
+	cfg := Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}
+	// A first agent installs; the second finds everything in place and
+	// writes nothing, so no event of its own wakes it again.
+	first := New(cfg, quiet, NewMetrics())
+	stopFirst := runLoop(first)
+	eventually(t, "the first agent ready", func() bool { return first.NotReady() == "" })
+	if err := stopFirst(); err != nil {
+		t.Fatal(err)
+	}
+	l := New(cfg, quiet, NewMetrics())
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	if err := os.Remove(kc); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the kubeconfig back", func() bool {
+		fi, err := os.Stat(kc)
+		return err == nil && fi.Mode().Perm() == 0o600
+	})
+	if err := os.Chmod(kc, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the kubeconfig's mode back", func() bool {
+		fi, err := os.Stat(kc)
+		return err == nil && fi.Mode().Perm() == 0o600
+	})
+}
+
+// TestLoopLeavesTheFilesToANewerAgent: once another agent keeps the
+// node's files, the loop writes none of them again, and still beats.
+func TestLoopLeavesTheFilesToANewerAgent(t *testing.T) {
+	inst, primary, bare := tempNode(t)
+	var displaced atomic.Bool
+	var logs lockedBuffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	l := New(Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: 20 * time.Millisecond}, log, NewMetrics())
+	l.LeaveWhen(displaced.Load)
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	displaced.Store(true)
+	eventually(t, "the loop leaving", func() bool { return strings.Contains(logs.String(), "no longer writes them") })
+	// The newer agent's config, without our entry as this one placed it:
+	// a pass would put it back.
+	if err := os.WriteFile(primary, []byte(bare), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	kc := filepath.Join(inst.RunDir, install.KubeconfigName)
+	if err := os.WriteFile(kc, []byte("the newer agent's"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	before := l.beat.Load()
+	eventually(t, "a beat after leaving", func() bool { return l.beat.Load() != before })
+	eventually(t, "another beat", func() bool { return l.beat.Load() != before })
+	for p, want := range map[string]string{primary: bare, kc: "the newer agent's"} {
+		if data, err := os.ReadFile(p); err != nil || string(data) != want {
+			t.Fatalf("%s rewritten by the agent that left: %q %v", p, data, err)
+		}
+	}
+	if r := l.Stuck(time.Second); r != "" {
+		t.Fatalf("stuck after leaving: %s", r)
+	}
+}
+
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

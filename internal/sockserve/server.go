@@ -23,6 +23,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/sockpath"
 )
 
 // Metrics count what the agent's sockets refuse and fail at.
@@ -68,9 +70,9 @@ type Server struct {
 	metrics *Metrics
 	limits  Limits
 	l       *net.UnixListener
-	// id is our socket file's identity: on stop the path is removed only
-	// while it is still ours, not a newer agent's.
-	id [2]uint64
+	// keeper puts the path back when another process unlinks it, and on
+	// stop removes it only while it is still ours, not a newer agent's.
+	keeper *sockpath.Keeper
 
 	mu      sync.Mutex
 	conns   map[*Conn]struct{}
@@ -151,19 +153,11 @@ func listenSocket(path string, mode os.FileMode) (*net.UnixListener, [2]uint64, 
 	if err := os.Rename(tmp, path); err != nil {
 		return fail(err)
 	}
-	id, err := fileIdentity(path)
+	id, err := sockpath.Identity(path)
 	if err != nil {
 		return fail(err)
 	}
 	return l, id, nil
-}
-
-func fileIdentity(path string) ([2]uint64, error) {
-	var st unix.Stat_t
-	if err := unix.Lstat(path, &st); err != nil {
-		return [2]uint64{}, err
-	}
-	return [2]uint64{uint64(st.Dev), st.Ino}, nil
 }
 
 func Listen(path string, limits Limits, log *slog.Logger, m *Metrics) (*Server, error) {
@@ -171,7 +165,15 @@ func Listen(path string, limits Limits, log *slog.Logger, m *Metrics) (*Server, 
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{name: filepath.Base(path), path: path, log: log, metrics: m, limits: limits, l: l, id: id,
+	k, err := sockpath.Keep(path, id, 0, log)
+	if err != nil {
+		_ = l.Close()
+		if cur, ierr := sockpath.Identity(path); ierr == nil && cur == id {
+			_ = os.Remove(path)
+		}
+		return nil, err
+	}
+	s := &Server{name: filepath.Base(path), path: path, log: log, metrics: m, limits: limits, l: l, keeper: k,
 		conns: map[*Conn]struct{}{}}
 	if f, err := os.Open(os.DevNull); err == nil {
 		s.reserve = f
@@ -384,14 +386,17 @@ func (s *Server) Close() error {
 	r := s.reserve
 	s.reserve = nil
 	s.mu.Unlock()
-	if id, err := fileIdentity(s.path); err == nil && id == s.id {
-		_ = os.Remove(s.path)
-	}
+	s.keeper.Close()
 	if r != nil {
 		_ = r.Close()
 	}
 	return s.l.Close()
 }
+
+// Displaced says whether another process's socket took this one's path
+// (a newer agent's), now or at any check since the start: the node is
+// that agent's to keep.
+func (s *Server) Displaced() bool { return s.keeper.Displaced() }
 
 // CloseConns closes every open connection.
 func (s *Server) CloseConns() {

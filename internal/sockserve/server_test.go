@@ -146,3 +146,54 @@ func TestClaimRacesEviction(t *testing.T) {
 		t.Fatalf("a claimed connection was closed: %v", err)
 	}
 }
+
+// TestPathRemovedByAnotherAgent: an Istio agent stopping after ours
+// started unlinks the path its listener had (log.sock has the same name);
+// the path is put back to the same socket, and Close then removes both of
+// its names. A newer agent's socket at the path is left to it.
+func TestPathRemovedByAnotherAgent(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "log.sock")
+	s, err := Listen(path, Limits{MaxConns: 4, ReadTimeout: time.Second}, quiet, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	var c net.Conn
+	for c == nil {
+		if c, err = net.Dial("unix", path); err != nil && time.Now().After(deadline) {
+			t.Fatalf("the path was not put back within 10 s: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond) // polling the condition, not synchronising
+	}
+	defer c.Close()
+	if _, err := s.Accept(); err != nil {
+		t.Fatal(err)
+	}
+	if s.Displaced() {
+		t.Fatal("a path put back counts as displaced")
+	}
+	newer, err := net.ListenUnix("unix", &net.UnixAddr{Name: path + ".newer", Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	newer.SetUnlinkOnClose(false)
+	defer newer.Close()
+	if err := os.Rename(path+".newer", path); err != nil {
+		t.Fatal(err)
+	}
+	if !s.Displaced() {
+		t.Fatal("a newer agent's socket at the path: not displaced")
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(path); err != nil {
+		t.Fatalf("Close removed the newer agent's socket: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(filepath.Dir(path), ".log.sock.keep")); !os.IsNotExist(err) {
+		t.Fatalf("the second name was left: %v", err)
+	}
+}

@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
+
+	"github.com/istio-cni-go/istio-cni/internal/sockpath"
 )
 
 const (
@@ -92,6 +94,9 @@ type Config struct {
 	// unregistered.
 	Registerer prometheus.Registerer
 	Log        *slog.Logger
+	// Listener, when set, is the socket bound ahead (Listen), which the
+	// server takes over; else New binds Path itself.
+	Listener *Listener
 }
 
 // Server is the agent's ZDS socket. Each ztunnel connection is served by
@@ -102,8 +107,7 @@ type Config struct {
 type Server struct {
 	cfg     Config
 	log     *slog.Logger
-	l       *net.UnixListener
-	id      [2]uint64
+	l       *Listener
 	metrics metrics
 
 	mu sync.Mutex
@@ -208,11 +212,13 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("zds: registering metrics: %w", err)
 	}
-	l, id, err := listen(cfg.Path)
-	if err != nil {
-		return nil, err
+	l := cfg.Listener
+	if l == nil {
+		if l, err = Listen(cfg.Path, log); err != nil {
+			return nil, err
+		}
 	}
-	s := &Server{cfg: cfg, log: log, l: l, id: id, metrics: m, open: map[*conn]struct{}{},
+	s := &Server{cfg: cfg, log: log, l: l, metrics: m, open: map[*conn]struct{}{},
 		changed: make(chan struct{}), stop: make(chan struct{})}
 	s.metrics.connected.Set(0)
 	s.wg.Add(1)
@@ -250,19 +256,50 @@ func listen(path string) (*net.UnixListener, [2]uint64, error) {
 	if err := os.Rename(tmp, path); err != nil {
 		return fail("putting the socket in place", err)
 	}
-	id, err := fileIdentity(path)
+	id, err := sockpath.Identity(path)
 	if err != nil {
 		return fail("reading the socket's identity", err)
 	}
 	return l, id, nil
 }
 
-func fileIdentity(path string) ([2]uint64, error) {
-	var st unix.Stat_t
-	if err := unix.Lstat(path, &st); err != nil {
-		return [2]uint64{}, err
+// Listener is the ztunnel socket, bound. The agent binds it before its
+// informers sync and serves it after: ztunnel, which redials with a
+// back-off growing to 15 s, gets its connection into the backlog at its
+// first try after the old agent went, and its hello waits there until the
+// agent can send a complete snapshot.
+type Listener struct {
+	l      *net.UnixListener
+	keeper *sockpath.Keeper
+}
+
+// Listen binds the ztunnel socket at path, mode 0600, replacing a socket a
+// previous agent left there, and keeps the path while it lives
+// (sockpath).
+func Listen(path string, log *slog.Logger) (*Listener, error) {
+	if path == "" {
+		return nil, errors.New("zds: no socket path")
 	}
-	return [2]uint64{st.Dev, st.Ino}, nil
+	l, id, err := listen(path)
+	if err != nil {
+		return nil, err
+	}
+	k, err := sockpath.Keep(path, id, 0, log)
+	if err != nil {
+		_ = l.Close()
+		if cur, ierr := sockpath.Identity(path); ierr == nil && cur == id {
+			_ = os.Remove(path)
+		}
+		return nil, fmt.Errorf("zds: %w", err)
+	}
+	return &Listener{l: l, keeper: k}, nil
+}
+
+// Close removes the path while it is ours, then closes the socket: the
+// connections ztunnel made meanwhile end, and it redials.
+func (l *Listener) Close() error {
+	l.keeper.Close()
+	return l.l.Close()
 }
 
 // Close stops accepting, closes every connection, waits for every
@@ -282,11 +319,6 @@ func (s *Server) Close() error {
 	s.mu.Unlock()
 	err := s.l.Close()
 	s.wg.Wait()
-	if id, ierr := fileIdentity(s.cfg.Path); ierr == nil && id == s.id {
-		if rerr := os.Remove(s.cfg.Path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-			err = errors.Join(err, rerr)
-		}
-	}
 	return err
 }
 
@@ -427,7 +459,7 @@ func (s *Server) acceptLoop() {
 	defer s.wg.Done()
 	backoff := time.Duration(0)
 	for {
-		uc, err := s.l.AcceptUnix()
+		uc, err := s.l.l.AcceptUnix()
 		if err != nil {
 			if s.stopping() {
 				return
@@ -631,7 +663,10 @@ func (s *Server) readHello(c *conn) (Hello, error) {
 		return Hello{}, fmt.Errorf("reading the hello: %w", err)
 	}
 	if h.Version != V1 {
-		return h, fmt.Errorf("ztunnel speaks ZDS version %s; this agent speaks %s only", h.Version, V1)
+		// As Istio's agent: a later ztunnel that says a later version
+		// still takes version 1's messages, and closing on it would have
+		// it redial at once, never enrolling a pod.
+		c.log.Warn("ztunnel says another ZDS version; going on with version 1's messages, as Istio's agent does", "version", h.Version.String(), "agent_version", V1.String())
 	}
 	return h, nil
 }

@@ -556,15 +556,23 @@ func TestReconnectGetsSnapshot(t *testing.T) {
 	f.waitConns(1)
 }
 
-// TestBadHello: a ztunnel speaking another protocol version, or saying
-// nothing, is closed without a snapshot and never counted.
+// TestOtherHelloVersion: a ztunnel that says another protocol version is
+// served as Istio's agent serves it, with version 1's messages: closed on,
+// it would redial at once and never get a snapshot.
+func TestOtherHelloVersion(t *testing.T) {
+	f := newFixture(t, nil)
+	sim := f.sim(ztunnelsim.Config{Version: 2})
+	st := wait(t, sim, "the snapshot", snapshotDone)
+	if st.Conns != 1 || len(st.ProtocolErrors) != 0 {
+		t.Errorf("a ztunnel of version 2: %d connections, protocol errors %q", st.Conns, st.ProtocolErrors)
+	}
+	f.waitConns(1)
+}
+
+// TestBadHello: a ztunnel saying nothing is closed without a snapshot and
+// never counted.
 func TestBadHello(t *testing.T) {
 	f := newFixture(t, func(c *zds.Config) { c.AckTimeout = 200 * time.Millisecond })
-	sim := f.sim(ztunnelsim.Config{Version: 2})
-	st := wait(t, sim, "the agent closing the connection", func(st ztunnelsim.State) bool { return st.Conns == 1 && !st.Connected })
-	if len(st.Events) != 0 {
-		t.Errorf("a ztunnel of another version was sent %q", kinds(st.Events))
-	}
 
 	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: f.path, Net: "unixpacket"})
 	if err != nil {
@@ -803,4 +811,58 @@ func TestSnapshotPodReleasedMeanwhile(t *testing.T) {
 		t.Fatalf("%d snapshots over %d connections, want one of each", st.Snapshots, st.Conns)
 	}
 	f.waitConns(1)
+}
+
+// TestPathRemovedByAnotherAgent: an Istio agent that stops after ours
+// started closes its listener on the same path, which unlinks it; the
+// path is put back, and ztunnel, redialling, reaches our server and gets
+// its snapshot.
+func TestPathRemovedByAnotherAgent(t *testing.T) {
+	f := newFixture(t, nil)
+	first := f.sim(ztunnelsim.Config{})
+	wait(t, first, "the first snapshot", snapshotDone)
+	// What Go's listener close does to the path Istio's agent bound.
+	if err := os.Remove(f.path); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Lstat(f.path); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the ztunnel socket's path was not put back within 10 s")
+		}
+		time.Sleep(10 * time.Millisecond) // polling the condition, not synchronising
+	}
+	again := f.sim(ztunnelsim.Config{})
+	wait(t, again, "the snapshot through the path put back", snapshotDone)
+	f.waitConns(2)
+}
+
+// TestHelloQueuedBeforeServing: the socket bound ahead (Listen) takes
+// ztunnel's connection and hello into its backlog before the server
+// starts, and the server, once started with it, answers with the
+// snapshot: ztunnel need not wait out its back-off while the agent syncs.
+func TestHelloQueuedBeforeServing(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
+	l, err := zds.Listen(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Without Reconnect, Start fails unless its first dial connects.
+	sim, err := ztunnelsim.Start(ztunnelsim.Config{Path: path})
+	if err != nil {
+		t.Fatalf("ztunnel could not connect to the socket bound ahead: %v", err)
+	}
+	t.Cleanup(sim.Close)
+	if st := sim.State(); st.Snapshots != 0 {
+		t.Fatalf("a snapshot before the server started: %+v", st)
+	}
+	srv, err := zds.New(zds.Config{Path: path, Listener: l, Snapshotter: &pods{}, AcceptInterval: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	wait(t, sim, "the snapshot", snapshotDone)
 }
