@@ -30,20 +30,30 @@ var ErrNoPrimary = errors.New("no valid CNI network config found")
 // Skipped is a config file passed over during discovery, and why.
 type Skipped struct {
 	File, Reason string
+	// Partial: the file is empty or not whole JSON, as a file caught
+	// while its writer rewrites it in place is.
+	Partial bool
 }
 
+// confExts are the names runtimes load configs from (containerd's and
+// CRI-O's libcni calls): a .conflist is a plugin list, a .conf or .json one
+// plugin's config.
+var confExts = []string{".conf", ".conflist", ".json"}
+
+// IsList says whether the runtime reads the file named name as a plugin
+// list: by its name, as libcni's callers decide.
+func IsList(name string) bool { return strings.HasSuffix(name, ".conflist") }
+
 // FindPrimary returns the config a container runtime would use: the
-// lexically first valid .conf or .conflist in dir, by libcni's rules. With
-// name set, that file is used (X.conf and X.conflist stand for each other).
+// lexically first valid .conf, .conflist or .json in dir, by libcni's
+// rules. With name set, that file is used (X.conf or X.json and
+// X.conflist stand for each other).
 // A symbolic link counts as the file it leads to when that is inside dir;
 // any other link ends the search with a LinkError, since the runtime may
 // well be using it and the agent cannot tell.
 func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 	if name != "" {
-		for _, cand := range []string{name, alternate(name)} {
-			if cand == "" {
-				continue
-			}
+		for _, cand := range append([]string{name}, alternates(name)...) {
 			p := filepath.Join(dir, cand)
 			if _, err := os.Lstat(p); err == nil {
 				if _, err := ResolveInDir(dir, p); err != nil {
@@ -54,7 +64,7 @@ func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 		}
 		return "", nil, fmt.Errorf("%w: %s does not exist in %s", ErrNoPrimary, name, dir)
 	}
-	files, err := libcni.ConfFiles(dir, []string{".conf", ".conflist"})
+	files, err := libcni.ConfFiles(dir, confExts)
 	if err != nil {
 		return "", nil, fmt.Errorf("listing %s: %w", dir, err)
 	}
@@ -73,8 +83,8 @@ func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 			skipped = append(skipped, Skipped{File: f, Reason: err.Error()})
 			continue
 		}
-		if reason := invalidReason(resolved, f); reason != "" {
-			skipped = append(skipped, Skipped{File: f, Reason: reason})
+		if reason, partial := invalidReason(resolved, f); reason != "" {
+			skipped = append(skipped, Skipped{File: f, Reason: reason, Partial: partial})
 			continue
 		}
 		return f, skipped, nil
@@ -82,43 +92,55 @@ func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 	return "", skipped, fmt.Errorf("%w in %s", ErrNoPrimary, dir)
 }
 
-func alternate(name string) string {
+// alternates are the names that stand for name: a single plugin's config
+// and the list it is wrapped into.
+func alternates(name string) []string {
 	switch {
-	case strings.HasSuffix(name, ".conflist"):
-		return strings.TrimSuffix(name, "list")
-	case strings.HasSuffix(name, ".conf"):
-		return name + "list"
+	case IsList(name):
+		base := strings.TrimSuffix(name, ".conflist")
+		return []string{base + ".conf", base + ".json"}
+	case strings.HasSuffix(name, ".conf"), strings.HasSuffix(name, ".json"):
+		return []string{ListName(name)}
 	}
-	return ""
+	return nil
+}
+
+// ListName is the .conflist a single plugin's config (X.conf, X.json) is
+// wrapped into: X.conflist, which the runtime picks before X.json and,
+// once X.conf is gone, in its place.
+func ListName(name string) string {
+	return strings.TrimSuffix(name, filepath.Ext(name)) + ".conflist"
 }
 
 // invalidReason applies the validity rules runtimes use (via libcni) to
-// the file at path, known to the runtime as name.
-func invalidReason(path, name string) string {
-	if strings.HasSuffix(name, ".conflist") {
-		list, err := libcni.ConfListFromFile(path)
+// the file at path, known to the runtime as name; partial says the file
+// is empty or not whole JSON.
+func invalidReason(path, name string) (reason string, partial bool) {
+	data, err := readFile(path)
+	if err != nil {
+		return fmt.Sprintf("error reading %s: %v", path, err), false
+	}
+	partial = !json.Valid(data)
+	if IsList(name) {
+		list, err := libcni.ConfListFromBytes(data)
 		if err != nil {
-			return err.Error()
+			return err.Error(), partial
 		}
 		if len(list.Plugins) == 0 {
-			return "the list has no plugins"
+			return "the list has no plugins", partial
 		}
-		return ""
+		return "", false
 	}
 	// As libcni's deprecated ConfFromFile reads a single-plugin .conf,
 	// with the same messages.
-	data, err := readFile(path)
-	if err != nil {
-		return fmt.Sprintf("error reading %s: %v", path, err)
-	}
 	conf, err := libcni.NetworkPluginConfFromBytes(data)
 	if err != nil {
-		return err.Error()
+		return err.Error(), partial
 	}
 	if conf.Network.Type == "" {
-		return "no type (a plugin list saved as .conf?)"
+		return "no type (a plugin list saved as " + filepath.Ext(name) + "?)", partial
 	}
-	return ""
+	return "", false
 }
 
 // jfield is one key of a JSON object with the exact bytes of its value
@@ -262,11 +284,22 @@ var errNoPlugins = errors.New("existing CNI config has neither type nor plugins"
 // kept, and inside it every other plugin's bytes; the entry takes the
 // file's indentation.
 func Insert(existing []byte, entry []byte) ([]byte, error) {
+	return insert(existing, entry, false)
+}
+
+// InsertInList is Insert for a file the runtime reads as a plugin list
+// (.conflist): a top-level "type" there is not a single plugin's, and
+// libcni passes over it, so the list is kept a list.
+func InsertInList(existing []byte, entry []byte) ([]byte, error) {
+	return insert(existing, entry, true)
+}
+
+func insert(existing []byte, entry []byte, list bool) ([]byte, error) {
 	obj, err := parseObject(existing)
 	if err != nil {
 		return nil, fmt.Errorf("parsing existing CNI config: %w", err)
 	}
-	if _, single := obj.field("type"); single {
+	if _, single := obj.field("type"); single && !list {
 		return wrapConf(obj, entry)
 	}
 	f, elems, err := obj.plugins()

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -146,15 +147,31 @@ func TestFindPrimary(t *testing.T) {
 	write("01-noname.conflist", `{"cniVersion":"0.3.1","plugins":[{"type":"calico"}]}`)
 	write("02-noplugins.conflist", `{"cniVersion":"0.3.1","name":"x","plugins":[]}`)
 	write("03-list-as-conf.conf", `{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"calico"}]}`)
-	write("04-notes.json", `{"cniVersion":"0.3.1","name":"x","type":"bridge"}`)
+	write("04-list.json", `{"cniVersion":"0.3.1","name":"x","plugins":[{"type":"calico"}]}`)
+	write("05-empty.conflist", ``)
 	write("10-calico.conflist", `{"cniVersion":"0.3.1","name":"k8s","plugins":[{"type":"calico"}]}`)
 	write("20-bridge.conf", `{"cniVersion":"0.3.1","name":"b","type":"bridge"}`)
 	p, skipped, err := FindPrimary(dir, "")
 	if err != nil || filepath.Base(p) != "10-calico.conflist" {
 		t.Fatalf("primary %s, %v", p, err)
 	}
-	if len(skipped) != 4 {
-		t.Fatalf("want 4 skipped invalid files, got %+v", skipped)
+	var partial []string
+	for _, s := range skipped {
+		if s.Partial {
+			partial = append(partial, filepath.Base(s.File))
+		}
+	}
+	if len(skipped) != 6 || !slices.Equal(partial, []string{"00-broken.conflist", "05-empty.conflist"}) {
+		t.Fatalf("want 6 skipped invalid files, 2 of them partial, got %+v", skipped)
+	}
+	// A .json is one plugin's config to containerd and CRI-O, which load
+	// it before a later .conflist.
+	write("07-bridge.json", `{"cniVersion":"0.3.1","name":"j","type":"bridge"}`)
+	if p, _, err := FindPrimary(dir, ""); err != nil || filepath.Base(p) != "07-bridge.json" {
+		t.Fatalf("a valid .json first: primary %s, %v", p, err)
+	}
+	if p, _, err := FindPrimary(dir, "07-bridge.conflist"); err != nil || filepath.Base(p) != "07-bridge.json" {
+		t.Fatalf("a .json named by its list's name: %s %v", p, err)
 	}
 	if p, _, err := FindPrimary(dir, "20-bridge.conflist"); err != nil || filepath.Base(p) != "20-bridge.conf" {
 		t.Fatalf("named with the other extension: %s %v", p, err)

@@ -398,7 +398,7 @@ func (in *Installer) retireIstioOwned(dir, primary string) {
 }
 
 func (in *Installer) ensureChained(dir string) (Placed, error) {
-	primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, in.istioOwnedLeftover(dir))
+	primary, skipped, err := in.findPrimary(dir)
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
 	}
@@ -430,7 +430,11 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 		in.retireIstioOwned(dir, primary)
 		return Placed{Path: primary}, nil
 	}
-	merged, err := Insert(data, in.entry)
+	insert := Insert
+	if IsList(primary) {
+		insert = InsertInList
+	}
+	merged, err := insert(data, in.entry)
 	if err != nil {
 		return Placed{}, stepErr(fmt.Errorf("%s: %w", primary, err))
 	}
@@ -439,11 +443,12 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 		return Placed{}, ErrChanged
 	}
 	target := primary
-	if strings.HasSuffix(primary, ".conf") {
+	if !IsList(primary) {
 		if resolved != primary {
-			return Placed{}, stepErr(fmt.Errorf("%s is a symbolic link: a .conf is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist", primary))
+			return Placed{}, stepErr(fmt.Errorf("%s is a symbolic link: a %s is wrapped into a new .conflist, which the link cannot follow; make the primary config a .conflist",
+				primary, filepath.Ext(primary)))
 		}
-		target = primary + "list"
+		target = ListName(primary)
 		if err := in.wrap(primary, target, data, merged, mode, uid, gid); err != nil {
 			return Placed{}, stepErr(err)
 		}
@@ -455,8 +460,35 @@ func (in *Installer) ensureChained(dir string) (Placed, error) {
 	return Placed{Path: target, Wrote: true}, nil
 }
 
-// wrap writes the list made of conf (the .conf's bytes) at list, and only
-// then removes the .conf, so the runtime always has a valid config. An
+// partialRetries and partialWait bound the wait for a config file that
+// sorts before the one found and is empty or not whole JSON: its writer
+// (flannel's copy, Calico's os.WriteFile) is rewriting it in place, and
+// writing to the next valid file meanwhile would put the entry, or wrap a
+// .conf, into a file that is not the node's primary config.
+const (
+	partialRetries = 3
+	partialWait    = 100 * time.Millisecond
+)
+
+// findPrimary is FindPrimary with the installer's settings, read again
+// while a file before the one found is caught mid-write; a file still
+// partial after that is passed over, as the runtime passes over it.
+func (in *Installer) findPrimary(dir string) (string, []Skipped, error) {
+	for attempt := 0; ; attempt++ {
+		primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, in.istioOwnedLeftover(dir))
+		partial := slices.ContainsFunc(skipped, func(s Skipped) bool { return s.Partial })
+		if !partial || attempt == partialRetries {
+			return primary, skipped, err
+		}
+		waitForWriter()
+	}
+}
+
+// waitForWriter waits partialWait; tests finish the writer's file instead.
+var waitForWriter = func() { time.Sleep(partialWait) } // bounded wait for an in-place writer to finish
+
+// wrap writes the list made of conf (the single plugin's bytes) at list,
+// and only then removes conf, so the runtime always has a valid config. An
 // existing list is overwritten only when it holds the same network (an
 // earlier wrap of this .conf): another network's file is never replaced.
 func (in *Installer) wrap(conf, list string, data, merged []byte, mode os.FileMode, uid, gid int) error {

@@ -9,8 +9,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
+	"sort"
 	"strings"
 	"testing"
+
+	"github.com/containernetworking/cni/libcni"
 )
 
 // calico is another plugin's entry with settings of its own, which must
@@ -465,5 +469,140 @@ func TestKubeconfigWriteSweepsStaleTemps(t *testing.T) {
 	}
 	if _, err := os.Stat(n.in.KubeconfigPath()); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// runtimeTypes are the plugin types the runtime would run from the config
+// it picks in dir, read with libcni as containerd's and CRI-O's calls
+// read them (a .conflist as a list, any other name as one plugin).
+func runtimeTypes(t *testing.T, dir string) (string, []string) {
+	t.Helper()
+	files, err := libcni.ConfFiles(dir, []string{".conf", ".conflist", ".json"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(files)
+	for _, f := range files {
+		var types []string
+		if strings.HasSuffix(f, ".conflist") {
+			list, err := libcni.ConfListFromFile(f)
+			if err != nil {
+				continue
+			}
+			for _, p := range list.Plugins {
+				types = append(types, p.Network.Type)
+			}
+		} else {
+			data, err := os.ReadFile(f)
+			if err != nil {
+				continue
+			}
+			conf, err := libcni.NetworkPluginConfFromBytes(data)
+			if err != nil || conf.Network.Type == "" {
+				continue
+			}
+			types = []string{conf.Network.Type}
+		}
+		if len(types) > 0 {
+			return filepath.Base(f), types
+		}
+	}
+	return "", nil
+}
+
+// TestJSONPrimary: a .json config is one plugin's to the runtime, which
+// picks it before a later .conflist. The entry goes with it: wrapped into
+// the .conflist of its name (the .json then goes), ready, and removed
+// again at clean-up, leaving the plugin as it was. Istio's agent reads
+// only .conf and .conflist and writes the later file, so the runtime
+// started pods without redirection while the agent said ready.
+func TestJSONPrimary(t *testing.T) {
+	n := newNode(t, true, map[string]string{
+		"05-bridge.json":     `{"cniVersion":"0.4.0","name":"br","type":"bridge","bridge":"cni0"}`,
+		"10-calico.conflist": conflist("k8s-pod-network", calico),
+	})
+	placed := n.install(t)
+	if filepath.Base(placed.Path) != "05-bridge.conflist" {
+		t.Fatalf("entry placed in %s", placed.Path)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != "05-bridge.conflist" || !slices.Equal(types, []string{"bridge", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+	if _, err := os.Stat(filepath.Join(n.netDir, "05-bridge.json")); !os.IsNotExist(err) {
+		t.Fatalf("the wrapped .json is still there: %v", err)
+	}
+	if err := n.in.Ready(placed.Path); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(read(t, filepath.Join(n.netDir, "10-calico.conflist"))), PluginType) {
+		t.Fatal("the entry went into the later file too")
+	}
+	if err := n.in.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != "05-bridge.conflist" || !slices.Equal(types, []string{"bridge"}) {
+		t.Fatalf("after clean-up the runtime runs %v from %s", types, name)
+	}
+}
+
+// TestListWithTopLevelType: a .conflist with a stray top-level "type" is
+// a list to the runtime (libcni passes over the key); the entry is
+// appended to its plugins. It was taken for one plugin's config and the
+// whole list nested as the first plugin: the runtime then ran calico
+// without its settings and lost portmap, even after clean-up.
+func TestListWithTopLevelType(t *testing.T) {
+	list := `{"cniVersion":"0.3.1","name":"k8s","type":"calico","plugins":[` + calico + `,{"type":"portmap","capabilities":{"portMappings":true}}]}`
+	n := newNode(t, true, map[string]string{"10-calico.conflist": list})
+	placed := n.install(t)
+	if name, types := runtimeTypes(t, n.netDir); name != "10-calico.conflist" || !slices.Equal(types, []string{"calico", "portmap", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+	if err := n.in.Ready(placed.Path); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(read(t, placed.Path)); got != list {
+		t.Fatalf("after clean-up:\n%s\nwant\n%s", got, list)
+	}
+}
+
+// TestPrimaryCaughtMidWrite: the primary's writer rewrites it in place
+// (truncate, write) just as a pass reads the dir; the pass waits for it
+// instead of wrapping the next valid file, a .conf another package owns,
+// which it would have renamed and rewritten for good.
+func TestPrimaryCaughtMidWrite(t *testing.T) {
+	flannel := conflist("cbr0", `{"type":"flannel","delegate":{"isDefaultGateway":true}}`, `{"type":"portmap","capabilities":{"portMappings":true}}`)
+	loopback := `{"cniVersion":"0.3.1","name":"lo","type":"loopback"}`
+	n := newNode(t, true, map[string]string{"10-flannel.conflist": "", "99-loopback.conf": loopback})
+	waits := 0
+	defer func(w func()) { waitForWriter = w }(waitForWriter)
+	waitForWriter = func() {
+		waits++
+		if waits == 2 {
+			if err := os.WriteFile(filepath.Join(n.netDir, "10-flannel.conflist"), []byte(flannel), 0o644); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	placed := n.install(t)
+	if filepath.Base(placed.Path) != "10-flannel.conflist" || waits != 2 {
+		t.Fatalf("entry placed in %s after %d waits", placed.Path, waits)
+	}
+	if got := string(read(t, filepath.Join(n.netDir, "99-loopback.conf"))); got != loopback {
+		t.Fatalf("99-loopback.conf changed: %q", got)
+	}
+	if _, err := os.Stat(filepath.Join(n.netDir, "99-loopback.conflist")); !os.IsNotExist(err) {
+		t.Fatalf("99-loopback.conf was wrapped: %v", err)
+	}
+
+	// A file that stays partial is passed over after the bounded waits,
+	// as the runtime passes over it.
+	m := newNode(t, true, map[string]string{"00-empty.conflist": "", "10-calico.conflist": conflist("k8s-pod-network", calico)})
+	waits = 0
+	waitForWriter = func() { waits++ }
+	if placed := m.install(t); filepath.Base(placed.Path) != "10-calico.conflist" || waits != partialRetries {
+		t.Fatalf("with a file that stays empty: entry in %s after %d waits", placed.Path, waits)
 	}
 }
