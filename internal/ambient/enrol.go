@@ -12,7 +12,6 @@ package ambient
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -131,6 +130,7 @@ func parseBool(key, v string) (bool, error) {
 // an option, or "+" alone (every interface), is refused.
 func parseInterfaces(key, v string) ([]string, error) {
 	var out []string
+	seen := map[string]bool{}
 	for item := range strings.SplitSeq(v, ",") {
 		s := strings.TrimSpace(item)
 		if s == "" {
@@ -142,9 +142,14 @@ func parseInterfaces(key, v string) ([]string, error) {
 		if !redirect.ValidInterfaceName(s) {
 			return nil, &redirect.InvalidAnnotationError{Key: key, Value: v, Reason: fmt.Sprintf("%q is not a valid interface name", s)}
 		}
-		if !slices.Contains(out, s) {
+		if !seen[s] {
+			seen[s] = true
 			out = append(out, s)
 		}
+	}
+	if len(out) > redirect.MaxInterfaces {
+		return nil, &redirect.InvalidAnnotationError{Key: key, Value: v,
+			Reason: fmt.Sprintf("%d interfaces, more than the %d a list may name", len(out), redirect.MaxInterfaces)}
 	}
 	return out, nil
 }

@@ -1,6 +1,7 @@
 package ambient
 
 import (
+	"fmt"
 	"net/netip"
 	"reflect"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/istio-cni-go/istio-cni/internal/redirect"
 	"github.com/istio-cni-go/istio-cni/internal/ruleset"
 )
 
@@ -155,6 +157,14 @@ func TestPodParams(t *testing.T) {
 			`"+" would match every interface`},
 		{"too long", map[string]string{AnnotationRerouteVirtualInterfaces: "abcdefghijklmnop"}, ruleset.AmbientParams{},
 			`"abcdefghijklmnop" is not a valid interface name`},
+		// A set's name in the nftables rules is marked apart: an '@' is a
+		// name's own.
+		{"at sign", map[string]string{AnnotationRerouteVirtualInterfaces: "@tap0"},
+			ruleset.AmbientParams{DNSCapture: true, IPv6: true, RerouteInterfaces: []string{"@tap0"}}, ""},
+		{"one name repeated", map[string]string{AnnotationRerouteVirtualInterfaces: strings.Repeat("tap0,", 50000)},
+			ruleset.AmbientParams{DNSCapture: true, IPv6: true, RerouteInterfaces: []string{"tap0"}}, ""},
+		{"too many", map[string]string{AnnotationRerouteVirtualInterfaces: manyInterfaces(redirect.MaxInterfaces + 1)}, ruleset.AmbientParams{},
+			fmt.Sprintf("%d interfaces, more than the %d", redirect.MaxInterfaces+1, redirect.MaxInterfaces)},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			got, err := PodParams(pod("a", "p", nil, c.ann), d)
@@ -183,4 +193,12 @@ func TestProbeIPsOrderFree(t *testing.T) {
 	if a, b := c.probeIPs([]netip.Addr{v6, v4}), c.probeIPs([]netip.Addr{v4, v6}); !slices.Equal(a, b) {
 		t.Fatalf("%v != %v", a, b)
 	}
+}
+
+func manyInterfaces(n int) string {
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("v%d", i)
+	}
+	return strings.Join(names, ",")
 }

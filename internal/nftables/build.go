@@ -173,7 +173,7 @@ func Build(plan *ruleset.Plan) (*Ruleset, error) {
 					if item.names != nil {
 						s := rs.addSet(ifnameSet(TableName(table), item.Origin, item.names))
 						args = slices.Clone(args)
-						args[item.at] = "@" + s.Name
+						args[item.at] = setRef + s.Name
 					}
 					r, err := translate(set.Family, args, sets)
 					if err != nil {
@@ -296,6 +296,11 @@ func ifname(name string) []byte {
 
 // translate turns one rule's iptables arguments (the vocabulary package
 // ruleset generates) into nftables expressions.
+// setRef marks an interface argument that names a set of interface names
+// (a run of rules merged): a ':' is in no Linux interface name, where an
+// '@' may be, and such a name must match as itself.
+const setRef = "set:"
+
 func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error)) (Rule, error) {
 	b := &builder{fam: fam, sets: sets}
 	nfproto, name := byte(unix.NFPROTO_IPV4), "ipv4"
@@ -349,7 +354,7 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 			if a == "-o" {
 				key, word = expr.MetaKeyOIFNAME, "oifname"
 			}
-			if name, ok := strings.CutPrefix(v, "@"); ok {
+			if name, ok := strings.CutPrefix(v, setRef); ok {
 				s, err := b.sets(name)
 				if err != nil {
 					return Rule{}, err
@@ -361,6 +366,10 @@ func translate(fam ruleset.Family, args []string, sets func(string) (*Set, error
 			txt := strings.TrimSuffix(v, "+")
 			if strings.HasSuffix(v, "+") {
 				txt += "*"
+			}
+			if strings.HasPrefix(txt, "@") {
+				// Unquoted, nft would read a set's name.
+				txt = `"` + txt + `"`
 			}
 			b.add(word+" "+t+txt, &expr.Meta{Key: key, Register: 1}, &expr.Cmp{Op: op, Register: 1, Data: ifname(v)})
 		case "--dport", "--sport":

@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -41,5 +42,31 @@ func TestBuildGolden(t *testing.T) {
 				testutil.CompareGolden(t, c.Name+suffix, rs.Text())
 			}
 		})
+	}
+}
+
+// TestInterfaceNamedLikeASet: '@' may be in a Linux interface name, and
+// such a name matches as itself, as with iptables; it was read as the
+// name of a set of ours and failed the pod's ADD ("no set foo").
+func TestInterfaceNamedLikeASet(t *testing.T) {
+	p, _, err := redirect.FromPod(testutil.RedirectCase{Name: "at", Annotations: map[string]string{redirect.AnnotationExcludeInterfaces: "@foo,eth1"}}.Pod())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v6 := range []bool{false, true} {
+		rs, err := Build(ruleset.Build(p, v6))
+		if err != nil {
+			t.Fatalf("v6 %t: %v", v6, err)
+		}
+		if !strings.Contains(rs.Text(), `iifname "@foo"`) {
+			t.Fatalf("v6 %t: no rule for @foo:\n%s", v6, rs.Text())
+		}
+	}
+	rs, err := BuildAmbient(ruleset.BuildAmbient(ruleset.AmbientParams{RerouteInterfaces: []string{"@tap0"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(rs.Text(), `iifname "@tap0"`) {
+		t.Fatalf("ambient: no rule for @tap0:\n%s", rs.Text())
 	}
 }

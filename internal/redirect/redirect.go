@@ -322,8 +322,20 @@ func parseInterfaces(key, value string) ([]string, error) {
 			return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%q%s is not a valid interface name", s, position(i, len(items)))}
 		}
 	}
+	// Each name is rules of its own with iptables: a name repeated is
+	// the same rules again (a 256 KiB list of one name was a million
+	// rules for the agent to build and apply), and a list is bounded.
+	items = dedup(items)
+	if len(items) > MaxInterfaces {
+		return nil, &InvalidAnnotationError{key, value, fmt.Sprintf("%d interfaces, more than the %d a list may name", len(items), MaxInterfaces)}
+	}
 	return items, nil
 }
+
+// MaxInterfaces bounds an interface list's distinct names. A pod has a
+// handful of interfaces; each name costs up to eight iptables rules (two,
+// or four with TPROXY, per family), which the agent builds and applies.
+const MaxInterfaces = 8192
 
 // position says where an entry is in a list long enough to need saying.
 func position(i, n int) string {

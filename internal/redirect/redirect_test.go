@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -234,5 +235,37 @@ func TestKeyCoversEveryParameter(t *testing.T) {
 	mapped := Params{ExcludeOutboundCIDRs: []netip.Prefix{netip.MustParsePrefix("::ffff:10.0.0.0/8")}}
 	if key(v4) == key(mapped) {
 		t.Fatal("an IPv4 prefix and its IPv4-mapped IPv6 form share a key")
+	}
+}
+
+// TestInterfaceListsDeduplicatedAndBounded: a name repeated is one name
+// (256 KiB of "a," was a million iptables rules for the agent to build),
+// and a list of more distinct names than MaxInterfaces fails naming the
+// annotation and the count.
+func TestInterfaceListsDeduplicatedAndBounded(t *testing.T) {
+	for _, key := range []string{AnnotationExcludeInterfaces, AnnotationRerouteVirtualIfaces, AnnotationKubevirtInterfaces} {
+		p, _, err := FromPod(pod(map[string]string{AnnotationStatus: "x", key: strings.Repeat("a,", 128<<10) + "b,a"}, podspec.Container{}))
+		if err != nil {
+			t.Fatalf("%s: %v", key, err)
+		}
+		got := p.ExcludeInterfaces
+		if key != AnnotationExcludeInterfaces {
+			got = p.RerouteInterfaces
+		}
+		if !slices.Equal(got, []string{"a", "b"}) {
+			t.Fatalf("%s: %d names (%.40q...), want [a b]", key, len(got), got)
+		}
+		names := make([]string, MaxInterfaces+1)
+		for i := range names {
+			names[i] = fmt.Sprintf("v%d", i)
+		}
+		_, _, err = FromPod(pod(map[string]string{AnnotationStatus: "x", key: strings.Join(names, ",")}, podspec.Container{}))
+		var ie *InvalidAnnotationError
+		if !errors.As(err, &ie) || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), fmt.Sprintf("%d interfaces", MaxInterfaces+1)) {
+			t.Fatalf("%s with %d names: %v", key, len(names), err)
+		}
+		if _, _, err := FromPod(pod(map[string]string{AnnotationStatus: "x", key: strings.Join(names[:MaxInterfaces], ",")}, podspec.Container{})); err != nil {
+			t.Fatalf("%s with %d names: %v", key, MaxInterfaces, err)
+		}
 	}
 }
