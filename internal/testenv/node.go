@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"syscall"
 
@@ -22,7 +24,8 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/testutil"
 )
 
-const nodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
+// NodeNSEnv is set in a process that runs in its node namespace already.
+const NodeNSEnv = "ISTIO_CNI_TEST_NODE_NS"
 
 // Addresses of the test topology. The "remote" host is an address on the
 // node namespace's lo, and that namespace has no uplink: if a redirect
@@ -42,7 +45,7 @@ var nodeSeq atomic.Int32
 // with the child's status. Every CNI end-to-end run goes through here, so
 // no veth ever lands in the machine's real network namespace.
 func EnterNodeNamespace() {
-	if os.Getenv(nodeNSEnv) == "1" {
+	if os.Getenv(NodeNSEnv) == "1" {
 		if err := setupNode(); err != nil {
 			fmt.Fprintln(os.Stderr, "setting up the node namespace:", err)
 			os.Exit(2)
@@ -59,7 +62,7 @@ func EnterNodeNamespace() {
 	// The node has no uplink: whatever a test builds there must come from
 	// what `make setup` downloaded. Saying so makes a missing download fail
 	// at once with the tools' own "offline" messages instead of DNS errors.
-	cmd.Env = append(os.Environ(), nodeNSEnv+"=1", "GOPROXY=off", "GOTOOLCHAIN=local", "ISTIO_CNI_OFFLINE=1")
+	cmd.Env = append(os.Environ(), NodeNSEnv+"=1", "GOPROXY=off", "GOTOOLCHAIN=local", "ISTIO_CNI_OFFLINE=1")
 	// This process only waits: a SIGINT or SIGTERM goes on to the child,
 	// whose clean-ups need its namespaces, and the exit follows them.
 	sigs := make(chan os.Signal, 1)
@@ -84,6 +87,18 @@ func EnterNodeNamespace() {
 	os.Exit(0)
 }
 
+// NoIPv6Env, set to 1, has the node namespace turn IPv6 off before
+// anything is set up in it, as on a machine booted with IPv6 disabled.
+const NoIPv6Env = "ISTIO_CNI_TEST_NODE_NO_IPV6"
+
+// IPv6Usable says whether this network namespace has IPv6: a kernel booted
+// with ipv6.disable=1 has no /proc/sys/net/ipv6, and a machine can turn it
+// off with disable_ipv6. Nodes and pods then get IPv4 alone.
+func IPv6Usable() bool {
+	b, err := os.ReadFile("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+	return err == nil && strings.TrimSpace(string(b)) != "1"
+}
+
 func setupNode() error {
 	// Pod namespaces are bind-mounted under /run/netns; a private tmpfs
 	// there keeps them out of the machine's view and cleans up by itself.
@@ -97,20 +112,29 @@ func setupNode() error {
 			return fmt.Errorf("mounting tmpfs on %s: %w", d, err)
 		}
 	}
-	// No duplicate address detection on the node's side of the pods'
-	// links either: a gateway address still tentative answers no neighbour
-	// solicitation, so a pod's first IPv6 connection could wait out its
-	// SYN retries (seen once under CI load as a 3 s dial timeout).
-	for _, conf := range []string{"all", "default"} {
-		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+conf+"/accept_dad", []byte("0"), 0o644); err != nil {
-			return err
+	if os.Getenv(NoIPv6Env) == "1" {
+		// A machine booted with IPv6 off, as far as the node can tell.
+		for _, conf := range []string{"all", "default"} {
+			if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+conf+"/disable_ipv6", []byte("1"), 0o644); err != nil {
+				return err
+			}
 		}
 	}
-	for _, c := range [][]string{
-		{"link", "set", "lo", "up"},
-		{"addr", "add", RemoteV4 + "/32", "dev", "lo"},
-		{"addr", "add", RemoteV6 + "/128", "dev", "lo"},
-	} {
+	cmds := [][]string{{"link", "set", "lo", "up"}, {"addr", "add", RemoteV4 + "/32", "dev", "lo"}}
+	if IPv6Usable() {
+		// No duplicate address detection on the node's side of the pods'
+		// links either: a gateway address still tentative answers no
+		// neighbour solicitation, so a pod's first IPv6 connection could
+		// wait out its SYN retries (seen once under CI load as a 3 s dial
+		// timeout).
+		for _, conf := range []string{"all", "default"} {
+			if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+conf+"/accept_dad", []byte("0"), 0o644); err != nil {
+				return err
+			}
+		}
+		cmds = append(cmds, []string{"addr", "add", RemoteV6 + "/128", "dev", "lo"})
+	}
+	for _, c := range cmds {
 		if out, err := exec.Command("ip", c...).CombinedOutput(); err != nil {
 			return fmt.Errorf("ip %v: %w: %s", c, err, out)
 		}
@@ -192,14 +216,20 @@ func NewNode(dir, pluginBinary string, pluginConf map[string]any) (*Node, error)
 		return nil, err
 	}
 	seq := nodeSeq.Add(1) % 250
+	ranges := [][]map[string]string{{{"subnet": fmt.Sprintf("10.244.%d.0/24", seq)}}}
+	routes := []map[string]string{{"dst": "0.0.0.0/0"}}
+	if IPv6Usable() {
+		ranges = append(ranges, []map[string]string{{"subnet": fmt.Sprintf("fd00:10:244:%x::/64", seq)}})
+		routes = append(routes, map[string]string{"dst": "::/0"})
+	}
 	ptp := map[string]any{
 		"type":   "ptp",
 		"ipMasq": false,
 		"ipam": map[string]any{
 			"type":    "host-local",
 			"dataDir": filepath.Join(dir, "ipam"),
-			"ranges":  [][]map[string]string{{{"subnet": fmt.Sprintf("10.244.%d.0/24", seq)}}, {{"subnet": fmt.Sprintf("fd00:10:244:%x::/64", seq)}}},
-			"routes":  []map[string]string{{"dst": "0.0.0.0/0"}, {"dst": "::/0"}},
+			"ranges":  ranges,
+			"routes":  routes,
 		},
 	}
 	istio := map[string]any{
@@ -291,7 +321,8 @@ func (p *Pod) setUp() error {
 	// while ptp waits for the IPv6 address to settle; the addresses here are
 	// unique by construction.
 	if err := p.NetNS.Do(func(ns.NetNS) error {
-		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/accept_dad", []byte("0"), 0o644); err != nil {
+		// Absent on a kernel booted without IPv6.
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/accept_dad", []byte("0"), 0o644); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return err
 		}
 		return exec.Command("ip", "link", "set", "lo", "up").Run()
