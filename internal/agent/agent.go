@@ -348,6 +348,7 @@ func (a *Agent) start(ctx, cniCtx context.Context, cfg *Config, p *parts) (func(
 		p.rest = append(p.rest, amb.start(ctx, a))
 		a.mu.Lock()
 		a.ambient = amb
+		a.health = append(a.health, amb.c.SocketHealth)
 		a.mu.Unlock()
 	}
 	// The plugin's log file in the run directory, as Istio's plugin keeps

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -144,4 +145,60 @@ func TestNewerAgentKeepsTheNode(t *testing.T) {
 		t.Fatalf("the newer agent's socket is gone: %v", err)
 	}
 	c.Close()
+}
+
+// TestLivenessWhenTheNewerAgentWent: a newer agent took the CNI socket's
+// path and then went with it (a rollback, a surge pod that failed): no
+// relay reaches this agent, which no longer writes the node's files, and
+// nothing would bind the socket again; the liveness probe then fails, so
+// the kubelet restarts the agent. While the newer agent is there, it does
+// not (a restart would take the node back from it).
+func TestLivenessWhenTheNewerAgentWent(t *testing.T) {
+	opts := testNode(t)
+	opts.Loop.ResyncInterval = 50 * time.Millisecond
+	run := opts.Loop.Install.RunDir
+	a := New(opts, quiet)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	for a.ReadyReason() != "" {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned early: %v", err)
+		case <-time.After(time.Millisecond): // polling the agent's state
+		}
+	}
+	sock := filepath.Join(run, cnirelay.SocketName)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock + ".newer", Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.SetUnlinkOnClose(false)
+	if err := os.Rename(sock+".newer", sock); err != nil {
+		t.Fatal(err)
+	}
+	// Several liveness graces (twice the resync interval) with the newer
+	// agent there.
+	for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) { // probing over a span, as the kubelet does
+		if r := a.LiveReason(); r != "" {
+			t.Fatalf("not live while the newer agent serves: %s", r)
+		}
+	}
+	l.Close()
+	if err := os.Remove(sock); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(a.LiveReason(), "that agent has gone") {
+		if time.Now().After(deadline) {
+			t.Fatalf("still live with no socket a relay can reach: %q", a.LiveReason())
+		}
+		time.Sleep(10 * time.Millisecond) // polling the agent's state
+	}
 }

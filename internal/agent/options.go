@@ -387,8 +387,8 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		{name: "log-level", help: "unused, as in Istio (the plugin's level follows --log_output_level)", ignored: "unused in Istio too; the plugin's level follows the cni-plugin scope of --log_output_level"},
 		{name: "cni-network-config", help: "unused, as in Istio", ignored: "unused in Istio too"},
 		{name: "cni-network-config-file", help: "unused, as in Istio", ignored: "unused in Istio too"},
-		{name: "istio-owned-cni-config", help: "Istio-owned conflist (ambient mode only in Istio; not provided)", ignored: "the plugin is always inserted into the primary config, which is written atomically with every other plugin's settings kept", isBool: true},
-		{name: "istio-owned-cni-config-filename", help: "the name of the conflist Istio's agent owns in ambient mode; one it left (with an istio-cni entry) is removed once the plugin is in the primary config, as it would shadow the primary", def: install.DefaultIstioOwnedConfName, set: str(&in.IstioOwnedConfName), istio: true},
+		{name: "istio-owned-cni-config", help: "in chained ambient mode, leave the primary config untouched and write a copy of it with the plugin under istio-owned-cni-config-filename, which sorts first (a primary that rewrites its file at boot cannot drop the plugin)", def: "false", set: boolean(&in.IstioOwned), istio: true},
+		{name: "istio-owned-cni-config-filename", help: "the Istio-owned config's name; without istio-owned-cni-config, one left there (by Istio's agent, or this one before the setting changed) is removed once the plugin is in the primary config, as it would shadow the primary", def: install.DefaultIstioOwnedConfName, set: str(&in.IstioOwnedConfName), istio: true},
 	}
 	// Older Istio releases' settings, accepted so that their manifests start.
 	for _, name := range []string{"cni-net-dir", "kubecfg-file-name", "update-cni-binaries", "skip-cni-binaries", "log-uds-address", "ebpf-enabled"} {
@@ -458,6 +458,18 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 		if err := d.set(v); err != nil {
 			return nil, fmt.Errorf("invalid %s value %q: %w", src, v, err)
 		}
+	}
+	if in.IstioOwnedConfName == "" {
+		// Istio's default for an empty value.
+		in.IstioOwnedConfName = install.DefaultIstioOwnedConfName
+	}
+	if in.IstioOwned && (!in.Chained || !in.Entry.AmbientEnabled) {
+		// As in Istio, where it takes effect only there.
+		o.Notes = append(o.Notes, "ISTIO_OWNED_CNI_CONFIG=true takes effect only in ambient mode with the chained plugin, as in Istio; the plugin goes into the primary config")
+		in.IstioOwned = false
+	}
+	if in.IstioOwned && (filepath.Base(in.IstioOwnedConfName) != in.IstioOwnedConfName || !install.IsList(in.IstioOwnedConfName)) {
+		return nil, fmt.Errorf("istio-owned-cni-config-filename (env ISTIO_OWNED_CNI_CONFIG_FILENAME) %q: want a file name ending in .conflist, such as %s", in.IstioOwnedConfName, install.DefaultIstioOwnedConfName)
 	}
 	// Either name forces the clean-up, whichever is read first.
 	o.DisableSafeUpgrade = o.DisableSafeUpgrade || ambientDisableSafeUpgrade

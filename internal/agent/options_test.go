@@ -463,3 +463,22 @@ func TestServiceLinkIsNotAPort(t *testing.T) {
 		t.Fatalf("with the flag: port %d, notes %q, %v", cfg.MonitoringPort, cfg.Notes, err)
 	}
 }
+
+// TestIstioOwnedConfigOption: ISTIO_OWNED_CNI_CONFIG takes effect in
+// chained ambient mode only, as in Istio, and says so elsewhere; an empty
+// name is Istio's default, and a name the runtime would not read as a
+// list is refused.
+func TestIstioOwnedConfigOption(t *testing.T) {
+	cfg, err := ParseOptions(nil, envOf(map[string]string{"ISTIO_OWNED_CNI_CONFIG": "true", "AMBIENT_ENABLED": "true", "ISTIO_OWNED_CNI_CONFIG_FILENAME": ""}))
+	if err != nil || !cfg.Loop.Install.IstioOwned || cfg.Loop.Install.IstioOwnedConfName != "02-istio-cni.conflist" {
+		t.Fatalf("ambient: %+v %v", cfg, err)
+	}
+	cfg, err = ParseOptions(nil, envOf(map[string]string{"ISTIO_OWNED_CNI_CONFIG": "true"}))
+	if err != nil || cfg.Loop.Install.IstioOwned || !slices.ContainsFunc(cfg.Notes, func(n string) bool { return strings.Contains(n, "ISTIO_OWNED_CNI_CONFIG=true takes effect only") }) {
+		t.Fatalf("sidecar mode: %v, notes %q", err, cfg.Notes)
+	}
+	_, err = ParseOptions(nil, envOf(map[string]string{"ISTIO_OWNED_CNI_CONFIG": "true", "AMBIENT_ENABLED": "true", "ISTIO_OWNED_CNI_CONFIG_FILENAME": "02-istio-cni.conf"}))
+	if err == nil || !strings.Contains(err.Error(), `"02-istio-cni.conf"`) {
+		t.Fatalf("a .conf name: %v", err)
+	}
+}

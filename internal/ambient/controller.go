@@ -365,6 +365,15 @@ func (c *Controller) server() *zds.Server {
 	return c.srv
 }
 
+// SocketHealth is nil while ztunnel can reach the ZDS socket by its
+// path (or before it is served), else why not and since when.
+func (c *Controller) SocketHealth() (time.Time, error) {
+	if srv := c.server(); srv != nil {
+		return srv.Health()
+	}
+	return time.Time{}, nil
+}
+
 // Ready reports whether the controller serves ztunnel: the informers
 // synced and the pods enrolled before the agent started taken over.
 func (c *Controller) Ready() bool {

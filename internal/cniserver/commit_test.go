@@ -356,8 +356,13 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 // relay that may leave it for the fallback, writes nothing and answers
 // Unavailable, which sends the relay to its fallback.
 func TestRelayOfAnotherTxnForm(t *testing.T) {
-	for _, mayLeave := range []bool{false, true} {
-		t.Run(fmt.Sprintf("may leave %t", mayLeave), func(t *testing.T) {
+	// "": a relay from before relays said it, which may read another form.
+	for _, c := range []struct {
+		form     string
+		mayLeave bool
+	}{{"NLS0", false}, {"NLS0", true}, {"", false}, {"", true}} {
+		form, mayLeave := c.form, c.mayLeave
+		t.Run(fmt.Sprintf("form %q may leave %t", form, mayLeave), func(t *testing.T) {
 			r := newCommitRig(t, CommitterPlugin)
 			conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
 			if err != nil {
@@ -370,7 +375,7 @@ func TestRelayOfAnotherTxnForm(t *testing.T) {
 			}
 			body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
 				IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf),
-				Steps: true, TxnForm: "NLS0", MayLeave: mayLeave})
+				Steps: true, TxnForm: form, MayLeave: mayLeave})
 			hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
 			if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
 				t.Fatal(err)
@@ -385,11 +390,11 @@ func TestRelayOfAnotherTxnForm(t *testing.T) {
 				t.Fatal(err)
 			}
 			if resp.Txn != nil {
-				t.Fatalf("a relay of form NLS0 was handed a transaction of form %s", resp.Txn[:4])
+				t.Fatalf("a relay of form %q was handed a transaction of form %s", form, resp.Txn[:4])
 			}
 			applied := len(r.agent.applied())
 			if mayLeave {
-				if !strings.Contains(resp.Unavailable, `"NLS0"`) || resp.Error != nil || applied != 0 {
+				if !strings.Contains(resp.Unavailable, fmt.Sprintf("%q", form)) || resp.Error != nil || applied != 0 {
 					t.Fatalf("a relay that may leave: answer %+v, %d plans applied by the agent", resp, applied)
 				}
 				return

@@ -299,8 +299,6 @@ func (s *Server) Serve(ctx context.Context, path string, grace time.Duration) (d
 	return finished, nil
 }
 
-// Health is nil while the CNI socket accepts connections, else why not
-// and since when.
 // Displaced says whether another agent's socket took the CNI socket's
 // path: a newer agent serves the node, and this one must leave the
 // node's files to it.
@@ -311,6 +309,8 @@ func (s *Server) Displaced() bool {
 	return srv != nil && srv.Displaced()
 }
 
+// Health is nil while the CNI socket accepts connections and relays can
+// reach it by its path, else why not and since when.
 func (s *Server) Health() (time.Time, error) {
 	s.mu.Lock()
 	srv := s.srv

@@ -87,6 +87,9 @@ func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 			skipped = append(skipped, Skipped{File: f, Reason: reason, Partial: partial})
 			continue
 		}
+		if js := rewrittenJSON(dir, f, resolved); js != "" {
+			return js, skipped, nil
+		}
 		return f, skipped, nil
 	}
 	return "", skipped, fmt.Errorf("%w in %s", ErrNoPrimary, dir)
@@ -110,6 +113,61 @@ func alternates(name string) []string {
 // once X.conf is gone, in its place.
 func ListName(name string) string {
 	return strings.TrimSuffix(name, filepath.Ext(name)) + ".conflist"
+}
+
+// rewrittenJSON is X.json when the list f (X.conflist, at resolved) is
+// the wrap of it and X.json is there again: its owner wrote it anew
+// after it was wrapped (and removed). The runtime keeps running the
+// wrap, which sorts first, with the old settings, so X.json is the
+// primary, to be wrapped again. "" otherwise.
+func rewrittenJSON(dir, f, resolved string) string {
+	if !IsList(f) {
+		return ""
+	}
+	js := strings.TrimSuffix(f, ".conflist") + ".json"
+	jr, err := ResolveInDir(dir, js)
+	if err != nil {
+		return ""
+	}
+	if reason, _ := invalidReason(jr, js); reason != "" {
+		return ""
+	}
+	list, err := readFile(resolved)
+	if err != nil {
+		return ""
+	}
+	single, err := readFile(jr)
+	if err != nil || otherNetwork(list, single) != "" {
+		return ""
+	}
+	return js
+}
+
+// OnlyOurs says whether every plugin of the valid config at path (known
+// to the runtime as name) is istio-cni: a network of none, which only a
+// standalone config an agent in the other mode left is.
+func OnlyOurs(path, name string) bool {
+	data, err := readFile(path)
+	if err != nil {
+		return false
+	}
+	if !IsList(name) {
+		return strings.EqualFold(pluginType(data), PluginType)
+	}
+	obj, err := parseObject(data)
+	if err != nil {
+		return false
+	}
+	_, elems, err := obj.plugins()
+	if err != nil || len(elems) == 0 {
+		return false
+	}
+	for _, e := range elems {
+		if !strings.EqualFold(pluginType(e.raw), PluginType) {
+			return false
+		}
+	}
+	return true
 }
 
 // invalidReason applies the validity rules runtimes use (via libcni) to

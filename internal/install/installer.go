@@ -31,6 +31,13 @@ type Config struct {
 	// primary, and is removed once the plugin is in the primary: it would
 	// shadow it, a frozen copy, forever.
 	IstioOwnedConfName string
+	// IstioOwned (ISTIO_OWNED_CNI_CONFIG, chained ambient mode only, as in
+	// Istio) leaves the primary config untouched and writes its copy with
+	// our entry under IstioOwnedConfName, which sorts first: a primary
+	// plugin that rewrites its own file at boot (AWS VPC CNI, Cilium)
+	// cannot drop the plugin from what the runtime runs, so no pod starts
+	// unmeshed before the agent is back.
+	IstioOwned bool
 	// Chained inserts into the primary config; false writes a config of
 	// our own (for Multus).
 	Chained bool
@@ -315,7 +322,7 @@ const DefaultIstioOwnedConfName = "02-istio-cni.conflist"
 // plugins but for the entry, of which it is Istio's copy.
 func (in *Installer) istioOwnedLeftover(dir string) string {
 	name := in.cfg.IstioOwnedConfName
-	if name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
+	if in.cfg.IstioOwned || name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
 		return ""
 	}
 	p := filepath.Join(dir, name)
@@ -397,7 +404,78 @@ func (in *Installer) retireIstioOwned(dir, primary string) {
 	in.log.Info("removed the conflist Istio's agent left (ISTIO_OWNED_CNI_CONFIG); the plugin is in the primary config", "file", p, "primary", primary)
 }
 
+// ownedPath is the file the agent owns in IstioOwned mode ("" otherwise).
+func (in *Installer) ownedPath(dir string) string {
+	if !in.cfg.IstioOwned {
+		return ""
+	}
+	return filepath.Join(dir, in.cfg.IstioOwnedConfName)
+}
+
+// ownedContent is what the owned file must hold: the primary's plugins
+// with our entry last, as a list (a single plugin's config wrapped), and
+// the primary it was made from.
+func (in *Installer) ownedContent(dir string) ([]byte, string, []Skipped, error) {
+	primary, skipped, err := in.findPrimary(dir)
+	if err != nil {
+		return nil, "", skipped, err
+	}
+	resolved, err := ResolveInDir(dir, primary)
+	if err != nil {
+		return nil, "", skipped, err
+	}
+	data, err := readFile(resolved)
+	if err != nil {
+		return nil, "", skipped, err
+	}
+	insert := Insert
+	if IsList(primary) {
+		insert = InsertInList
+	}
+	merged, err := insert(data, in.entry)
+	if err != nil {
+		return nil, "", skipped, fmt.Errorf("%s: %w", primary, err)
+	}
+	return merged, primary, skipped, nil
+}
+
+// ensureOwned writes the owned file when it does not hold the primary's
+// plugins and our entry, and leaves the primary as it is.
+func (in *Installer) ensureOwned(dir string) (Placed, error) {
+	owned := in.ownedPath(dir)
+	merged, primary, skipped, err := in.ownedContent(dir)
+	for _, s := range skipped {
+		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
+	}
+	if errors.Is(err, ErrNoPrimary) {
+		return Placed{}, err
+	}
+	if errors.Is(err, fs.ErrNotExist) {
+		return Placed{}, ErrChanged
+	}
+	if err != nil {
+		return Placed{}, stepErr(err)
+	}
+	if first, _, ferr := FindPrimary(dir, ""); ferr == nil && first != owned {
+		in.log.Warn("the Istio-owned CNI config does not sort first; the runtime uses another file", "owned", owned, "first", first)
+	}
+	if cur, err := readFile(owned); err == nil && bytes.Equal(cur, merged) {
+		return Placed{Path: owned}, nil
+	}
+	if fi, err := os.Lstat(owned); err == nil && !fi.Mode().IsRegular() {
+		return Placed{}, stepErr(fmt.Errorf("%s is not a regular file; the Istio-owned config is written there (ISTIO_OWNED_CNI_CONFIG)", owned))
+	}
+	if err := WriteFileAtomic(owned, merged, in.createdMode(), false); err != nil {
+		return Placed{}, stepErr(err)
+	}
+	in.log.Info("wrote the Istio-owned CNI config: the primary's plugins and istio-cni", "file", owned, "primary", primary)
+	return Placed{Path: owned, Wrote: true}, nil
+}
+
 func (in *Installer) ensureChained(dir string) (Placed, error) {
+	if in.cfg.IstioOwned {
+		return in.ensureOwned(dir)
+	}
 	primary, skipped, err := in.findPrimary(dir)
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
@@ -474,13 +552,32 @@ const (
 // while a file before the one found is caught mid-write; a file still
 // partial after that is passed over, as the runtime passes over it.
 func (in *Installer) findPrimary(dir string) (string, []Skipped, error) {
-	for attempt := 0; ; attempt++ {
-		primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, in.istioOwnedLeftover(dir))
+	for attempt, removed := 0, 0; ; attempt++ {
+		skip := in.istioOwnedLeftover(dir)
+		if in.cfg.IstioOwned {
+			skip = in.ownedPath(dir)
+		}
+		primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, skip)
 		partial := slices.ContainsFunc(skipped, func(s Skipped) bool { return s.Partial })
-		if !partial || attempt == partialRetries {
+		if partial && attempt < partialRetries {
+			waitForWriter()
+			continue
+		}
+		if err != nil || !OnlyOurs(primary, primary) {
 			return primary, skipped, err
 		}
-		waitForWriter()
+		// The runtime would run istio-cni alone, with no network, from a
+		// standalone config an agent in the other CHAINED_CNI_PLUGIN mode
+		// left (clean-up removes it too). A link there is the operator's.
+		fi, lerr := os.Lstat(primary)
+		if lerr != nil || !fi.Mode().IsRegular() || removed == casAttempts {
+			return "", skipped, fmt.Errorf("%s holds istio-cni alone, no network, and sorts first: the runtime would use it; remove it (a standalone config left by an agent in the other chained-cni-plugin mode)", primary)
+		}
+		if err := os.Remove(primary); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return "", skipped, err
+		}
+		removed++
+		in.log.Info("removed a standalone istio-cni config an agent in the other mode left: the runtime would have used it, with no network", "file", primary)
 	}
 }
 
@@ -573,6 +670,20 @@ func (in *Installer) Ready(conf string) error {
 	if !in.cfg.Chained {
 		return nil
 	}
+	if in.cfg.IstioOwned {
+		dir := in.cfg.MountedCNINetDir
+		if first, _, err := FindPrimary(dir, ""); err != nil || first != conf {
+			return fmt.Errorf("%s sorts before %s: the runtime uses it, without istio-cni (ISTIO_OWNED_CNI_CONFIG_FILENAME must sort first)", first, conf)
+		}
+		want, primary, _, err := in.ownedContent(dir)
+		if err != nil {
+			return fmt.Errorf("the primary CNI config the Istio-owned one copies: %w", err)
+		}
+		if !bytes.Equal(data, want) {
+			return fmt.Errorf("%s does not hold %s's plugins with istio-cni last", conf, primary)
+		}
+		return nil
+	}
 	if st, err := Inspect(data, in.entry); err != nil || st != EntryOK {
 		return fmt.Errorf("istio-cni entry missing or stale in %s", conf)
 	}
@@ -643,6 +754,15 @@ func (in *Installer) Cleanup() error {
 // entry is left.
 func (in *Installer) removeEntry() (string, error) {
 	dir := in.cfg.MountedCNINetDir
+	if p := in.ownedPath(dir); p != "" {
+		// Ours, whole; a link there is the operator's.
+		if fi, err := os.Lstat(p); err == nil && fi.Mode().IsRegular() {
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return p, fmt.Errorf("removing %s: %w", p, err)
+			}
+			in.log.Info("removed the Istio-owned CNI config", "file", p)
+		}
+	}
 	if p := in.istioOwnedLeftover(dir); p != "" {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return p, fmt.Errorf("removing %s: %w", p, err)

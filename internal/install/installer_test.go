@@ -606,3 +606,190 @@ func TestPrimaryCaughtMidWrite(t *testing.T) {
 		t.Fatalf("with a file that stays empty: entry in %s after %d waits", placed.Path, waits)
 	}
 }
+
+// TestStandaloneLeftoverIsNoPrimary: chained, a standalone config an
+// agent in the other mode left (a rollout that switched
+// CHAINED_CNI_PLUGIN) that sorts first is istio-cni alone, no network: the
+// runtime would use it and pods would get none. The agent removes it and
+// waits for the primary, instead of wrapping it into a list of istio-cni
+// alone (which clean-up then left as an invalid empty list), or puts the
+// entry into a primary sorting after it, which the runtime now uses.
+func TestStandaloneLeftoverIsNoPrimary(t *testing.T) {
+	n := newNode(t, true, nil)
+	other := newNode(t, false, nil)
+	other.in.cfg.MountedCNINetDir = n.netDir
+	if _, err := other.in.EnsureConf(); err != nil {
+		t.Fatal(err)
+	}
+	leftover := filepath.Join(n.netDir, StandaloneConfName)
+	if _, err := n.in.EnsureConf(); !errors.Is(err, ErrNoPrimary) {
+		t.Fatalf("with the standalone leftover alone: %v, want no primary", err)
+	}
+	if _, err := os.Stat(leftover); !os.IsNotExist(err) {
+		t.Fatalf("the leftover is still there: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(n.netDir, "10-calico.conflist"), []byte(conflist("k8s-pod-network", calico)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if placed := n.install(t); filepath.Base(placed.Path) != "10-calico.conflist" {
+		t.Fatalf("entry placed in %s", placed.Path)
+	}
+
+	// A primary whose name sorts after the leftover's.
+	m := newNode(t, true, map[string]string{"k8s-pod-network.conflist": conflist("k8s-pod-network", calico)})
+	other.in.cfg.MountedCNINetDir = m.netDir
+	if _, err := other.in.EnsureConf(); err != nil {
+		t.Fatal(err)
+	}
+	if name, types := runtimeTypes(t, m.netDir); name != StandaloneConfName || !slices.Equal(types, []string{PluginType}) {
+		t.Fatalf("set-up: the runtime runs %v from %s", types, name)
+	}
+	placed := m.install(t)
+	if name, types := runtimeTypes(t, m.netDir); name != "k8s-pod-network.conflist" || !slices.Equal(types, []string{"calico", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+	if err := m.in.Ready(placed.Path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestIstioOwnedConfig: with ISTIO_OWNED_CNI_CONFIG (chained ambient
+// mode) the primary is never written; the agent's copy of it with our
+// entry, sorted first, is what the runtime runs, follows the primary's
+// changes, reports not ready while stale or shadowed, and goes at
+// clean-up. The copy survives a primary that rewrites its own file at
+// boot, so no pod starts without the plugin.
+func TestIstioOwnedConfig(t *testing.T) {
+	primary := conflist("k8s-pod-network", calico)
+	n := newNode(t, true, map[string]string{"10-calico.conflist": primary})
+	n.in.cfg.IstioOwned, n.in.cfg.IstioOwnedConfName = true, DefaultIstioOwnedConfName
+	owned := filepath.Join(n.netDir, DefaultIstioOwnedConfName)
+	calicoPath := filepath.Join(n.netDir, "10-calico.conflist")
+	placed := n.install(t)
+	if placed.Path != owned || !placed.Wrote {
+		t.Fatalf("placed %+v, want %s written", placed, owned)
+	}
+	if got := string(read(t, calicoPath)); got != primary {
+		t.Fatalf("the primary was written:\n%s", got)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != DefaultIstioOwnedConfName || !slices.Equal(types, []string{"calico", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+	if fi, err := os.Stat(owned); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("the owned file: %v %v", fi, err)
+	}
+	if err := n.in.Ready(owned); err != nil {
+		t.Fatal(err)
+	}
+	if again, err := n.in.EnsureConf(); err != nil || again.Wrote {
+		t.Fatalf("a second pass: %+v %v", again, err)
+	}
+
+	// The primary's plugin rewrites its file, as at boot, with a change.
+	changed := conflist("k8s-pod-network", calico, `{"type":"portmap","capabilities":{"portMappings":true}}`)
+	if err := os.WriteFile(calicoPath, []byte(changed), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != DefaultIstioOwnedConfName || !slices.Contains(types, PluginType) {
+		t.Fatalf("after the primary's rewrite the runtime runs %v from %s", types, name)
+	}
+	if err := n.in.Ready(owned); err == nil || !strings.Contains(err.Error(), "does not hold") {
+		t.Fatalf("ready with a stale copy: %v", err)
+	}
+	if p, err := n.in.EnsureConf(); err != nil || !p.Wrote {
+		t.Fatalf("the pass after the primary changed: %+v %v", p, err)
+	}
+	if _, types := runtimeTypes(t, n.netDir); !slices.Equal(types, []string{"calico", "portmap", PluginType}) {
+		t.Fatalf("the copy after the primary changed: %v", types)
+	}
+	if err := n.in.Ready(owned); err != nil {
+		t.Fatal(err)
+	}
+
+	// Another config sorting before the copy shadows it.
+	first := filepath.Join(n.netDir, "01-first.conflist")
+	if err := os.WriteFile(first, []byte(conflist("first", `{"type":"ptp"}`)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Ready(owned); err == nil || !strings.Contains(err.Error(), "sorts before") {
+		t.Fatalf("ready while shadowed: %v", err)
+	}
+	if err := os.Remove(first); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := n.in.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(owned); !os.IsNotExist(err) {
+		t.Fatalf("the owned copy is left: %v", err)
+	}
+	if got := string(read(t, calicoPath)); got != changed {
+		t.Fatalf("clean-up wrote the primary:\n%s", got)
+	}
+}
+
+// TestIstioOwnedConfigOfASingleConf: a single plugin's primary is
+// wrapped in the copy and stays as it is.
+func TestIstioOwnedConfigOfASingleConf(t *testing.T) {
+	bridge := `{"cniVersion":"0.4.0","name":"br","type":"bridge","bridge":"cni0"}`
+	n := newNode(t, true, map[string]string{"10-bridge.conf": bridge})
+	n.in.cfg.IstioOwned, n.in.cfg.IstioOwnedConfName = true, DefaultIstioOwnedConfName
+	n.install(t)
+	if got := string(read(t, filepath.Join(n.netDir, "10-bridge.conf"))); got != bridge {
+		t.Fatalf("the primary was written:\n%s", got)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != DefaultIstioOwnedConfName || !slices.Equal(types, []string{"bridge", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+}
+
+// TestIstioOwnedConfigSwitchedOff: an agent without the setting finds
+// the copy an owned-mode agent left (ours, or Istio's), puts the entry
+// into the primary and removes the copy, which would shadow it frozen.
+func TestIstioOwnedConfigSwitchedOff(t *testing.T) {
+	primary := conflist("k8s-pod-network", calico)
+	n := newNode(t, true, map[string]string{"10-calico.conflist": primary})
+	n.in.cfg.IstioOwned, n.in.cfg.IstioOwnedConfName = true, DefaultIstioOwnedConfName
+	n.install(t)
+	n.in.cfg.IstioOwned = false
+	placed := n.install(t)
+	if filepath.Base(placed.Path) != "10-calico.conflist" {
+		t.Fatalf("entry placed in %s", placed.Path)
+	}
+	if _, err := os.Stat(filepath.Join(n.netDir, DefaultIstioOwnedConfName)); !os.IsNotExist(err) {
+		t.Fatalf("the owned copy is left: %v", err)
+	}
+	if name, types := runtimeTypes(t, n.netDir); name != "10-calico.conflist" || !slices.Equal(types, []string{"calico", PluginType}) {
+		t.Fatalf("the runtime runs %v from %s", types, name)
+	}
+}
+
+// TestJSONRewrittenAfterItsWrap: the owner of a .json writes it again
+// after it was wrapped (the wrap removed it); the wrap, which sorts first,
+// would keep running the old settings for good. The .json is the primary
+// again and is wrapped anew.
+func TestJSONRewrittenAfterItsWrap(t *testing.T) {
+	n := newNode(t, true, map[string]string{"05-bridge.json": `{"cniVersion":"0.4.0","name":"br","type":"bridge","bridge":"cni0"}`})
+	placed := n.install(t)
+	js := filepath.Join(n.netDir, "05-bridge.json")
+	if err := os.WriteFile(js, []byte(`{"cniVersion":"0.4.0","name":"br","type":"bridge","bridge":"cni1"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.in.Ready(placed.Path); err == nil {
+		t.Fatal("ready while the wrap holds the old settings")
+	}
+	again := n.install(t)
+	if again.Path != placed.Path || !again.Wrote {
+		t.Fatalf("the pass after the rewrite: %+v", again)
+	}
+	if got := string(read(t, placed.Path)); !strings.Contains(got, `"cni1"`) || strings.Contains(got, `"cni0"`) {
+		t.Fatalf("the wrap after the rewrite:\n%s", got)
+	}
+	if _, err := os.Stat(js); !os.IsNotExist(err) {
+		t.Fatalf("the .json is still there: %v", err)
+	}
+	if err := n.in.Ready(placed.Path); err != nil {
+		t.Fatal(err)
+	}
+}

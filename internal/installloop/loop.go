@@ -208,21 +208,14 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 	defer resync.Stop()
 	for {
 		l.beat.Store(time.Now().UnixNano())
-		if l.leave != nil && l.leave() {
-			l.log.Info("another agent keeps this node's plugin files now; this one no longer writes them")
-			// Still alive to the liveness probe: a restart would have this
-			// agent take the socket back from the newer one.
-			for {
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-resync.C:
-					l.beat.Store(time.Now().UnixNano())
-				}
-			}
+		if l.leaving() {
+			return l.stayAway(ctx, resync)
 		}
 		ws.sync()
 		wrote, err := l.installOnce()
+		if errors.Is(err, errLeft) {
+			return l.stayAway(ctx, resync)
+		}
 		conf := l.confPath()
 		l.log.Debug("install pass", "wrote", wrote, "error", err)
 		// A primary config that is a link into another directory is
@@ -399,16 +392,46 @@ func isConfName(base string) bool {
 // it wrote.
 func (l *Loop) WriteKubeconfig() (bool, error) { return l.in.WriteKubeconfig() }
 
+// errLeft ends a pass that found another agent keeping the node's files.
+var errLeft = errors.New("another agent keeps the node's files")
+
+func (l *Loop) leaving() bool { return l.leave != nil && l.leave() }
+
+// stayAway writes nothing more until ctx ends, and beats: a restart by
+// the liveness probe would have this agent take the socket back from the
+// newer one.
+func (l *Loop) stayAway(ctx context.Context, resync *time.Ticker) error {
+	l.log.Info("another agent keeps this node's plugin files now; this one no longer writes them")
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-resync.C:
+			l.beat.Store(time.Now().UnixNano())
+		}
+	}
+}
+
 // installOnce runs every install step and reports whether the CNI config
-// was written.
+// was written. Before each write it looks again whether another agent
+// took the node over since the pass began.
 func (l *Loop) installOnce() (bool, error) {
+	if l.leaving() {
+		return false, errLeft
+	}
 	if err := l.in.InstallBinaries(); err != nil {
 		return false, err
+	}
+	if l.leaving() {
+		return false, errLeft
 	}
 	if changed, err := l.in.WriteKubeconfig(); err != nil {
 		return false, err
 	} else if changed {
 		l.log.Info("wrote the plugin kubeconfig", "path", l.in.KubeconfigPath())
+	}
+	if l.leaving() {
+		return false, errLeft
 	}
 	placed, err := l.in.EnsureConf()
 	if placed.Path != "" {

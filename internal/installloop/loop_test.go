@@ -476,3 +476,31 @@ func (b *lockedBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// TestLoopKeepsTheIstioOwnedCopy: with ISTIO_OWNED_CNI_CONFIG the loop
+// keeps its copy of the primary in step with every rewrite of the
+// primary (its plugin's at boot among them) and never writes the primary.
+func TestLoopKeepsTheIstioOwnedCopy(t *testing.T) {
+	inst, primary, bare := tempNode(t)
+	inst.IstioOwned, inst.IstioOwnedConfName = true, install.DefaultIstioOwnedConfName
+	owned := filepath.Join(inst.MountedCNINetDir, install.DefaultIstioOwnedConfName)
+	l := New(Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}, quiet, NewMetrics())
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	if got, _ := os.ReadFile(primary); string(got) != bare {
+		t.Fatalf("the primary was written: %s", got)
+	}
+	changed := `{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","mtu":1400}]}`
+	if err := os.WriteFile(primary, []byte(changed), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the copy following the primary", func() bool {
+		data, err := os.ReadFile(owned)
+		return err == nil && strings.Contains(string(data), `"mtu":1400`) && strings.Contains(string(data), `"istio-cni"`)
+	})
+	eventually(t, "ready again", func() bool { return l.NotReady() == "" })
+	if got, _ := os.ReadFile(primary); string(got) != changed {
+		t.Fatalf("the primary was written: %s", got)
+	}
+}

@@ -72,8 +72,10 @@ type Keeper struct {
 	displaced bool
 	lost      bool
 	closed    bool
-	stop      chan struct{}
-	done      chan struct{}
+	// orphaned is when Orphaned first saw the socket out of reach.
+	orphaned time.Time
+	stop     chan struct{}
+	done     chan struct{}
 }
 
 // Keep gives the socket at path (of identity id) its second name,
@@ -84,13 +86,17 @@ func Keep(path string, id [2]uint64, interval time.Duration, log *slog.Logger) (
 		log = slog.New(slog.DiscardHandler)
 	}
 	k := &Keeper{path: path, keep: KeepName(path), id: id, log: log, stop: make(chan struct{}), done: make(chan struct{})}
-	if err := os.Remove(k.keep); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, err
+	err := os.Remove(k.keep)
+	if err == nil || errors.Is(err, os.ErrNotExist) {
+		err = os.Link(path, k.keep)
 	}
-	if err := os.Link(path, k.keep); err != nil {
-		return nil, err
-	}
-	if kid, err := Identity(k.keep); err != nil || kid != id {
+	if err != nil {
+		// A file system or policy without hard links: the socket serves
+		// all the same, and a path another process removes stays gone
+		// (Orphaned says so, for the liveness probe).
+		log.Warn("cannot give the socket a second name; if another process removes its path, it cannot be put back", "socket", path, "error", err.Error())
+		k.keep = ""
+	} else if kid, err := Identity(k.keep); err != nil || kid != id {
 		// The path changed between the caller's bind and the link.
 		_ = os.Remove(k.keep)
 		return nil, errors.New("sockpath: " + path + " changed while it was being kept")
@@ -150,7 +156,7 @@ func (k *Keeper) Check() State {
 		k.missing = true
 		return Missing
 	}
-	if kid, err := Identity(k.keep); err != nil || kid != k.id {
+	if kid, err := Identity(k.keep); k.keep == "" || err != nil || kid != k.id {
 		k.lost = true
 		k.log.Error("our socket's path was removed and its second name is gone too; new clients cannot connect until the agent restarts", "socket", k.path, "second_name", k.keep)
 		return Lost
@@ -194,8 +200,40 @@ func (k *Keeper) Close() (displaced bool) {
 	if id, err := Identity(k.path); err == nil && id == k.id {
 		_ = os.Remove(k.path)
 	}
-	if id, err := Identity(k.keep); err == nil && id == k.id {
-		_ = os.Remove(k.keep)
+	if k.keep != "" {
+		if id, err := Identity(k.keep); err == nil && id == k.id {
+			_ = os.Remove(k.keep)
+		}
 	}
 	return displaced
+}
+
+// Orphaned says why no client can reach the socket by its path any more
+// while nothing will put the path back, and since when that was first
+// seen; "" while the path is ours, can be put back, or is a live newer
+// agent's. A displaced socket whose path then went (the newer agent
+// stopped: a rollback, a surge pod that failed) is orphaned, and so is one
+// whose two names were both removed: only a restart binds it again.
+func (k *Keeper) Orphaned() (string, time.Time) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	why := ""
+	if !k.closed {
+		_, err := Identity(k.path)
+		gone := errors.Is(err, os.ErrNotExist)
+		switch {
+		case k.lost && gone:
+			why = "its path was removed and cannot be put back"
+		case k.displaced && gone:
+			why = "another agent's socket took its path, and that agent has gone"
+		}
+	}
+	if why == "" {
+		k.orphaned = time.Time{}
+		return "", time.Time{}
+	}
+	if k.orphaned.IsZero() {
+		k.orphaned = time.Now()
+	}
+	return k.path + ": " + why, k.orphaned
 }

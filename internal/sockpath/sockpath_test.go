@@ -4,6 +4,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -198,5 +199,83 @@ func TestKeepReplacesAStaleSecondName(t *testing.T) {
 	k.Check()
 	if k.Check() != Restored || !reaches(t, path, l) {
 		t.Fatal("not put back to our socket")
+	}
+}
+
+// TestOrphaned: a socket displaced by a live newer agent is not
+// orphaned (a restart would take the node back from it); once that agent
+// has gone with its path, or both names of ours are gone, it is, from
+// the first look on, so the liveness probe has the agent restarted.
+func TestOrphaned(t *testing.T) {
+	r := newRig(t, -1)
+	if why, _ := r.Orphaned(); why != "" {
+		t.Fatalf("a fresh socket: %s", why)
+	}
+	newer := bind(t, r.path+".new")
+	if err := os.Rename(r.path+".new", r.path); err != nil {
+		t.Fatal(err)
+	}
+	if r.Check() != Displaced {
+		t.Fatal("not displaced")
+	}
+	if why, _ := r.Orphaned(); why != "" {
+		t.Fatalf("displaced by a live agent: %s", why)
+	}
+	// The newer agent stops and removes its path.
+	newer.Close()
+	if err := os.Remove(r.path); err != nil {
+		t.Fatal(err)
+	}
+	why, since := r.Orphaned()
+	if !strings.Contains(why, "that agent has gone") || since.IsZero() {
+		t.Fatalf("after the newer agent went: %q %v", why, since)
+	}
+	if _, again := r.Orphaned(); !again.Equal(since) {
+		t.Fatalf("first seen %v, then %v", since, again)
+	}
+
+	lost := newRig(t, -1)
+	for _, p := range []string{lost.path, KeepName(lost.path)} {
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lost.Check()
+	lost.Check()
+	if why, _ := lost.Orphaned(); !strings.Contains(why, "cannot be put back") {
+		t.Fatalf("both names gone: %q", why)
+	}
+}
+
+// TestNoSecondName: where the second name cannot be made (a file system
+// or policy without hard links; here a directory in its way), the socket
+// serves all the same; a path then removed is reported orphaned.
+func TestNoSecondName(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cni.sock")
+	l := bind(t, path)
+	if err := os.MkdirAll(filepath.Join(KeepName(path), "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	id, _ := Identity(path)
+	k, err := Keep(path, id, -1, nil)
+	if err != nil {
+		t.Fatalf("no second name failed the socket: %v", err)
+	}
+	defer k.Close()
+	if !reaches(t, path, l) || k.Check() != Ours {
+		t.Fatal("the socket does not serve")
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	k.Check()
+	if s := k.Check(); s != Lost {
+		t.Fatalf("a removed path without a second name: %v", s)
+	}
+	if why, _ := k.Orphaned(); why == "" {
+		t.Fatal("not orphaned")
+	}
+	if fi, err := os.Stat(KeepName(path)); err != nil || !fi.IsDir() {
+		t.Fatalf("the directory in the way was touched: %v", err)
 	}
 }

@@ -418,6 +418,9 @@ func (s *Server) Addr() net.Addr { return &net.UnixAddr{Name: s.path, Net: "unix
 // when. Running out of descriptors ends when one can be had again, even
 // before the next client connects.
 func (s *Server) Health() (time.Time, error) {
+	if why, since := s.keeper.Orphaned(); why != "" {
+		return since, errors.New(why + " (a restart binds it again)")
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.failFrom.IsZero() {

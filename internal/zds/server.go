@@ -322,6 +322,15 @@ func (s *Server) Close() error {
 	return err
 }
 
+// Health is nil while ztunnel can reach the socket by its path, else why
+// not and since when (see sockpath.Keeper.Orphaned).
+func (s *Server) Health() (time.Time, error) {
+	if why, since := s.l.keeper.Orphaned(); why != "" {
+		return since, errors.New(why + " (a restart binds it again)")
+	}
+	return time.Time{}, nil
+}
+
 // Connections returns how many ztunnels are connected (said hello), and
 // a channel closed at the next change of that number: the agent retries
 // its pending pods when it rises.
