@@ -471,6 +471,10 @@ func ParseOptions(args []string, lookupEnv func(string) (string, bool)) (*Config
 	if in.IstioOwned && (filepath.Base(in.IstioOwnedConfName) != in.IstioOwnedConfName || !install.IsList(in.IstioOwnedConfName)) {
 		return nil, fmt.Errorf("istio-owned-cni-config-filename (env ISTIO_OWNED_CNI_CONFIG_FILENAME) %q: want a file name ending in .conflist, such as %s", in.IstioOwnedConfName, install.DefaultIstioOwnedConfName)
 	}
+	if in.IstioOwned && in.CNIConfName != "" && install.ListName(in.CNIConfName) == in.IstioOwnedConfName {
+		// The agent would wait for ever for a primary of that name.
+		return nil, fmt.Errorf("cni-conf-name (env CNI_CONF_NAME) %q names the Istio-owned copy (%s); name the primary's config, or leave it empty", in.CNIConfName, in.IstioOwnedConfName)
+	}
 	// Either name forces the clean-up, whichever is read first.
 	o.DisableSafeUpgrade = o.DisableSafeUpgrade || ambientDisableSafeUpgrade
 	// An older chart's spelling of EXCLUDE_NAMESPACES.

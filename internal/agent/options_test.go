@@ -481,4 +481,8 @@ func TestIstioOwnedConfigOption(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), `"02-istio-cni.conf"`) {
 		t.Fatalf("a .conf name: %v", err)
 	}
+	_, err = ParseOptions(nil, envOf(map[string]string{"ISTIO_OWNED_CNI_CONFIG": "true", "AMBIENT_ENABLED": "true", "CNI_CONF_NAME": "02-istio-cni.conflist"}))
+	if err == nil || !strings.Contains(err.Error(), "CNI_CONF_NAME") {
+		t.Fatalf("CNI_CONF_NAME naming the copy: %v", err)
+	}
 }

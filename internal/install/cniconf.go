@@ -87,9 +87,6 @@ func FindPrimary(dir, name string, skip ...string) (string, []Skipped, error) {
 			skipped = append(skipped, Skipped{File: f, Reason: reason, Partial: partial})
 			continue
 		}
-		if js := rewrittenJSON(dir, f, resolved); js != "" {
-			return js, skipped, nil
-		}
 		return f, skipped, nil
 	}
 	return "", skipped, fmt.Errorf("%w in %s", ErrNoPrimary, dir)
@@ -113,34 +110,6 @@ func alternates(name string) []string {
 // once X.conf is gone, in its place.
 func ListName(name string) string {
 	return strings.TrimSuffix(name, filepath.Ext(name)) + ".conflist"
-}
-
-// rewrittenJSON is X.json when the list f (X.conflist, at resolved) is
-// the wrap of it and X.json is there again: its owner wrote it anew
-// after it was wrapped (and removed). The runtime keeps running the
-// wrap, which sorts first, with the old settings, so X.json is the
-// primary, to be wrapped again. "" otherwise.
-func rewrittenJSON(dir, f, resolved string) string {
-	if !IsList(f) {
-		return ""
-	}
-	js := strings.TrimSuffix(f, ".conflist") + ".json"
-	jr, err := ResolveInDir(dir, js)
-	if err != nil {
-		return ""
-	}
-	if reason, _ := invalidReason(jr, js); reason != "" {
-		return ""
-	}
-	list, err := readFile(resolved)
-	if err != nil {
-		return ""
-	}
-	single, err := readFile(jr)
-	if err != nil || otherNetwork(list, single) != "" {
-		return ""
-	}
-	return js
 }
 
 // OnlyOurs says whether every plugin of the valid config at path (known

@@ -89,6 +89,9 @@ type Placed struct {
 	Path string
 	// Wrote: the pass wrote the CNI config.
 	Wrote bool
+	// Source, in IstioOwned mode, is the primary config the copy at Path
+	// was made from (its changes are watched).
+	Source string
 }
 
 // New returns an installer.
@@ -253,7 +256,7 @@ func (in *Installer) EnsureConf() (Placed, error) {
 			p, err = in.ensureStandalone(dir)
 		}
 		if p.Path != "" {
-			placed.Path = p.Path
+			placed.Path, placed.Source = p.Path, p.Source
 		}
 		placed.Wrote = p.Wrote
 		if !errors.Is(err, ErrChanged) {
@@ -261,7 +264,7 @@ func (in *Installer) EnsureConf() (Placed, error) {
 		}
 		in.log.Debug("the CNI config changed while being rewritten; reading it again", "attempt", attempt+1)
 	}
-	return Placed{Path: placed.Path}, &StepError{ResultCreateCNIConfig, fmt.Errorf("the CNI config in %s kept changing while being rewritten (%d attempts)", dir, casAttempts)}
+	return Placed{Path: placed.Path, Source: placed.Source}, &StepError{ResultCreateCNIConfig, fmt.Errorf("the CNI config in %s kept changing while being rewritten (%d attempts)", dir, casAttempts)}
 }
 
 func (in *Installer) standalonePath(dir string) string {
@@ -322,7 +325,16 @@ const DefaultIstioOwnedConfName = "02-istio-cni.conflist"
 // plugins but for the entry, of which it is Istio's copy.
 func (in *Installer) istioOwnedLeftover(dir string) string {
 	name := in.cfg.IstioOwnedConfName
-	if in.cfg.IstioOwned || name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
+	if in.cfg.IstioOwned {
+		// Our copy goes under our name; one under Istio's default (Istio's
+		// agent never read its chart's name for it) or a name set before
+		// is a frozen copy.
+		name = DefaultIstioOwnedConfName
+		if name == in.cfg.IstioOwnedConfName {
+			return ""
+		}
+	}
+	if name == "" || name == in.cfg.CNIConfName || filepath.Base(name) != name {
 		return ""
 	}
 	p := filepath.Join(dir, name)
@@ -354,9 +366,13 @@ func copyOfAnother(dir, path string, data []byte) bool {
 	if !ok {
 		return false
 	}
-	files, err := filepath.Glob(filepath.Join(dir, "*.conflist"))
-	if err != nil {
-		return false
+	var files []string
+	for _, ext := range confExts {
+		m, err := filepath.Glob(filepath.Join(dir, "*"+ext))
+		if err != nil {
+			return false
+		}
+		files = append(files, m...)
 	}
 	for _, f := range files {
 		if f == path {
@@ -366,11 +382,26 @@ func copyOfAnother(dir, path string, data []byte) bool {
 		if err != nil {
 			continue
 		}
-		if got, ok := pluginsBut(other); ok && reflect.DeepEqual(got, want) {
+		got, ok := pluginsBut(other)
+		if !IsList(f) {
+			got, ok = singlePlugin(other)
+		}
+		if ok && reflect.DeepEqual(got, want) {
 			return true
 		}
 	}
 	return false
+}
+
+// singlePlugin is a single plugin's config as a wrap of it holds it in a
+// list: without its cniVersion, which the list carries.
+func singlePlugin(data []byte) ([]any, bool) {
+	var m map[string]any
+	if json.Unmarshal(data, &m) != nil || m["type"] == nil || m["type"] == PluginType {
+		return nil, false
+	}
+	delete(m, "cniVersion")
+	return []any{m}, true
 }
 
 // pluginsBut is a list's plugins other than istio-cni, decoded.
@@ -415,18 +446,14 @@ func (in *Installer) ownedPath(dir string) string {
 // ownedContent is what the owned file must hold: the primary's plugins
 // with our entry last, as a list (a single plugin's config wrapped), and
 // the primary it was made from.
-func (in *Installer) ownedContent(dir string) ([]byte, string, []Skipped, error) {
-	primary, skipped, err := in.findPrimary(dir)
-	if err != nil {
-		return nil, "", skipped, err
-	}
+func (in *Installer) ownedContent(dir, primary string) ([]byte, string, error) {
 	resolved, err := ResolveInDir(dir, primary)
 	if err != nil {
-		return nil, "", skipped, err
+		return nil, "", err
 	}
 	data, err := readFile(resolved)
 	if err != nil {
-		return nil, "", skipped, err
+		return nil, "", err
 	}
 	insert := Insert
 	if IsList(primary) {
@@ -434,21 +461,36 @@ func (in *Installer) ownedContent(dir string) ([]byte, string, []Skipped, error)
 	}
 	merged, err := insert(data, in.entry)
 	if err != nil {
-		return nil, "", skipped, fmt.Errorf("%s: %w", primary, err)
+		return nil, "", fmt.Errorf("%s: %w", primary, err)
 	}
-	return merged, primary, skipped, nil
+	return merged, resolved, nil
+}
+
+// ownedSkips are the files FindPrimary passes over in IstioOwned mode:
+// our copy, and a frozen copy under Istio's default name.
+func (in *Installer) ownedSkips(dir string) []string {
+	skip := []string{in.ownedPath(dir)}
+	if p := in.istioOwnedLeftover(dir); p != "" {
+		skip = append(skip, p)
+	}
+	return skip
 }
 
 // ensureOwned writes the owned file when it does not hold the primary's
 // plugins and our entry, and leaves the primary as it is.
 func (in *Installer) ensureOwned(dir string) (Placed, error) {
 	owned := in.ownedPath(dir)
-	merged, primary, skipped, err := in.ownedContent(dir)
+	primary, skipped, err := in.findPrimary(dir)
 	for _, s := range skipped {
 		in.log.Warn("skipping invalid CNI config, as the runtime does", "file", s.File, "reason", s.Reason)
 	}
 	if errors.Is(err, ErrNoPrimary) {
 		return Placed{}, err
+	}
+	var merged []byte
+	var source string
+	if err == nil {
+		merged, source, err = in.ownedContent(dir, primary)
 	}
 	if errors.Is(err, fs.ErrNotExist) {
 		return Placed{}, ErrChanged
@@ -460,7 +502,10 @@ func (in *Installer) ensureOwned(dir string) (Placed, error) {
 		in.log.Warn("the Istio-owned CNI config does not sort first; the runtime uses another file", "owned", owned, "first", first)
 	}
 	if cur, err := readFile(owned); err == nil && bytes.Equal(cur, merged) {
-		return Placed{Path: owned}, nil
+		// Only once ours is in place: the runtime reads the frozen copy
+		// until then.
+		in.retireIstioOwned(dir, owned)
+		return Placed{Path: owned, Source: source}, nil
 	}
 	if fi, err := os.Lstat(owned); err == nil && !fi.Mode().IsRegular() {
 		return Placed{}, stepErr(fmt.Errorf("%s is not a regular file; the Istio-owned config is written there (ISTIO_OWNED_CNI_CONFIG)", owned))
@@ -469,7 +514,8 @@ func (in *Installer) ensureOwned(dir string) (Placed, error) {
 		return Placed{}, stepErr(err)
 	}
 	in.log.Info("wrote the Istio-owned CNI config: the primary's plugins and istio-cni", "file", owned, "primary", primary)
-	return Placed{Path: owned, Wrote: true}, nil
+	in.retireIstioOwned(dir, owned)
+	return Placed{Path: owned, Wrote: true, Source: source}, nil
 }
 
 func (in *Installer) ensureChained(dir string) (Placed, error) {
@@ -553,11 +599,11 @@ const (
 // partial after that is passed over, as the runtime passes over it.
 func (in *Installer) findPrimary(dir string) (string, []Skipped, error) {
 	for attempt, removed := 0, 0; ; attempt++ {
-		skip := in.istioOwnedLeftover(dir)
+		skip := []string{in.istioOwnedLeftover(dir)}
 		if in.cfg.IstioOwned {
-			skip = in.ownedPath(dir)
+			skip = in.ownedSkips(dir)
 		}
-		primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, skip)
+		primary, skipped, err := FindPrimary(dir, in.cfg.CNIConfName, skip...)
 		partial := slices.ContainsFunc(skipped, func(s Skipped) bool { return s.Partial })
 		if partial && attempt < partialRetries {
 			waitForWriter()
@@ -675,7 +721,12 @@ func (in *Installer) Ready(conf string) error {
 		if first, _, err := FindPrimary(dir, ""); err != nil || first != conf {
 			return fmt.Errorf("%s sorts before %s: the runtime uses it, without istio-cni (ISTIO_OWNED_CNI_CONFIG_FILENAME must sort first)", first, conf)
 		}
-		want, primary, _, err := in.ownedContent(dir)
+		// Without the pass's waits and removals: a look only.
+		primary, _, err := FindPrimary(dir, in.cfg.CNIConfName, in.ownedSkips(dir)...)
+		var want []byte
+		if err == nil {
+			want, _, err = in.ownedContent(dir, primary)
+		}
 		if err != nil {
 			return fmt.Errorf("the primary CNI config the Istio-owned one copies: %w", err)
 		}

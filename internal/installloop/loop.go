@@ -88,8 +88,10 @@ type Loop struct {
 	notReady string
 	// conf is the config file holding our entry, as the last pass that
 	// got that far placed it.
-	conf  string
-	watch *watchSet
+	conf string
+	// source is the primary the Istio-owned copy at conf was made from.
+	source string
+	watch  *watchSet
 	// beat is when the loop last went round (unix nanoseconds).
 	beat atomic.Int64
 
@@ -220,7 +222,12 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 		l.log.Debug("install pass", "wrote", wrote, "error", err)
 		// A primary config that is a link into another directory is
 		// watched there too.
-		if f := l.in.ConfFile(conf); f != "" {
+		// In Istio-owned mode that is the primary the copy follows.
+		f := l.in.ConfFile(conf)
+		if src := l.sourcePath(); src != "" {
+			f = src
+		}
+		if f != "" {
 			ws.follow(filepath.Dir(f))
 		}
 		firstPass := first
@@ -232,7 +239,9 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 			if !changedAt.IsZero() {
 				l.metrics.ReinsertDelay.Observe(time.Since(changedAt).Seconds())
 			}
-			if d := l.noteRewrite(time.Now(), changedAt); d > 0 {
+			// An Istio-owned copy following its primary's rewrites
+			// reverts nobody's file: no back-off.
+			if d := l.noteRewrite(time.Now(), changedAt); d > 0 && !l.cfg.Install.IstioOwned {
 				l.metrics.Conflicts.Inc()
 				hint := ""
 				if strings.Contains(strings.ToLower(conf), "cilium") {
@@ -343,6 +352,12 @@ func (l *Loop) loop(ctx context.Context, ws *watchSet) error {
 	}
 }
 
+func (l *Loop) sourcePath() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.source
+}
+
 func (l *Loop) confPath() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -437,6 +452,7 @@ func (l *Loop) installOnce() (bool, error) {
 	if placed.Path != "" {
 		l.mu.Lock()
 		l.conf = placed.Path
+		l.source = placed.Source
 		l.mu.Unlock()
 	}
 	return placed.Wrote, err

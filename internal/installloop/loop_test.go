@@ -504,3 +504,47 @@ func TestLoopKeepsTheIstioOwnedCopy(t *testing.T) {
 		t.Fatalf("the primary was written: %s", got)
 	}
 }
+
+// TestLoopOwnedCopyOfALinkedPrimary: a primary that is a link into a
+// directory of the config dir (a ConfigMap's ..data layout, read-only, the
+// kind Istio-owned mode suits) is watched where it leads, so the copy
+// follows its changes at once, not at the resync.
+func TestLoopOwnedCopyOfALinkedPrimary(t *testing.T) {
+	inst, primary, bare := tempNode(t)
+	inst.IstioOwned, inst.IstioOwnedConfName = true, install.DefaultIstioOwnedConfName
+	data := filepath.Join(inst.MountedCNINetDir, "data")
+	if err := os.MkdirAll(data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	target := filepath.Join(data, filepath.Base(primary))
+	if err := os.WriteFile(target, []byte(bare), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(primary); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join("data", filepath.Base(primary)), primary); err != nil {
+		t.Fatal(err)
+	}
+	owned := filepath.Join(inst.MountedCNINetDir, install.DefaultIstioOwnedConfName)
+	cfg := Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}
+	// A first agent writes the copy; the second finds it in place and
+	// writes nothing, so no event of its own wakes it again.
+	first := New(cfg, quiet, NewMetrics())
+	stopFirst := runLoop(first)
+	eventually(t, "the first agent ready", func() bool { return first.NotReady() == "" })
+	if err := stopFirst(); err != nil {
+		t.Fatal(err)
+	}
+	l := New(cfg, quiet, NewMetrics())
+	stop := runLoop(l)
+	defer func() { _ = stop() }()
+	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	if err := os.WriteFile(target, []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","mtu":1300}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the copy following the linked primary", func() bool {
+		b, err := os.ReadFile(owned)
+		return err == nil && strings.Contains(string(b), `"mtu":1300`)
+	})
+}
