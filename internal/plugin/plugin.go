@@ -23,6 +23,7 @@ import (
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/podrules"
 	"github.com/istio-cni-go/istio-cni/internal/prepared"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
@@ -646,6 +647,14 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 		return types.NewError(types.ErrInternal, err.Error(), "")
 	}
 	if err := req.rules.Check(args.Netns, want); err != nil {
+		var m *podnet.MismatchError
+		if !errors.As(err, &m) {
+			// The rules could not be read (the host's iptables tools
+			// missing or failing), which says nothing of them: the ADD
+			// before may well have sent them without those tools.
+			req.log.Warn("check skipped: the pod's rules could not be read", "error", err.Error())
+			return nil
+		}
 		req.log.Error("check failed", "error", err.Error())
 		return types.NewError(types.ErrInternal, fmt.Sprintf("pod %s/%s: %v", req.args.K8S_POD_NAMESPACE, req.args.K8S_POD_NAME, err), "")
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/podnet"
 	"github.com/istio-cni-go/istio-cni/internal/redirect"
 )
 
@@ -88,22 +89,27 @@ func TestBlankExcludedNamespaces(t *testing.T) {
 // rules is not looked at (its istio-init's chains would fail a look), nor
 // is one that cannot be read again.
 func TestCheckFailsOnlyOnWrongRules(t *testing.T) {
-	drifted := errors.New("nat/ISTIO_OUTPUT: chain missing")
+	drifted := &podnet.MismatchError{Diffs: []string{"nat/ISTIO_OUTPUT: chain missing"}}
 	cases := []struct {
 		name      string
 		pod       *podinfo.Pod
 		readErr   error
+		checkErr  error
 		wantErr   bool
 		ruleCheck int
 	}{
-		{name: "redirected pod, rules differ", pod: injected(nil), wantErr: true, ruleCheck: 1},
+		{name: "redirected pod, rules differ", pod: injected(nil), checkErr: drifted, wantErr: true, ruleCheck: 1},
+		// The host's iptables tools missing: the rules cannot be read,
+		// which says nothing of them (the ADD may have sent them without
+		// those tools).
+		{name: "redirected pod, rules unreadable", pod: injected(nil), checkErr: errors.New("no usable iptables found on the node: iptables-save not found"), ruleCheck: 1},
 		{name: "pod with istio-init", pod: injected(func(p *podinfo.Pod) { p.InitContainers = []podinfo.Container{{Name: "istio-init"}} })},
 		{name: "pod without a sidecar", pod: &podinfo.Pod{Namespace: "default", Name: "web", Containers: []podinfo.Container{{Name: "app"}}}},
 		{name: "pod unreadable", readErr: errors.New("connection refused")},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			rules := &checkRules{err: drifted}
+			rules := &checkRules{err: c.checkErr}
 			p := &Plugin{Log: logging.New(io.Discard), Stdout: io.Discard, Rules: rules,
 				NewSource: func(*Config, string) (podinfo.Source, error) { return &fakeSource{pod: c.pod, err: c.readErr}, nil }}
 			args := &skel.CmdArgs{ContainerID: "c1", Netns: "/x", IfName: "eth0", Args: cniArgs("default", "web"),
