@@ -183,6 +183,9 @@ func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, 
 		text, fr.Action = ReplaceText(st, set), "replaced"
 	}
 	if text != "" {
+		if err := v.usable(fam); err != nil {
+			return fr, err
+		}
 		if _, err := t.run(true, v.restore(fam), text, "--noflush", "--wait=30"); err != nil {
 			var origin string
 			var re *restoreError
@@ -200,7 +203,9 @@ func (a *Applier) sync(t *podTarget, fam ruleset.Family, v *variant, st *State, 
 }
 
 // variantOf finds a variant's four binaries (suffix "-legacy", "-nft" or
-// "" for the plain ones).
+// "" for the plain ones). The IPv6 ones may be missing (a host with
+// iptables but not ip6tables): an IPv4-only pod needs none of them, and
+// a pod that does is refused when its IPv6 rules are read or written.
 func (a *Applier) variantOf(name, suffix string) (*variant, error) {
 	v := &variant{name: name, legacy: name == VariantLegacy}
 	var err error
@@ -213,7 +218,11 @@ func (a *Applier) variantOf(name, suffix string) (*variant, error) {
 			kind = "-restore"
 		}
 		if *p.dst, err = a.lookPath(p.base + suffix + kind); err != nil {
-			return nil, err
+			if p.base == "iptables" {
+				return nil, err
+			}
+			v.save6, v.restore6, v.missing6 = "", "", err
+			break
 		}
 	}
 	return v, nil
@@ -223,6 +232,16 @@ type variant struct {
 	name                             string
 	save4, restore4, save6, restore6 string
 	legacy                           bool
+	// missing6 is why the IPv6 binaries are not there (nil when they are).
+	missing6 error
+}
+
+// usable is nil when the variant's binaries of the family are there.
+func (v *variant) usable(f ruleset.Family) error {
+	if f == ruleset.IPv6 && v.missing6 != nil {
+		return fmt.Errorf("no usable ip6tables found on the node for the pod's IPv6 rules: %w", v.missing6)
+	}
+	return nil
 }
 
 func (v *variant) save(f ruleset.Family) string {
@@ -254,19 +273,36 @@ func (a *Applier) detect(tables nsTables, fam ruleset.Family) (*variant, error) 
 	default:
 		return nil, fmt.Errorf("unknown iptables variant %q (want legacy or nft)", a.Force)
 	}
+	// A variant without the family's binaries is the last resort: an
+	// IPv4-only pod needs no ip6tables, and one that does is refused
+	// naming what is missing (variant.usable).
+	var partial *variant
+	try := func(name, suffix string) (*variant, error) {
+		v, err := mk(name, suffix)
+		if err == nil && v.usable(fam) != nil {
+			if partial == nil {
+				partial = v
+			}
+			return nil, v.usable(fam)
+		}
+		return v, err
+	}
 	if tables.legacy(fam) {
-		if v, err := mk(VariantLegacy, "-legacy"); err == nil {
+		if v, err := try(VariantLegacy, "-legacy"); err == nil {
 			return v, nil
 		}
 	}
-	if v, err := mk(VariantNFT, "-nft"); err == nil {
+	if v, err := try(VariantNFT, "-nft"); err == nil {
 		return v, nil
 	}
-	v, err := mk(VariantPlain, "")
-	if err != nil {
-		return nil, fmt.Errorf("no usable iptables found on the node: %w", err)
+	v, err := try(VariantPlain, "")
+	switch {
+	case err == nil:
+		return v, nil
+	case partial != nil:
+		return partial, nil
 	}
-	return v, nil
+	return nil, fmt.Errorf("no usable iptables found on the node: %w", err)
 }
 
 func hasLegacyTables(fam ruleset.Family) bool {
@@ -300,6 +336,10 @@ func (a *Applier) state(t *podTarget, v *variant, fam ruleset.Family) (*State, e
 	}
 	if !present {
 		return &State{}, nil
+	}
+	if err := v.usable(fam); err != nil {
+		// Tables of the family are there, and ours may be among them.
+		return nil, err
 	}
 	out, err := t.run(false, v.save(fam), "")
 	if err != nil {

@@ -463,3 +463,32 @@ func TestUserNamespacedPodSeesNoCredentials(t *testing.T) {
 		t.Fatalf("hiding changed the node's view: %q %v", b, err)
 	}
 }
+
+// TestNoIP6tablesOnTheNode: a node with iptables but no ip6tables (the
+// fallback runs the host's tools): an IPv4-only pod's rules are applied
+// and checked, where every ADD failed for want of ip6tables-save; a pod
+// that needs IPv6 rules is refused, naming what is missing.
+func TestNoIP6tablesOnTheNode(t *testing.T) {
+	testutil.RequireRoot(t)
+	var six []string
+	for _, v := range []string{"", "-nft", "-legacy"} {
+		six = append(six, "ip6tables"+v+"-save", "ip6tables"+v+"-restore")
+	}
+	a := &Applier{LookPath: hiding(six...)}
+	v4 := planFor(t, testutil.RedirectCases[0], false)
+	n := newNS(t)
+	rep, err := a.Apply(n.Path(), v4)
+	if err != nil {
+		t.Fatalf("an IPv4-only pod without ip6tables: %v", err)
+	}
+	if rep.Families[0].Action != "applied" || !strings.Contains(saveAll(t, n, "nft"), ":ISTIO_OUTPUT") {
+		t.Fatalf("IPv4 rules not applied: %+v", rep)
+	}
+	if err := a.Check(n.Path(), v4); err != nil {
+		t.Fatalf("check: %v", err)
+	}
+	dual := planFor(t, testutil.RedirectCases[0], true)
+	if _, err := a.Apply(newNS(t).Path(), dual); err == nil || !strings.Contains(err.Error(), "ip6tables") {
+		t.Fatalf("a pod that needs IPv6 rules without ip6tables: %v", err)
+	}
+}

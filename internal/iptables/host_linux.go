@@ -281,7 +281,7 @@ func (a *Applier) hostViews(fam ruleset.Family) ([]hostView, error) {
 	var views []hostView
 	for _, c := range []struct{ name, suffix string }{{VariantNFT, "-nft"}, {VariantLegacy, "-legacy"}} {
 		v, err := a.variantOf(c.name, c.suffix)
-		if err != nil {
+		if err != nil || v.usable(fam) != nil {
 			continue
 		}
 		if v.legacy && !hasLegacyTables(fam) {
@@ -296,6 +296,9 @@ func (a *Applier) hostViews(fam ruleset.Family) ([]hostView, error) {
 	}
 	if len(views) == 0 {
 		v, err := a.variantOf(VariantPlain, "")
+		if err == nil {
+			err = v.usable(fam)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("no usable iptables found on the node: %w", err)
 		}
@@ -317,6 +320,9 @@ func (a *Applier) hostViews(fam ruleset.Family) ([]hostView, error) {
 
 // hostRead reads the node's nat table with one variant.
 func (a *Applier) hostRead(v *variant, fam ruleset.Family) (hostView, error) {
+	if err := v.usable(fam); err != nil {
+		return hostView{}, err
+	}
 	out, err := a.hostRun(v.save(fam), "", "-t", "nat")
 	if err != nil {
 		return hostView{}, fmt.Errorf("reading the node's %s nat rules with %s: %w", fam, v.save(fam), err)
