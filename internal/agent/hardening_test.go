@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -52,24 +53,57 @@ func testNode(t *testing.T) *Config {
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
+// runReady runs an agent on opts and returns once it is ready; stop ends
+// its run and returns Run's error, once however often it is called.
+func runReady(t *testing.T, opts *Config) (a *Agent, stop func() error) {
+	t.Helper()
+	a = New(opts, quiet)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			runErr = <-done
+		})
+		return runErr
+	}
+	for a.ReadyReason() != "" {
+		select {
+		case err := <-done:
+			cancel()
+			t.Fatalf("Run returned early: %v", err)
+		case <-time.After(time.Millisecond): // polling the agent's state
+		}
+	}
+	return a, stop
+}
+
+// takeOver puts a newer agent's socket at path as an agent does (bound
+// under another name, renamed into place); it closes with the test.
+func takeOver(t *testing.T, path string) *net.UnixListener {
+	t.Helper()
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path + ".newer", Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.SetUnlinkOnClose(false)
+	t.Cleanup(func() { _ = l.Close() })
+	if err := os.Rename(path+".newer", path); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
 // TestRunRemovesSocketsBeforeReturning: when Run returns, none of the
 // agent's sockets is left for a runtime's STATUS or a relay to find.
 func TestRunRemovesSocketsBeforeReturning(t *testing.T) {
 	opts := testNode(t)
 	for i := 0; i < 20; i++ {
-		a := New(opts, quiet)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- a.Run(ctx) }()
-		for a.ReadyReason() != "" {
-			select {
-			case err := <-done:
-				t.Fatalf("Run returned early: %v", err)
-			case <-time.After(time.Millisecond): // polling the agent's state
-			}
-		}
-		cancel()
-		if err := <-done; err != nil {
+		_, stop := runReady(t, opts)
+		if err := stop(); err != nil {
 			t.Fatalf("run %d: %v", i, err)
 		}
 		for _, name := range []string{cnirelay.SocketName, podinfo.AgentSocketName, pluginlog.SocketName} {
@@ -89,29 +123,10 @@ func TestRunRemovesSocketsBeforeReturning(t *testing.T) {
 func TestNewerAgentKeepsTheNode(t *testing.T) {
 	opts := testNode(t)
 	run := opts.Loop.Install.RunDir
-	a := New(opts, quiet)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- a.Run(ctx) }()
-	for a.ReadyReason() != "" {
-		select {
-		case err := <-done:
-			t.Fatalf("Run returned early: %v", err)
-		case <-time.After(time.Millisecond): // polling the agent's state
-		}
-	}
-	// The newer agent's socket, put in place as an agent does.
+	_, stop := runReady(t, opts)
+	defer func() { _ = stop() }()
 	sock := filepath.Join(run, cnirelay.SocketName)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock + ".newer", Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.SetUnlinkOnClose(false)
-	defer l.Close()
-	if err := os.Rename(sock+".newer", sock); err != nil {
-		t.Fatal(err)
-	}
+	takeOver(t, sock)
 	conf := filepath.Join(opts.Loop.Install.MountedCNINetDir, "10-ptp.conflist")
 	kc := filepath.Join(run, install.KubeconfigName)
 	before := map[string][]byte{}
@@ -128,8 +143,7 @@ func TestNewerAgentKeepsTheNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	before[kc] = []byte("the newer agent's")
-	cancel()
-	if err := <-done; err != nil {
+	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
 	for p, want := range before {
@@ -157,32 +171,14 @@ func TestLivenessWhenTheNewerAgentWent(t *testing.T) {
 	opts := testNode(t)
 	opts.Loop.ResyncInterval = 50 * time.Millisecond
 	run := opts.Loop.Install.RunDir
-	a := New(opts, quiet)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Run(ctx) }()
+	a, stop := runReady(t, opts)
 	defer func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := stop(); err != nil {
 			t.Error(err)
 		}
 	}()
-	for a.ReadyReason() != "" {
-		select {
-		case err := <-done:
-			t.Fatalf("Run returned early: %v", err)
-		case <-time.After(time.Millisecond): // polling the agent's state
-		}
-	}
 	sock := filepath.Join(run, cnirelay.SocketName)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock + ".newer", Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.SetUnlinkOnClose(false)
-	if err := os.Rename(sock+".newer", sock); err != nil {
-		t.Fatal(err)
-	}
+	l := takeOver(t, sock)
 	// Several liveness graces (twice the resync interval) with the newer
 	// agent there.
 	for deadline := time.Now().Add(500 * time.Millisecond); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) { // probing over a span, as the kubelet does

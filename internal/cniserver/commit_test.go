@@ -278,24 +278,8 @@ func TestRelaySendFailureFailsTheADD(t *testing.T) {
 
 	// A relay killed after the agent's answer: it reads the prepared
 	// rules and goes away.
-	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Open(r.netns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
+	conn := r.sendRaw(t, cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
 		IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web", Stdin: []byte(r.conf), Steps: true, TxnForm: nlsteps.BinaryForm})
-	hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
-	if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	if _, err := conn.Write(body); err != nil {
-		t.Fatal(err)
-	}
 	var resp cnirelay.Response
 	if err := json.NewDecoder(conn).Decode(&resp); err != nil || resp.Txn == nil {
 		t.Fatalf("the agent's answer: %+v %v", resp, err)
@@ -350,6 +334,30 @@ func TestAgentAppliesWhenTheRelayCannotSend(t *testing.T) {
 	}
 }
 
+// sendRaw sends req on the rig's CNI socket as a relay does, with the
+// rig's pod namespace as the descriptor, and returns the connection.
+func (r *commitRig) sendRaw(t *testing.T, req cnirelay.Request) *net.UnixConn {
+	t.Helper()
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(r.netns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	body, _ := json.Marshal(&req)
+	hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+	if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write(body); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
 // TestRelayOfAnotherTxnForm: a relay that reads another transaction form
 // than this agent writes (another release, met during an upgrade) is not
 // handed rules it cannot decode: the agent applies them itself, or, for a
@@ -364,26 +372,10 @@ func TestRelayOfAnotherTxnForm(t *testing.T) {
 		form, mayLeave := c.form, c.mayLeave
 		t.Run(fmt.Sprintf("form %q may leave %t", form, mayLeave), func(t *testing.T) {
 			r := newCommitRig(t, CommitterPlugin)
-			conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(r.runDir(), cnirelay.SocketName), Net: "unix"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer conn.Close()
-			f, err := os.Open(r.netns)
-			if err != nil {
-				t.Fatal(err)
-			}
-			body, _ := json.Marshal(&cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
+			conn := r.sendRaw(t, cnirelay.Request{Command: "ADD", ContainerID: "c-web", Netns: r.netns, HasNetnsFD: true,
 				IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web;K8S_POD_UID=u1", Stdin: []byte(r.conf),
 				Steps: true, TxnForm: form, MayLeave: mayLeave})
-			hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
-			if _, _, err := conn.WriteMsgUnix(hdr, syscall.UnixRights(int(f.Fd())), nil); err != nil {
-				t.Fatal(err)
-			}
-			f.Close()
-			if _, err := conn.Write(body); err != nil {
-				t.Fatal(err)
-			}
+			defer conn.Close()
 			_ = conn.CloseWrite()
 			var resp cnirelay.Response
 			if err := json.NewDecoder(conn).Decode(&resp); err != nil {

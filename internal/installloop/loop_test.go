@@ -389,15 +389,13 @@ func TestNotReadyWhileBackingOff(t *testing.T) {
 	eventually(t, "ready after the back-off", func() bool { return l.NotReady() == "" && promtest.ToFloat64(m.InstallReady) == 1 })
 }
 
-// TestLoopPutsKubeconfigBack: the kubeconfig removed (by an Istio agent
-// stopping on the node: its file has our name) or loosened is written
-// again at once, not at the next resync (an hour here).
-func TestLoopPutsKubeconfigBack(t *testing.T) {
-	inst, _, _ := tempNode(t)
-	kc := filepath.Join(inst.RunDir, install.KubeconfigName)
+// settledLoop runs a loop on a node another loop installed first and
+// then stopped, and returns its stop once it is ready: it finds everything in place
+// and writes nothing, so no event of its own wakes it again, and what
+// wakes it next is the test's doing.
+func settledLoop(t *testing.T, inst install.Config) (stop func() error) {
+	t.Helper()
 	cfg := Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}
-	// A first agent installs; the second finds everything in place and
-	// writes nothing, so no event of its own wakes it again.
 	first := New(cfg, quiet, NewMetrics())
 	stopFirst := runLoop(first)
 	eventually(t, "the first agent ready", func() bool { return first.NotReady() == "" })
@@ -405,9 +403,19 @@ func TestLoopPutsKubeconfigBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := New(cfg, quiet, NewMetrics())
-	stop := runLoop(l)
-	defer func() { _ = stop() }()
+	stop = runLoop(l)
 	eventually(t, "ready", func() bool { return l.NotReady() == "" })
+	return stop
+}
+
+// TestLoopPutsKubeconfigBack: the kubeconfig removed (by an Istio agent
+// stopping on the node: its file has our name) or loosened is written
+// again at once, not at the next resync (an hour here).
+func TestLoopPutsKubeconfigBack(t *testing.T) {
+	inst, _, _ := tempNode(t)
+	kc := filepath.Join(inst.RunDir, install.KubeconfigName)
+	stop := settledLoop(t, inst)
+	defer func() { _ = stop() }()
 	if err := os.Remove(kc); err != nil {
 		t.Fatal(err)
 	}
@@ -527,19 +535,8 @@ func TestLoopOwnedCopyOfALinkedPrimary(t *testing.T) {
 		t.Fatal(err)
 	}
 	owned := filepath.Join(inst.MountedCNINetDir, install.DefaultIstioOwnedConfName)
-	cfg := Config{Install: inst, ConflictWindow: 10 * time.Second, ConflictLimit: 5, ResyncInterval: time.Hour}
-	// A first agent writes the copy; the second finds it in place and
-	// writes nothing, so no event of its own wakes it again.
-	first := New(cfg, quiet, NewMetrics())
-	stopFirst := runLoop(first)
-	eventually(t, "the first agent ready", func() bool { return first.NotReady() == "" })
-	if err := stopFirst(); err != nil {
-		t.Fatal(err)
-	}
-	l := New(cfg, quiet, NewMetrics())
-	stop := runLoop(l)
+	stop := settledLoop(t, inst)
 	defer func() { _ = stop() }()
-	eventually(t, "ready", func() bool { return l.NotReady() == "" })
 	if err := os.WriteFile(target, []byte(`{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"ptp","mtu":1300}]}`), 0o644); err != nil {
 		t.Fatal(err)
 	}

@@ -197,15 +197,19 @@ func (k *Keeper) Close() (displaced bool) {
 	k.mu.Unlock()
 	<-k.done
 	displaced = k.Displaced()
-	if id, err := Identity(k.path); err == nil && id == k.id {
-		_ = os.Remove(k.path)
-	}
+	RemoveIfSame(k.path, k.id)
 	if k.keep != "" {
-		if id, err := Identity(k.keep); err == nil && id == k.id {
-			_ = os.Remove(k.keep)
-		}
+		RemoveIfSame(k.keep, k.id)
 	}
 	return displaced
+}
+
+// RemoveIfSame removes path while it is the file of identity id, not a
+// newer agent's that replaced it.
+func RemoveIfSame(path string, id [2]uint64) {
+	if cur, err := Identity(path); err == nil && cur == id {
+		_ = os.Remove(path)
+	}
 }
 
 // Orphaned says why no client can reach the socket by its path any more

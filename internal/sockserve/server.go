@@ -168,9 +168,7 @@ func Listen(path string, limits Limits, log *slog.Logger, m *Metrics) (*Server, 
 	k, err := sockpath.Keep(path, id, 0, log)
 	if err != nil {
 		_ = l.Close()
-		if cur, ierr := sockpath.Identity(path); ierr == nil && cur == id {
-			_ = os.Remove(path)
-		}
+		sockpath.RemoveIfSame(path, id)
 		return nil, err
 	}
 	s := &Server{name: filepath.Base(path), path: path, log: log, metrics: m, limits: limits, l: l, keeper: k,

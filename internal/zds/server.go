@@ -287,9 +287,7 @@ func Listen(path string, log *slog.Logger) (*Listener, error) {
 	k, err := sockpath.Keep(path, id, 0, log)
 	if err != nil {
 		_ = l.Close()
-		if cur, ierr := sockpath.Identity(path); ierr == nil && cur == id {
-			_ = os.Remove(path)
-		}
+		sockpath.RemoveIfSame(path, id)
 		return nil, fmt.Errorf("zds: %w", err)
 	}
 	return &Listener{l: l, keeper: k}, nil
