@@ -208,15 +208,12 @@ const agentTimeout = 500 * time.Millisecond
 
 // defaultSource asks the node agent's cache first (no API request per
 // pod; not with skipAgent), then the API server with the agent's
-// kubeconfig, bounded by the config's timeout and budget.
-func defaultSource(log *slog.Logger, skipAgent bool) func(*Config, string) (podinfo.Source, error) {
+// kubeconfig, bounded by the config's timeout and budget; with renew, a
+// refused token is replaced by the next agent's (apiSource).
+func defaultSource(log *slog.Logger, skipAgent, renew bool) func(*Config, string) (podinfo.Source, error) {
 	return func(conf *Config, uid string) (podinfo.Source, error) {
 		f := &podinfo.Fallback{API: func() (podinfo.Source, error) {
-			c, err := podinfo.NewAPIClient(conf.KubeconfigPath(), conf.CNIAgentRunDir)
-			if err != nil {
-				return nil, err
-			}
-			return conf.Bounded(c), nil
+			return apiSource(conf, log, renew)
 		}}
 		if sock := conf.AgentSocketPath(); !skipAgent && fileExists(sock) {
 			ac := podinfo.NewAgentClient(sock, agentTimeout)
@@ -230,6 +227,66 @@ func defaultSource(log *slog.Logger, skipAgent bool) func(*Config, string) (podi
 		}
 		return f, nil
 	}
+}
+
+// kubeconfigPoll is how often a plugin whose token the API server
+// refused looks for the next agent's kubeconfig.
+var kubeconfigPoll = 100 * time.Millisecond
+
+// apiSource reads pods from the API server with the agent's kubeconfig,
+// bounded by the config's timeout and budget. With renew, a token the API
+// server refuses (its agent's pod is gone: istio-cni-node is being
+// replaced) is replaced by the next kubeconfig written within the budget:
+// the next agent writes its own before it serves anything, and the pod
+// starts then rather than at the kubelet's next try of a failed sandbox.
+func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, error) {
+	path := conf.KubeconfigPath()
+	loaded, _ := os.Stat(path)
+	c, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
+	if err != nil {
+		return nil, err
+	}
+	r := &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}
+	if !renew {
+		return r, nil
+	}
+	r.Renew = func(ctx context.Context) (podinfo.Source, error) {
+		log.Info("the API server refused the node agent's token, which ends with the agent's pod; waiting for the next agent's kubeconfig",
+			"kubeconfig", path, "within", conf.retryBudget.String())
+		t := time.NewTicker(kubeconfigPoll)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-t.C:
+			}
+			fi, err := os.Stat(path)
+			if err != nil || (loaded != nil && sameVersion(fi, loaded)) {
+				continue
+			}
+			loaded = fi
+			// A kubeconfig another writer left half-written parses at the
+			// next change.
+			next, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
+			if err != nil {
+				log.Debug("the next kubeconfig cannot be used yet", "error", err.Error())
+				continue
+			}
+			c.CloseIdleConnections()
+			c = next
+			log.Info("asking the API server again with the next kubeconfig", "kubeconfig", path)
+			return next, nil
+		}
+	}
+	return r, nil
+}
+
+// sameVersion says whether two stats are of one write of a file: the
+// agent replaces its kubeconfig by a rename, another writer changes its
+// time or size.
+func sameVersion(a, b os.FileInfo) bool {
+	return os.SameFile(a, b) && a.ModTime().Equal(b.ModTime()) && a.Size() == b.Size()
 }
 
 func fileExists(p string) bool {
@@ -341,7 +398,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 			return p.printResult(req.conf)
 		}
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, true))
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
@@ -629,7 +686,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 			return nil
 		}
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log))
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, false))
 	if err != nil {
 		req.log.Warn("check skipped: the pod could not be read", "error", err.Error())
 		return nil
@@ -661,11 +718,14 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	return nil
 }
 
-func (p *Plugin) source(log *slog.Logger) func(*Config, string) (podinfo.Source, error) {
+// source is where the plugin reads the pod from; renew for an ADD,
+// which waits within the budget for another agent's token where its own
+// is refused. A CHECK does not wait: it passes a pod it cannot read.
+func (p *Plugin) source(log *slog.Logger, renew bool) func(*Config, string) (podinfo.Source, error) {
 	if p.NewSource != nil {
 		return p.NewSource
 	}
-	return defaultSource(log, p.SkipAgentCache)
+	return defaultSource(log, p.SkipAgentCache, renew)
 }
 
 // Status (CNI 1.1) fails only when an ADD could not be served; the

@@ -29,7 +29,12 @@ var ErrNotFound = errors.New("pod not found")
 
 // PermanentError marks failures that retrying cannot fix (bad credentials,
 // forbidden): the caller stops retrying at once.
-type PermanentError struct{ Err error }
+type PermanentError struct {
+	Err error
+	// TokenRefused is an HTTP 401: new credentials may help where a
+	// retry cannot.
+	TokenRefused bool
+}
 
 func (e *PermanentError) Error() string { return e.Err.Error() }
 func (e *PermanentError) Unwrap() error { return e.Err }
@@ -203,7 +208,7 @@ func validNamespace(namespace string) bool {
 // caller bounds it with ctx.
 func (c *APIClient) GetPod(ctx context.Context, namespace, name string) (*Pod, error) {
 	if err := ValidateName(namespace, name); err != nil {
-		return nil, &PermanentError{err}
+		return nil, &PermanentError{Err: err}
 	}
 	body, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s/pods/%s", c.server, url.PathEscape(namespace), url.PathEscape(name)))
 	if err != nil {
@@ -243,11 +248,11 @@ func (c *APIClient) get(ctx context.Context, u string) ([]byte, error) {
 	case http.StatusUnauthorized:
 		// The kubeconfig carries the node agent's token, bound to the
 		// agent's pod: the API server refuses it once that pod is gone.
-		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP 401): %s; "+
+		return nil, &PermanentError{Err: fmt.Errorf("API server refused the plugin's credentials (HTTP 401): %s; "+
 			"the kubeconfig holds the node agent's token, which ends with the agent's pod: is istio-cni-node being replaced (a rollout), or gone from this node? "+
-			"The next agent rewrites it when it starts", snippet(body))}
+			"The next agent rewrites it when it starts", snippet(body)), TokenRefused: true}
 	case http.StatusForbidden:
-		return nil, &PermanentError{fmt.Errorf("API server refused the plugin's credentials (HTTP 403): %s", snippet(body))}
+		return nil, &PermanentError{Err: fmt.Errorf("API server refused the plugin's credentials (HTTP 403): %s", snippet(body))}
 	default:
 		return nil, fmt.Errorf("API server answered HTTP %d: %s", status, snippet(body))
 	}
@@ -257,7 +262,7 @@ func (c *APIClient) get(ctx context.Context, u string) ([]byte, error) {
 // read them), with one GET the caller bounds with ctx.
 func (c *APIClient) NamespaceLabels(ctx context.Context, namespace string) (map[string]string, error) {
 	if !validNamespace(namespace) {
-		return nil, &PermanentError{fmt.Errorf("invalid namespace %q", namespace)}
+		return nil, &PermanentError{Err: fmt.Errorf("invalid namespace %q", namespace)}
 	}
 	body, err := c.get(ctx, fmt.Sprintf("%s/api/v1/namespaces/%s", c.server, url.PathEscape(namespace)))
 	if err != nil {
@@ -290,6 +295,12 @@ type Retrying struct {
 	Budget         time.Duration
 	// Sleep waits between attempts; time.Sleep-like, but cancellable.
 	Sleep func(ctx context.Context, d time.Duration) error
+	// Renew, when set, is asked for a source with other credentials once
+	// the API server refused these (HTTP 401), within the budget: the
+	// token of a node agent being replaced dies with its pod, and the
+	// next agent writes its own within seconds, where a failed ADD waits
+	// for the kubelet's next try. It returns when it has one or ctx ends.
+	Renew func(ctx context.Context) (Source, error)
 }
 
 // GetPod retries until the pod is read, a permanent error occurs, or the
@@ -302,16 +313,25 @@ func (r *Retrying) GetPod(ctx context.Context, namespace, name string) (*Pod, er
 		sleep = sleepCtx
 	}
 	backoff := 50 * time.Millisecond
+	src := r.Source
 	var lastErr error
 	for attempt := 1; ; attempt++ {
 		reqCtx, reqCancel := context.WithTimeout(ctx, r.RequestTimeout)
-		pod, err := r.Source.GetPod(reqCtx, namespace, name)
+		pod, err := src.GetPod(reqCtx, namespace, name)
 		reqCancel()
 		if err == nil {
 			return pod, nil
 		}
 		lastErr = err
 		var perm *PermanentError
+		if errors.As(err, &perm) && perm.TokenRefused && r.Renew != nil {
+			next, rerr := r.Renew(ctx)
+			if rerr != nil {
+				return nil, fmt.Errorf("%w; no other credentials came within %s: %w", err, r.Budget, rerr)
+			}
+			src = next
+			continue
+		}
 		if errors.As(err, &perm) {
 			return nil, err
 		}

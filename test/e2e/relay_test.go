@@ -2,11 +2,21 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	authv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/testenv"
@@ -101,4 +111,100 @@ func TestRelay(t *testing.T) {
 		res, _ := execPluginAt(t, relay, "ADD", pod.NetNS.Path(), "K8S_POD_NAMESPACE="+testNS+";K8S_POD_NAME="+pod.Name, conf)
 		wantErr(t, res, "no node agent", cnirelay.FallbackBinary)
 	})
+}
+
+// TestFallbackTakesTheNextAgentsToken: in a rollout of istio-cni-node the
+// plugin's kubeconfig holds the old agent's token, which is bound to the
+// old agent's pod, and the API server refuses it (HTTP 401) once that pod
+// is deleted. A pod whose sandbox starts then, with no agent serving,
+// gets the fallback, which waits within k8s_retry_budget for the next
+// agent's kubeconfig and starts the pod with it: the real API server
+// refuses the token of a deleted pod, and the next kubeconfig is written
+// only once the plugin has read the refused one.
+func TestFallbackTakesTheNextAgentsToken(t *testing.T) {
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	kubeconfig := filepath.Join(e.node.RunDir, "istio-cni-kubeconfig")
+
+	// The old agent's pod and its bound token, as the kubelet projects it.
+	if _, err := cluster.PluginToken(ctx); err != nil {
+		t.Fatal(err)
+	}
+	old, err := cluster.Client.CoreV1().Pods("kube-system").Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("istio-cni-node-old-%d", podSeq.Add(1))},
+		Spec: corev1.PodSpec{ServiceAccountName: "istio-cni", NodeName: "another-node", AutomountServiceAccountToken: new(bool),
+			Containers: []corev1.Container{{Name: "install-cni", Image: "istio-cni"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cluster.Client.CoreV1().Pods("kube-system").Delete(ctx, old.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+	})
+	exp := int64(3600)
+	tr, err := cluster.Client.CoreV1().ServiceAccounts("kube-system").CreateToken(ctx, "istio-cni", &authv1.TokenRequest{Spec: authv1.TokenRequestSpec{
+		ExpirationSeconds: &exp,
+		BoundObjectRef:    &authv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: old.Name, UID: old.UID},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := testenv.WriteKubeconfig(kubeconfig, cluster.URL, cluster.CAFile, tr.Status.Token); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.Client.CoreV1().Pods("kube-system").Delete(ctx, old.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	oldClient, err := kubernetes.NewForConfig(&rest.Config{Host: cluster.URL, BearerToken: tr.Status.Token,
+		TLSClientConfig: rest.TLSClientConfig{CAFile: cluster.CAFile}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := oldClient.CoreV1().Pods(testNS).Get(ctx, "any", metav1.GetOptions{})
+		if apierrors.IsUnauthorized(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the API server still takes the token of a deleted pod: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond) // polling the API server's view, bounded
+	}
+
+	// The next agent writes its kubeconfig (a rename, as the agent
+	// writes it) once the plugin has read the refused one.
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.InotifyAddWatch(fd, kubeconfig, unix.IN_CLOSE_NOWRITE); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	events := os.NewFile(uintptr(fd), "inotify")
+	defer events.Close()
+	wrote := make(chan error, 1)
+	go func() {
+		_ = events.SetReadDeadline(time.Now().Add(2 * time.Minute))
+		buf := make([]byte, 4096)
+		if _, err := events.Read(buf); err != nil {
+			wrote <- fmt.Errorf("the plugin never read the refused kubeconfig: %w", err)
+			return
+		}
+		tmp := kubeconfig + ".next"
+		if err := cluster.PluginKubeconfig(ctx, tmp); err != nil {
+			wrote <- err
+			return
+		}
+		wrote <- os.Rename(tmp, kubeconfig)
+	}()
+
+	sb := e.add(&testenv.PodSpec{Sidecar: true})
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "-A ISTIO_OUTPUT") {
+		t.Fatalf("no redirect rules after ADD:\n%s", rules)
+	}
 }

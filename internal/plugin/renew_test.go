@@ -1,0 +1,173 @@
+package plugin
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/pem"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+)
+
+// tokenServer is an HTTPS API server stand-in that serves one pod to the
+// token "next" and refuses every other token with HTTP 401, as the API
+// server refuses a bound token whose pod is gone.
+type tokenServer struct {
+	srv *httptest.Server
+	mu  sync.Mutex
+	// tokens are the bearer tokens of the requests, in order.
+	tokens []string
+	// onRefused runs, once, after the first refusal is written.
+	onRefused func()
+}
+
+func newTokenServer(t *testing.T) *tokenServer {
+	t.Helper()
+	ts := &tokenServer{}
+	ts.srv = httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tok := strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")
+		ts.mu.Lock()
+		ts.tokens = append(ts.tokens, tok)
+		hook := ts.onRefused
+		if tok != "next" {
+			ts.onRefused = nil
+		}
+		ts.mu.Unlock()
+		if tok != "next" {
+			http.Error(w, `{"kind":"Status","code":401,"message":"Unauthorized"}`, http.StatusUnauthorized)
+			if hook != nil {
+				// Flushed first, so the plugin is reading the refusal
+				// (or past it) when the next kubeconfig lands.
+				w.(http.Flusher).Flush()
+				hook()
+			}
+			return
+		}
+		_, _ = w.Write([]byte(`{"metadata":{"namespace":"default","name":"web","uid":"u1"},"spec":{"containers":[{"name":"app"}]}}`))
+	}))
+	t.Cleanup(ts.srv.Close)
+	return ts
+}
+
+func (ts *tokenServer) seen() []string {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	return append([]string(nil), ts.tokens...)
+}
+
+// writeKubeconfig writes a kubeconfig for ts with token as the agent
+// does: a temp file renamed over the old one.
+func (ts *tokenServer) writeKubeconfig(t *testing.T, path, token string) {
+	t.Helper()
+	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: ts.srv.Certificate().Raw})
+	kc := "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: " + ts.srv.URL +
+		"\n    certificate-authority-data: " + base64.StdEncoding.EncodeToString(ca) +
+		"\nusers:\n- name: istio-cni\n  user:\n    token: " + token +
+		"\ncontexts:\n- name: c\n  context:\n    cluster: local\n    user: istio-cni\ncurrent-context: c\n"
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(kc), 0o600); err != nil {
+		t.Error(err)
+		return
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestRefusedTokenWaitsForTheNextKubeconfig: an ADD's look-up whose token
+// the API server refuses (HTTP 401: the node agent's pod, which the token
+// is bound to, is gone in a rollout) waits within k8s_retry_budget for
+// the next agent's kubeconfig and reads the pod with it, where it failed
+// at once and the pod waited for the kubelet's next try of its sandbox.
+// With no new kubeconfig it fails when the budget is spent, naming the
+// refusal; a CHECK (renew off) does not wait.
+func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	setup := func(t *testing.T, budget string) (*tokenServer, *Config, string) {
+		ts := newTokenServer(t)
+		runDir := t.TempDir()
+		conf, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","cni_agent_run_dir":"` + runDir +
+			`","k8s_retry_budget":"` + budget + `"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := conf.KubeconfigPath()
+		ts.writeKubeconfig(t, path, "gone")
+		return ts, conf, path
+	}
+
+	t.Run("next kubeconfig", func(t *testing.T) {
+		ts, conf, path := setup(t, "30s")
+		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
+		src, err := apiSource(conf, log, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pod, err := src.GetPod(context.Background(), "default", "web")
+		if err != nil {
+			t.Fatalf("GetPod after the next kubeconfig came: %v", err)
+		}
+		if pod.UID != "u1" {
+			t.Fatalf("pod %+v", pod)
+		}
+		if got := ts.seen(); len(got) != 2 || got[0] != "gone" || got[1] != "next" {
+			t.Fatalf("tokens sent %q, want the refused one, then the next agent's", got)
+		}
+	})
+
+	t.Run("none within the budget", func(t *testing.T) {
+		ts, conf, _ := setup(t, "300ms")
+		src, err := apiSource(conf, log, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = src.GetPod(context.Background(), "default", "web")
+		var perm *podinfo.PermanentError
+		if !errors.As(err, &perm) || !strings.Contains(err.Error(), "HTTP 401") || !strings.Contains(err.Error(), "no other credentials came within 300ms") {
+			t.Fatalf("GetPod with no next kubeconfig: %v", err)
+		}
+		if got := ts.seen(); len(got) != 1 {
+			t.Fatalf("tokens sent %q, want the refused one once", got)
+		}
+	})
+
+	t.Run("a rewrite of the refused token", func(t *testing.T) {
+		// The same refused token written again (an agent's resync) is
+		// asked with once more, then waited on again.
+		ts, conf, path := setup(t, "1s")
+		ts.onRefused = func() { ts.writeKubeconfig(t, path, "gone") }
+		src, err := apiSource(conf, log, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
+			t.Fatalf("GetPod: %v", err)
+		}
+		if got := ts.seen(); len(got) != 2 || got[1] != "gone" {
+			t.Fatalf("tokens sent %q, want the refused one twice", got)
+		}
+	})
+
+	t.Run("check does not wait", func(t *testing.T) {
+		ts, conf, path := setup(t, "30s")
+		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
+		src, err := apiSource(conf, log, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
+			t.Fatalf("GetPod: %v", err)
+		}
+		if got := ts.seen(); len(got) != 1 {
+			t.Fatalf("tokens sent %q, want one", got)
+		}
+	})
+}
