@@ -137,6 +137,10 @@ func (r *Relay) Run(a *Args) error {
 			leaveAfter = prepared.AgentWait(filepath.Join(runDir, prepared.DirName))
 		}
 	}
+	var agentBefore os.FileInfo
+	if a.Command == "ADD" {
+		agentBefore, _ = os.Stat(sock)
+	}
 	resp, conn, err := r.ask(sock, a, netns, unprepared, leaveAfter)
 	if conn != nil {
 		defer conn.close()
@@ -149,13 +153,25 @@ func (r *Relay) Run(a *Args) error {
 	case errors.Is(err, errNoAgent) && a.Command == "STATUS":
 		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
-		return r.fallback(err.Error(), a)
+		ferr := r.fallback(err.Error(), a)
+		if ferr != nil && a.Command == "ADD" && agentCame(sock, agentBefore) {
+			return r.askTheNewAgent(sock, a, netns, ferr)
+		}
+		return ferr
 	case err != nil:
 		return err
 	case resp.Unavailable != "" && a.Command == "STATUS":
 		return r.status("node agent unavailable: " + resp.Unavailable)
 	case resp.Unavailable != "":
 		return r.fallback("node agent unavailable: "+resp.Unavailable, a)
+	}
+	return r.finish(resp, conn, a, netns)
+}
+
+// finish answers the runtime with the agent's answer, sending its rules
+// first when it has any.
+func (r *Relay) finish(resp *Response, conn *agentConn, a *Args, netns *os.File) error {
+	switch {
 	case resp.Error != nil:
 		return resp.Error
 	case resp.Txn != nil:
@@ -163,8 +179,31 @@ func (r *Relay) Run(a *Args) error {
 			return err
 		}
 	}
-	_, err = r.Stdout.Write(resp.Stdout)
+	_, err := r.Stdout.Write(resp.Stdout)
 	return err
+}
+
+// agentCame says whether an agent's socket is at path now that was not
+// (missing, or a dead agent's) when the relay first looked.
+func agentCame(path string, before os.FileInfo) bool {
+	fi, err := os.Stat(path)
+	return err == nil && (before == nil || !os.SameFile(fi, before))
+}
+
+// askTheNewAgent asks an agent that started while the fallback ran (the
+// node agent replaced in a rollout) to serve an ADD the fallback failed:
+// the fallback refuses an ambient pod without an agent, and may have
+// waited for the new agent's token. The fallback's error stands when
+// this agent cannot answer either.
+func (r *Relay) askTheNewAgent(sock string, a *Args, netns *os.File, ferr error) error {
+	resp, conn, err := r.ask(sock, a, netns, "a node agent started while istio-cni-fallback served the ADD, which failed", 0)
+	if conn != nil {
+		defer conn.close()
+	}
+	if err != nil || resp.Unavailable != "" {
+		return ferr
+	}
+	return r.finish(resp, conn, a, netns)
 }
 
 // send sends the agent's prepared requests from inside the pod's

@@ -568,3 +568,89 @@ func FuzzParseResponse(f *testing.F) {
 		}
 	})
 }
+
+// runnerFunc is a Runner that runs a function in place of the fallback.
+type runnerFunc func(c *execrun.Cmd) (execrun.Result, error)
+
+func (f runnerFunc) Run(_ context.Context, c *execrun.Cmd) (execrun.Result, error) { return f(c) }
+
+// TestAgentStartedDuringTheFallback: an ADD the fallback failed while a
+// node agent started (a rollout: the fallback refuses an ambient pod
+// without an agent, or waited for the new agent's token) is asked of
+// that agent, whose answer is the runtime's; with no new agent, an agent
+// socket that was there before (a dead agent's), or another command, the
+// fallback's error stands.
+func TestAgentStartedDuringTheFallback(t *testing.T) {
+	refused := execrun.Result{Stdout: []byte(`{"code":11,"msg":"pod ns/p is enrolled in the ambient mesh; the node agent is not serving this node"}`)}
+	exit := &execrun.ExitError{Cmd: "/f", Code: 1}
+	for _, c := range []struct {
+		name     string
+		command  string
+		deadSock bool // a dead agent's socket is in place from the start
+		starts   bool // an agent starts while the fallback runs
+		wantOut  string
+	}{
+		{name: "agent started", command: "ADD", starts: true, wantOut: `{"cniVersion":"1.0.0","from":"agent"}`},
+		{name: "agent started over a dead one's socket", command: "ADD", deadSock: true, starts: true, wantOut: `{"cniVersion":"1.0.0","from":"agent"}`},
+		{name: "no agent", command: "ADD"},
+		{name: "only the dead agent's socket", command: "ADD", deadSock: true},
+		{name: "a CHECK", command: "CHECK", starts: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			runDir := t.TempDir()
+			sock := filepath.Join(runDir, SocketName)
+			if c.deadSock {
+				l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				l.SetUnlinkOnClose(false)
+				l.Close()
+			}
+			var a *agent
+			if c.starts {
+				a = startAgent(t, answer(t, Response{Stdout: []byte(`{"cniVersion":"1.0.0","from":"agent"}`)}))
+			}
+			runs := 0
+			run := runnerFunc(func(*execrun.Cmd) (execrun.Result, error) {
+				runs++
+				if a != nil {
+					// The new agent's socket takes the path, as a bind
+					// after the old one's removal does.
+					if err := os.Rename(filepath.Join(a.runDir, SocketName), sock); err != nil {
+						t.Error(err)
+					}
+				}
+				return refused, exit
+			})
+			var out bytes.Buffer
+			r := &Relay{Fallback: "/f", Stdout: &out, Stderr: io.Discard, Timeout: 10 * time.Second, Runner: run}
+			args := &Args{ContainerID: "c1", IfName: "eth0", Args: "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", Stdin: conf(runDir)}
+			err := r.Run(withCommand(args, c.command))
+			if runs != 1 {
+				t.Fatalf("the fallback ran %d times", runs)
+			}
+			if c.wantOut != "" {
+				if err != nil || out.String() != c.wantOut {
+					t.Fatalf("ADD: %v, output %q, want the new agent's answer", err, out.String())
+				}
+				got := <-a.got
+				if got.err != nil || got.req.Command != "ADD" || !strings.Contains(got.req.Unprepared, "started while istio-cni-fallback") {
+					t.Fatalf("the new agent got %+v", got)
+				}
+				return
+			}
+			var te *Error
+			if !errors.As(err, &te) || te.Code != 11 || !strings.Contains(te.Msg, "enrolled in the ambient mesh") || out.Len() != 0 {
+				t.Fatalf("got %v, output %q, want the fallback's error", err, out.String())
+			}
+			if a != nil {
+				select {
+				case got := <-a.got:
+					t.Fatalf("the agent was asked a %s: %+v", c.command, got.req)
+				default:
+				}
+			}
+		})
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/logging"
 	"github.com/istio-cni-go/istio-cni/internal/nlsteps"
 	"github.com/istio-cni-go/istio-cni/internal/nslock"
@@ -233,6 +234,16 @@ func defaultSource(log *slog.Logger, skipAgent, renew bool) func(*Config, string
 // refused looks for the next agent's kubeconfig.
 var kubeconfigPoll = 100 * time.Millisecond
 
+// renewWithin is how recently the agent must have been running (its
+// records' beat) for a refused token to be waited on: an agent replaced in
+// a rollout was, and one gone for longer is not coming back soon, so its
+// pods fail at once, as they did, and are retried by the kubelet.
+const renewWithin = 5 * time.Minute
+
+// errAgentStarted ends the wait for a kubeconfig when a node agent
+// started meanwhile: the relay that ran this fallback asks it instead.
+var errAgentStarted = errors.New("a node agent started meanwhile (the plugin asks it)")
+
 // apiSource reads pods from the API server with the agent's kubeconfig,
 // bounded by the config's timeout and budget. With renew, a token the API
 // server refuses (its agent's pod is gone: istio-cni-node is being
@@ -241,6 +252,12 @@ var kubeconfigPoll = 100 * time.Millisecond
 // starts then rather than at the kubelet's next try of a failed sandbox.
 func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, error) {
 	path := conf.KubeconfigPath()
+	// A new agent's socket ends a wait for a kubeconfig too: an agent
+	// that could not write one may still serve. Seen from here, before
+	// the first request, an agent starting while the request is refused
+	// is new.
+	sock := filepath.Join(conf.CNIAgentRunDir, cnirelay.SocketName)
+	agent, _ := os.Stat(sock)
 	loaded, _ := os.Stat(path)
 	c, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
 	if err != nil {
@@ -251,6 +268,9 @@ func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, erro
 		return r, nil
 	}
 	r.Renew = func(ctx context.Context) (podinfo.Source, error) {
+		if seen, ok := prepared.AgentSeen(filepath.Join(conf.CNIAgentRunDir, prepared.DirName), time.Now()); ok && seen > renewWithin {
+			return nil, fmt.Errorf("the node agent was last seen %s ago, so no rollout is under way to bring a new token", seen.Round(time.Second))
+		}
 		log.Info("the API server refused the node agent's token, which ends with the agent's pod; waiting for the next agent's kubeconfig",
 			"kubeconfig", path, "within", conf.retryBudget.String())
 		t := time.NewTicker(kubeconfigPoll)
@@ -260,6 +280,9 @@ func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, erro
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			case <-t.C:
+			}
+			if fi, err := os.Stat(sock); err == nil && (agent == nil || !os.SameFile(fi, agent)) {
+				return nil, errAgentStarted
 			}
 			fi, err := os.Stat(path)
 			if err != nil || (loaded != nil && sameVersion(fi, loaded)) {
@@ -399,6 +422,11 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		}
 	}
 	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, true))
+	if errors.Is(err, errAgentStarted) {
+		// Not the pod's end: the relay that ran us asks the new agent.
+		req.log.Info("the node agent started while the ADD waited for its token; handing the ADD back to the relay", "error", err.Error())
+		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
+	}
 	if err != nil {
 		req.log.Error("pod blocked", "error", err.Error())
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")

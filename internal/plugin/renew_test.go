@@ -7,14 +7,19 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
+	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
 // tokenServer is an HTTPS API server stand-in that serves one pod to the
@@ -148,11 +153,64 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
+		_, err = src.GetPod(context.Background(), "default", "web")
+		if err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 			t.Fatalf("GetPod: %v", err)
 		}
 		if got := ts.seen(); len(got) != 2 || got[1] != "gone" {
 			t.Fatalf("tokens sent %q, want the refused one twice", got)
+		}
+		if !strings.Contains(err.Error(), "the other credentials that came within 1s (1) were refused as well") {
+			t.Fatalf("GetPod: %v, want it to say the next kubeconfig was refused too", err)
+		}
+	})
+
+	t.Run("an agent starts", func(t *testing.T) {
+		// A new agent that serves but wrote no kubeconfig: the wait ends,
+		// and the relay asks that agent.
+		ts, conf, _ := setup(t, "30s")
+		ts.onRefused = func() {
+			l, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(conf.CNIAgentRunDir, cnirelay.SocketName), Net: "unix"})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			t.Cleanup(func() { l.Close() })
+		}
+		src, err := apiSource(conf, log, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := src.GetPod(context.Background(), "default", "web"); !errors.Is(err, errAgentStarted) || !strings.Contains(err.Error(), "HTTP 401") {
+			t.Fatalf("GetPod: %v, want the refusal and the agent's start", err)
+		}
+	})
+
+	t.Run("the agent gone for long", func(t *testing.T) {
+		// Its records' beat is old: no rollout is under way, and the ADD
+		// fails at once.
+		ts, conf, path := setup(t, "30s")
+		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
+		dir := prepared.Dir(filepath.Join(conf.CNIAgentRunDir, prepared.DirName))
+		if err := os.Mkdir(string(dir), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := dir.Beat(); err != nil {
+			t.Fatal(err)
+		}
+		long := time.Now().Add(-renewWithin - time.Minute)
+		if err := os.Chtimes(filepath.Join(string(dir), ".agent-alive"), long, long); err != nil {
+			t.Fatal(err)
+		}
+		src, err := apiSource(conf, log, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "no rollout is under way") {
+			t.Fatalf("GetPod: %v", err)
+		}
+		if got := ts.seen(); len(got) != 1 {
+			t.Fatalf("tokens sent %q, want one", got)
 		}
 	})
 

@@ -314,6 +314,7 @@ func (r *Retrying) GetPod(ctx context.Context, namespace, name string) (*Pod, er
 	}
 	backoff := 50 * time.Millisecond
 	src := r.Source
+	renewed := 0
 	var lastErr error
 	for attempt := 1; ; attempt++ {
 		reqCtx, reqCancel := context.WithTimeout(ctx, r.RequestTimeout)
@@ -326,9 +327,15 @@ func (r *Retrying) GetPod(ctx context.Context, namespace, name string) (*Pod, er
 		var perm *PermanentError
 		if errors.As(err, &perm) && perm.TokenRefused && r.Renew != nil {
 			next, rerr := r.Renew(ctx)
-			if rerr != nil {
-				return nil, fmt.Errorf("%w; no other credentials came within %s: %w", err, r.Budget, rerr)
+			switch {
+			case rerr != nil && ctx.Err() != nil && renewed == 0:
+				return nil, fmt.Errorf("%w; no other credentials came within %s", err, r.Budget)
+			case rerr != nil && ctx.Err() != nil:
+				return nil, fmt.Errorf("%w; the other credentials that came within %s (%d) were refused as well", err, r.Budget, renewed)
+			case rerr != nil:
+				return nil, fmt.Errorf("%w; %w", err, rerr)
 			}
+			renewed++
 			src = next
 			continue
 		}

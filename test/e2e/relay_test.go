@@ -118,18 +118,75 @@ func TestRelay(t *testing.T) {
 // old agent's pod, and the API server refuses it (HTTP 401) once that pod
 // is deleted. A pod whose sandbox starts then, with no agent serving,
 // gets the fallback, which waits within k8s_retry_budget for the next
-// agent's kubeconfig and starts the pod with it: the real API server
-// refuses the token of a deleted pod, and the next kubeconfig is written
-// only once the plugin has read the refused one.
+// agent: its kubeconfig, with which the fallback starts the pod; or its
+// socket (an agent that wrote no kubeconfig), and the relay asks that
+// agent. The real API server refuses the token of a deleted pod, and the
+// next agent comes only once the plugin has read the refused kubeconfig.
 func TestFallbackTakesTheNextAgentsToken(t *testing.T) {
-	e := newEnv(t, nil)
+	t.Run("its kubeconfig", func(t *testing.T) {
+		e := newEnv(t, nil)
+		kubeconfig := refusedKubeconfig(t, e)
+		read := readOf(t, kubeconfig)
+		wrote := make(chan error, 1)
+		go func() {
+			if err := <-read; err != nil {
+				wrote <- err
+				return
+			}
+			// Written as the agent writes it: a rename.
+			tmp := kubeconfig + ".next"
+			if err := cluster.PluginKubeconfig(context.Background(), tmp); err != nil {
+				wrote <- err
+				return
+			}
+			wrote <- os.Rename(tmp, kubeconfig)
+		}()
+		sb := e.add(&testenv.PodSpec{Sidecar: true})
+		if err := <-wrote; err != nil {
+			t.Fatal(err)
+		}
+		if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "-A ISTIO_OUTPUT") {
+			t.Fatalf("no redirect rules after ADD:\n%s", rules)
+		}
+	})
+
+	t.Run("its socket", func(t *testing.T) {
+		e := newEnv(t, nil)
+		read := readOf(t, refusedKubeconfig(t, e))
+		pod := e.newPod(&testenv.PodSpec{Sidecar: true})
+		added := make(chan error, 1)
+		go func() {
+			_, err := e.node.Add(context.Background(), e.node.Chained, pod)
+			added <- err
+		}()
+		if err := <-read; err != nil {
+			t.Fatal(err)
+		}
+		e.serveCNI("")
+		if err := <-added; err != nil {
+			t.Fatalf("chained ADD: %v", err)
+		}
+		t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Chained, pod) })
+		if n := counted(e.commands); n < 1 {
+			t.Fatal("the new agent served no command: the ADD was not asked of it")
+		}
+		if rules := rulesIn(t, pod); !strings.Contains(rules, "-A ISTIO_OUTPUT") {
+			t.Fatalf("no redirect rules after ADD:\n%s", rules)
+		}
+	})
+}
+
+// refusedKubeconfig writes the plugin's kubeconfig with a token bound to
+// an agent pod that is then deleted, and returns its path once the API
+// server refuses the token.
+func refusedKubeconfig(t *testing.T, e *env) string {
+	t.Helper()
 	ctx := context.Background()
 	kubeconfig := filepath.Join(e.node.RunDir, "istio-cni-kubeconfig")
-
-	// The old agent's pod and its bound token, as the kubelet projects it.
 	if _, err := cluster.PluginToken(ctx); err != nil {
 		t.Fatal(err)
 	}
+	// The old agent's pod and its bound token, as the kubelet projects it.
 	old, err := cluster.Client.CoreV1().Pods("kube-system").Create(ctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("istio-cni-node-old-%d", podSeq.Add(1))},
 		Spec: corev1.PodSpec{ServiceAccountName: "istio-cni", NodeName: "another-node", AutomountServiceAccountToken: new(bool),
@@ -164,47 +221,38 @@ func TestFallbackTakesTheNextAgentsToken(t *testing.T) {
 	for {
 		_, err := oldClient.CoreV1().Pods(testNS).Get(ctx, "any", metav1.GetOptions{})
 		if apierrors.IsUnauthorized(err) {
-			break
+			return kubeconfig
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the API server still takes the token of a deleted pod: %v", err)
 		}
 		time.Sleep(50 * time.Millisecond) // polling the API server's view, bounded
 	}
+}
 
-	// The next agent writes its kubeconfig (a rename, as the agent
-	// writes it) once the plugin has read the refused one.
+// readOf reports on the channel when a process has read path (closed it
+// after reading), or an error after two minutes.
+func readOf(t *testing.T, path string) <-chan error {
+	t.Helper()
 	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := unix.InotifyAddWatch(fd, kubeconfig, unix.IN_CLOSE_NOWRITE); err != nil {
+	if _, err := unix.InotifyAddWatch(fd, path, unix.IN_CLOSE_NOWRITE); err != nil {
 		unix.Close(fd)
 		t.Fatal(err)
 	}
 	events := os.NewFile(uintptr(fd), "inotify")
-	defer events.Close()
-	wrote := make(chan error, 1)
+	t.Cleanup(func() { events.Close() })
+	read := make(chan error, 1)
 	go func() {
 		_ = events.SetReadDeadline(time.Now().Add(2 * time.Minute))
 		buf := make([]byte, 4096)
 		if _, err := events.Read(buf); err != nil {
-			wrote <- fmt.Errorf("the plugin never read the refused kubeconfig: %w", err)
+			read <- fmt.Errorf("the plugin never read %s: %w", path, err)
 			return
 		}
-		tmp := kubeconfig + ".next"
-		if err := cluster.PluginKubeconfig(ctx, tmp); err != nil {
-			wrote <- err
-			return
-		}
-		wrote <- os.Rename(tmp, kubeconfig)
+		read <- nil
 	}()
-
-	sb := e.add(&testenv.PodSpec{Sidecar: true})
-	if err := <-wrote; err != nil {
-		t.Fatal(err)
-	}
-	if rules := rulesIn(t, sb.pod); !strings.Contains(rules, "-A ISTIO_OUTPUT") {
-		t.Fatalf("no redirect rules after ADD:\n%s", rules)
-	}
+	return read
 }
