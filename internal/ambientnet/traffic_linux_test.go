@@ -389,6 +389,30 @@ var uncapturedDNS = []trafficCase{
 	}},
 }
 
+// bypassed are the paths of a pod with ambient.istio.io/bypass-inbound-
+// capture: inbound goes to the app as sent, but HBONE still reaches
+// ztunnel, whose transparent dial to the app must get its replies back
+// (Istio's #58546: without the connmark rule they left by eth0).
+var bypassed = []trafficCase{
+	{"forwarded inbound TCP reaches the app as sent", func(t *testing.T, w *world) {
+		got, err := w.exchange(w.client, ap(w.fam.pod, 8080), dialOpts{})
+		w.expect(t, got, err, want{by: "app", peer: w.fam.client})
+	}},
+	{"inbound HBONE on 15008 reaches ztunnel", func(t *testing.T, w *world) {
+		got, err := w.exchange(w.client, ap(w.fam.pod, 15008), dialOpts{})
+		w.expect(t, got, err, want{by: "ztunnel-hbone", peer: w.fam.client})
+	}},
+	{"ztunnel's transparent inbound dials the app as the client and gets the replies", func(t *testing.T, w *world) {
+		got, err := w.exchange(w.pod, ap(w.fam.pod, 8080), dialOpts{mark: 1337, src: w.fam.client, transparent: true})
+		w.expect(t, got, err, want{by: "app", peer: w.fam.client})
+	}},
+	{"outbound TCP still reaches ztunnel's outbound listener", func(t *testing.T, w *world) {
+		dst := ap(w.fam.client, 9090)
+		got, err := w.exchange(w.pod, dst, dialOpts{})
+		w.expect(t, got, err, want{by: "ztunnel-outbound", origDst: dst.String()})
+	}},
+}
+
 // TestTraffic sends real connections through an enrolled pod's rules and
 // the node's probe SNAT, on every backend and both families, and checks
 // where each ends up and what its receiver saw.
@@ -412,6 +436,13 @@ func TestTraffic(t *testing.T) {
 					w := newWorld(t, b, fam, ruleset.AmbientParams{IPv6: fam.v6})
 					w.enrol(t, false)
 					for _, c := range uncapturedDNS {
+						t.Run(c.name, func(t *testing.T) { c.run(t, w) })
+					}
+				})
+				t.Run("bypass-inbound", func(t *testing.T) {
+					w := newWorld(t, b, fam, ruleset.AmbientParams{BypassInbound: true, IPv6: fam.v6})
+					w.enrol(t, false)
+					for _, c := range bypassed {
 						t.Run(c.name, func(t *testing.T) { c.run(t, w) })
 					}
 				})

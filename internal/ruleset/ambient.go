@@ -89,8 +89,11 @@ func BuildAmbient(p AmbientParams) *Plan {
 		b.appendFrom(redirect.AnnotationRerouteVirtualIfaces, "nat", ChainPrerouting, "-i", iface, "-p", "tcp", "-j", "REDIRECT", "--to-ports", ProxyOutboundPort)
 		b.appendFrom(redirect.AnnotationRerouteVirtualIfaces, "nat", ChainPrerouting, "-i", iface, "-p", "tcp", "-j", "RETURN")
 	}
+	// Kept when inbound capture is bypassed: HBONE still reaches ztunnel,
+	// whose transparent dial to the app needs the app's replies marked
+	// back to it (Istio's #58546, fixed by its PR #58577).
+	b.appendRule("mangle", ChainPrerouting, "-m", "mark", "--mark", ZtunnelMark, "-j", "CONNMARK", "--set-xmark", ConnMark)
 	if !p.BypassInbound {
-		b.appendRule("mangle", ChainPrerouting, "-m", "mark", "--mark", ZtunnelMark, "-j", "CONNMARK", "--set-xmark", ConnMark)
 		b.appendRule("nat", ChainPrerouting, "-s", probeSource, "-p", "tcp", "-m", "tcp", "-j", "ACCEPT")
 	}
 	b.appendRule("nat", ChainOutput, "-d", probeSource, "-p", "tcp", "-m", "tcp", "-j", "ACCEPT")
