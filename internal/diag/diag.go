@@ -167,6 +167,16 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 		return ExitOK, nil
 	}
 	skip := plugin.Exclusion(pod)
+	if _, ok := pod.FindContainer("istio-init"); ok {
+		// Istio's own init container programmed the pod; istio-cni
+		// leaves such a pod alone, and its rules are istio-init's.
+		if haveIPT || haveNFT {
+			r.say("VERDICT: OK: the pod's istio-init container programmed its rules (istio-cni leaves such pods alone; they are not checked here)")
+			return ExitOK, nil
+		}
+		r.say("VERDICT: MISMATCH: the pod has an istio-init container but no redirect rules")
+		return ExitMismatch, nil
+	}
 	if skip == "" && excludedNamespace(runDir, pod.Namespace) {
 		skip = "namespace " + pod.Namespace + " is in the plugin's exclude_namespaces"
 	}
@@ -192,7 +202,7 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 		rules, backend = nft, "nftables"
 	}
 	if !haveIPT && !haveNFT {
-		r.say("VERDICT: MISMATCH: the pod should be redirected but has no rules: it started before the plugin was in the chain; the repair controller or a restart fixes it")
+		r.say("VERDICT: MISMATCH: the pod should be redirected but has no rules: it started before the plugin was in the chain (or in a namespace the plugin's exclude_namespaces listed then); the repair controller fixes it, or delete the pod so that it gets a new sandbox (restarting its containers does not)")
 		return ExitMismatch, nil
 	}
 	plan, err := podrules.BuildPlan(rules, netnsPath, params)

@@ -316,6 +316,11 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 	reason, broken := c.cfg.Broken(pod)
 	if !broken {
 		c.forgetBroken(key)
+		// Fine again: a later sandbox of the pod that races the plugin
+		// (its pause container restarted) is repaired anew.
+		c.mu.Lock()
+		delete(c.repaired, key)
+		c.mu.Unlock()
 		return nil
 	}
 	c.mu.Lock()
@@ -323,6 +328,16 @@ func (c *Controller) reconcile(ctx context.Context, key k8stypes.NamespacedName)
 		c.brokenSeen[key] = seen{uid: pod.UID, at: time.Now()}
 	}
 	c.mu.Unlock()
+	if mode := c.cfg.Mode(); mode != "" && (pod.Status.Phase == corev1.PodFailed || pod.Status.Phase == corev1.PodSucceeded) {
+		// A pod that does not restart (restartPolicy Never) ended with its
+		// failed validation: its sandbox is gone, so there is nothing to
+		// repair, and deleting it would only lose its status and logs
+		// (its Job, if any, replaces it on its own; Istio's predicate,
+		// which waits for a restart, never acts on it either).
+		c.done(mode, "skip", pod)
+		c.log.Info("not acting on the broken pod: it has ended", "pod", key.String(), "phase", string(pod.Status.Phase), "mode", mode)
+		return nil
+	}
 	switch c.cfg.Mode() {
 	case "repair":
 		return c.repair(pod, reason)
@@ -414,7 +429,16 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 	if err != nil {
 		return fail(fmt.Errorf("%s: %w", held.Name(), err))
 	}
-	if c.rules.Check(netns, plan) == nil {
+	inPlace := c.rules.Check(netns, plan) == nil
+	if !inPlace {
+		// Rules other than this agent's plan (an earlier agent's form of
+		// them, another backend's, or the plan of annotations changed
+		// since) still redirect: the pod did not race the plugin, and
+		// Istio never rewrites a running pod's rules.
+		holds, herr := podrules.HoldsRules(netns)
+		inPlace = herr == nil && holds
+	}
+	if inPlace {
 		if failed := c.lastFailure(pod); !failed.IsZero() && failed.Before(c.started) {
 			// Failed before this agent started: the one before may have
 			// repaired it since, and its next run will tell.

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"errors"
+	"fmt"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -61,6 +62,32 @@ func TestDiag(t *testing.T) {
 		code, out := runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
 		if code != 0 || !strings.Contains(out, "not redirected") {
 			t.Fatalf("plain pod: exit %d:\n%s", code, out)
+		}
+	})
+	t.Run("istio-init", func(t *testing.T) {
+		// A pod Istio's own init container programs, as in a cluster
+		// partly moved to the CNI plugin: the plugin leaves it alone,
+		// and its rules are no mismatch.
+		sb := e.add(&testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-init"}})
+		code, out := runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+		if code != 1 || !strings.Contains(out, "istio-init container but no redirect rules") {
+			t.Fatalf("istio-init pod before istio-init ran: exit %d:\n%s", code, out)
+		}
+		if err := sb.pod.InPod(func() error {
+			for _, args := range [][]string{{"-t", "nat", "-N", "ISTIO_REDIRECT"},
+				{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"},
+				{"-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "ISTIO_REDIRECT"}} {
+				if out, err := exec.Command("iptables-nft", args...).CombinedOutput(); err != nil {
+					return fmt.Errorf("iptables-nft %v: %w: %s", args, err, out)
+				}
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		code, out = runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+		if code != 0 || !strings.Contains(out, "VERDICT: OK") || !strings.Contains(out, "istio-init") {
+			t.Fatalf("istio-init pod: exit %d:\n%s", code, out)
 		}
 	})
 	t.Run("raced-found-through-proc", func(t *testing.T) {

@@ -167,6 +167,35 @@ func TestRepairInPlace(t *testing.T) {
 			t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
 		}
 	})
+	t.Run("rules-of-changed-annotations", func(t *testing.T) {
+		// Rules of the pod's annotations as they were at its start are
+		// rules in place too: not rewritten to the new ones.
+		sb := e.add(&testenv.PodSpec{Sidecar: true, InitNames: []string{"istio-validation"}})
+		stop, err := sb.pod.StartSandboxProcess()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(stop)
+		before := sameRulesIn(t, sb.pod)
+		ctx := context.Background()
+		p, err := cluster.Client.CoreV1().Pods(testNS).Get(ctx, sb.pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Annotations[redirect.AnnotationExcludeOutboundPorts] = "5000"
+		if _, err := cluster.Client.CoreV1().Pods(testNS).Update(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		markValidation(t, sb.pod.Name, sb.v4.String(), 126)
+		ev := waitEvent(t, sb.pod.Name, "RepairPodFailed")
+		if !strings.Contains(ev.Message, "redirect rules are in place") {
+			t.Fatalf("event does not say why: %q", ev.Message)
+		}
+		h.waitMetric(`istio_cni_repair_pods_repaired_total{result="skip",type="repair"}`, "2", 5*time.Second)
+		if after := sameRulesIn(t, sb.pod); after != before {
+			t.Fatalf("the pod's rules changed:\n--- before\n%s\n--- after\n%s", before, after)
+		}
+	})
 	t.Run("namespace-not-found", func(t *testing.T) {
 		_, err := createPod(t, testenv.PodSpec{Namespace: testNS, Name: "ghost", Sidecar: true})
 		if err != nil {
