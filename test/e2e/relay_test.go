@@ -167,8 +167,13 @@ func TestFallbackTakesTheNextAgentsToken(t *testing.T) {
 			t.Fatalf("chained ADD: %v", err)
 		}
 		t.Cleanup(func() { _ = e.node.Del(context.Background(), e.node.Chained, pod) })
-		if n := counted(e.commands); n < 1 {
-			t.Fatal("the new agent served no command: the ADD was not asked of it")
+		// The agent counts the ADD once the relay reports how its send
+		// went, which the relay does without waiting.
+		for deadline := time.Now().Add(10 * time.Second); counted(e.commands) < 1; {
+			if time.Now().After(deadline) {
+				t.Fatal("the new agent served no command: the ADD was not asked of it")
+			}
+			time.Sleep(time.Millisecond) // polling another goroutine's counter, bounded
 		}
 		if rules := rulesIn(t, pod); !strings.Contains(rules, "-A ISTIO_OUTPUT") {
 			t.Fatalf("no redirect rules after ADD:\n%s", rules)
