@@ -1185,7 +1185,11 @@ func (c *Controller) rebuild() {
 		uid := string(pod.UID)
 		all = append(all, uid)
 		ann := pod.Annotations[AnnotationRedirection]
-		if (ann != RedirectionEnabled && ann != RedirectionPending) || terminal(pod) {
+		if terminal(pod) {
+			continue
+		}
+		if ann != RedirectionEnabled && ann != RedirectionPending {
+			c.adoptUnannotated(idx, pod)
 			continue
 		}
 		// Left out of the snapshot, an enrolled pod whose annotation no
@@ -1220,6 +1224,48 @@ func (c *Controller) rebuild() {
 	for _, uid := range all {
 		c.queue.Add(uid)
 	}
+}
+
+// adoptUnannotated takes into the first snapshot a pod the agent before
+// this one enrolled on its ADD but had not annotated yet (the annotation
+// is written after the ADD returns, and it stopped meanwhile, or the API
+// server kept refusing it): selected, running, and its namespace holding
+// exactly its rules. Left out, ztunnel would drop the pod's proxy while
+// its rules still send its traffic there, until the pod was enrolled
+// anew.
+func (c *Controller) adoptUnannotated(idx *netnsIndex, pod *corev1.Pod) {
+	ips := podIPs(pod)
+	if len(ips) == 0 {
+		return
+	}
+	nsLabels, ok := c.namespaceLabels(pod.Namespace)
+	if !ok || !decide(c.cfg.Policy, pod, nsLabels).Enrol {
+		return
+	}
+	params, err := PodParams(pod, c.cfg.Defaults)
+	if err != nil {
+		return
+	}
+	uid := string(pod.UID)
+	f, err := idx.find(uid, ips, pod.Spec.HostUsers)
+	if err != nil {
+		return
+	}
+	if err := c.cfg.InPod.CheckAmbient(fdPath(f), params); err != nil {
+		_ = f.Close()
+		return
+	}
+	c.log.Info("a pod enrolled before the agent started, not yet annotated, has its rules in place; ztunnel keeps it",
+		"pod", pod.Namespace+"/"+pod.Name)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pods[uid] != nil {
+		_ = f.Close()
+		return
+	}
+	c.seq++
+	c.pods[uid] = &podState{uid: uid, netns: f, ips: c.probeIPs(ips), params: params, applied: true, claim: c.seq,
+		info: zds.WorkloadInfo{Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}}
 }
 
 // Snapshot is what a newly connected ztunnel is told: every pod whose

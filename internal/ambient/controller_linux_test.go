@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1605,4 +1606,46 @@ func TestZtunnelConnectsWhileTheAgentSyncs(t *testing.T) {
 	close(release)
 	released = true
 	e.waitSim(sim, "the snapshot once synced", func(st ztunnelsim.State) bool { return st.Snapshots == 1 })
+}
+
+// A pod the agent enrolled but could not annotate yet (the annotation is
+// written after enrolment, and the API server refused it until the agent
+// stopped) is in the next agent's first snapshot: its namespace holds
+// exactly its rules, and left out, ztunnel would drop its proxy while its
+// rules still send its traffic there.
+func TestRestartBeforeTheAnnotation(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		e.cs.PrependReactor("patch", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if a.GetSubresource() == "status" {
+				return true, nil, errors.New("the API server is away")
+			}
+			return false, nil, nil
+		})
+		sim := e.startSim(nil)
+		uid, pns := newUID(), e.podNS("10.7.9.7")
+		e.running(uid, pns)
+		e.createPod(nsAmbient, "u", uid, nil, "10.7.9.7")
+		e.waitSim(sim, "pod added", hasWorkload(uid, inode(t, pns)))
+		sim.Close()
+
+		e.stop()
+		e.start()
+		sim2 := e.startSim(nil)
+		st := e.waitSim(sim2, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 1 })
+		conn := snapshotConn(t, st, 1)
+		var inSnapshot []string
+		for _, ev := range st.Events {
+			if ev.Conn != conn {
+				continue
+			}
+			if ev.Req.Kind == zds.KindSnapshotSent {
+				break
+			}
+			inSnapshot = append(inSnapshot, fmt.Sprintf("%s %s", ev.Req.Kind, ev.Req.UID))
+		}
+		if want := fmt.Sprintf("%s %s", zds.KindAdd, uid); !slices.Contains(inSnapshot, want) {
+			t.Fatalf("the new agent's snapshot: %v, want it to hold %q", inSnapshot, want)
+		}
+		e.requireRules(pns, defaultParams)
+	})
 }
