@@ -251,6 +251,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.stopped()
 	}
 	if keep {
+		// Tells the fallback that a rollout is under way: its ADDs wait a
+		// while for the next agent's token, this one's dying with its pod.
+		markStopped(cfg.Loop.Install.RunDir, a.log)
 		return nil
 	}
 	a.mu.Lock()
@@ -271,6 +274,20 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.log.Warn("could not remove the prepared records", "dir", dir, "error", err.Error())
 	}
 	return nil
+}
+
+// markStopped records, in the run dir, when this agent stopped leaving the
+// plugin in place (cnirelay.StoppedName).
+func markStopped(runDir string, log *slog.Logger) {
+	path := filepath.Join(runDir, cnirelay.StoppedName)
+	now := time.Now()
+	err := os.WriteFile(path, []byte(now.UTC().Format(time.RFC3339)+"\n"), 0o600)
+	if err == nil {
+		err = os.Chtimes(path, now, now)
+	}
+	if err != nil {
+		log.Warn("cannot record the agent's stop for the fallback; during the rollout, pods it did not prepare fail at once and are retried", "error", err.Error())
+	}
 }
 
 // start starts every part but the install loop, in the order that lets

@@ -124,6 +124,9 @@ type podState struct {
 	claim uint64
 	// lastEvent suppresses repeating the same Event for the same cause.
 	lastEvent string
+	// adopted: taken over at start from the previous agent, which
+	// enrolled the pod but had not annotated it (adoptUnannotated).
+	adopted bool
 }
 
 // Controller enrols the node's pods in the ambient mesh. Build it with
@@ -847,7 +850,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 	}
 	c.seq++
 	st.claim = c.seq
-	info := st.info
+	info, adopted := st.info, st.adopted
 	c.mu.Unlock()
 
 	if _, err := c.syncProbes(false); err != nil {
@@ -858,7 +861,7 @@ func (c *Controller) enrolLocked(ctx context.Context, pod *corev1.Pod, netns *os
 		c.mu.Lock()
 		st.acked = false
 		c.mu.Unlock()
-		if !onADD && errors.Is(err, zds.ErrNotConnected) && pod.Annotations[AnnotationRedirection] == RedirectionEnabled {
+		if !onADD && errors.Is(err, zds.ErrNotConnected) && (pod.Annotations[AnnotationRedirection] == RedirectionEnabled || adopted) {
 			// Taken over from a previous agent before any ztunnel
 			// connected: ztunnel still runs the pod (it did not restart,
 			// the agent did), and its next snapshot carries it. Marking it
@@ -1264,7 +1267,7 @@ func (c *Controller) adoptUnannotated(idx *netnsIndex, pod *corev1.Pod) {
 		return
 	}
 	c.seq++
-	c.pods[uid] = &podState{uid: uid, netns: f, ips: c.probeIPs(ips), params: params, applied: true, claim: c.seq,
+	c.pods[uid] = &podState{uid: uid, netns: f, ips: c.probeIPs(ips), params: params, applied: true, claim: c.seq, adopted: true,
 		info: zds.WorkloadInfo{Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}}
 }
 

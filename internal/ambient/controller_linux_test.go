@@ -1615,7 +1615,11 @@ func TestZtunnelConnectsWhileTheAgentSyncs(t *testing.T) {
 // rules still send its traffic there.
 func TestRestartBeforeTheAnnotation(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, e *env) {
+		var pending atomic.Int32
 		e.cs.PrependReactor("patch", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if p, ok := a.(k8stesting.PatchAction); ok && strings.Contains(string(p.GetPatch()), RedirectionPending) {
+				pending.Add(1)
+			}
 			if a.GetSubresource() == "status" {
 				return true, nil, errors.New("the API server is away")
 			}
@@ -1629,7 +1633,11 @@ func TestRestartBeforeTheAnnotation(t *testing.T) {
 		sim.Close()
 
 		e.stop()
+		pending.Store(0)
 		e.start()
+		// Before ztunnel is back, the pod waits for its snapshot: ztunnel
+		// still runs it, so it is not marked pending.
+		e.waitLog("taken over", uid)
 		sim2 := e.startSim(nil)
 		st := e.waitSim(sim2, "the new agent's snapshot", func(s ztunnelsim.State) bool { return s.Snapshots == 1 })
 		conn := snapshotConn(t, st, 1)
@@ -1647,5 +1655,8 @@ func TestRestartBeforeTheAnnotation(t *testing.T) {
 			t.Fatalf("the new agent's snapshot: %v, want it to hold %q", inSnapshot, want)
 		}
 		e.requireRules(pns, defaultParams)
+		if n := pending.Load(); n != 0 {
+			t.Errorf("the pod was patched pending %d times across the restart", n)
+		}
 	})
 }

@@ -18,6 +18,12 @@ import "time"
 // SocketName is the agent's CNI socket in the plugin's run directory.
 const SocketName = "cni.sock"
 
+// StoppedName is the file, in the plugin's run directory, whose time is
+// when a node agent last stopped leaving the plugin in place (a rollout):
+// its token then dies with its pod, and the fallback waits for the next
+// agent's only within a while of it.
+const StoppedName = ".agent-stopped"
+
 // FallbackBinary is the complete plugin, installed next to the relay.
 const FallbackBinary = "istio-cni-fallback"
 

@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/istio-cni-go/istio-cni/internal/enablement"
@@ -38,10 +39,25 @@ func (p *Plugin) ambientDecision(ctx context.Context, conf *Config, pod *podinfo
 // no node agent serves it (this process is the fallback): only the agent
 // can hand a pod's namespace to ztunnel, and the reference's way, to
 // start the pod outside the mesh, is what this plugin never does.
-func (p *Plugin) refuseAmbient(ctx context.Context, conf *Config, pod *podinfo.Pod) error {
+//
+// In a rollout of the agent (a token renewed, or an agent stopped leaving
+// the plugin within renewWithin), it waits within k8s_retry_budget for the
+// next agent's socket instead, and returns errAgentStarted once it is
+// there: the relay then asks that agent, which enrols the pod.
+func (p *Plugin) refuseAmbient(ctx context.Context, conf *Config, pod *podinfo.Pod, rw *rolloutWatch) error {
 	d, err := p.ambientDecision(ctx, conf, pod)
 	if err != nil || !d.Enrol {
 		return err
+	}
+	if rw != nil {
+		if recent, _ := rolloutRecent(conf.CNIAgentRunDir); rw.renewed || recent {
+			wctx, cancel := context.WithDeadline(ctx, rw.start.Add(conf.retryBudget))
+			err := rw.waitAgent(wctx)
+			cancel()
+			if errors.Is(err, errAgentStarted) {
+				return fmt.Errorf("pod %s/%s is enrolled in the ambient mesh (%s): %w", pod.Namespace, pod.Name, d.Reason, err)
+			}
+		}
 	}
 	reason := p.FallbackReason
 	if reason == "" {

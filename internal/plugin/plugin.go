@@ -211,10 +211,10 @@ const agentTimeout = 500 * time.Millisecond
 // pod; not with skipAgent), then the API server with the agent's
 // kubeconfig, bounded by the config's timeout and budget; with renew, a
 // refused token is replaced by the next agent's (apiSource).
-func defaultSource(log *slog.Logger, skipAgent, renew bool) func(*Config, string) (podinfo.Source, error) {
+func defaultSource(log *slog.Logger, skipAgent bool, rw *rolloutWatch) func(*Config, string) (podinfo.Source, error) {
 	return func(conf *Config, uid string) (podinfo.Source, error) {
 		f := &podinfo.Fallback{API: func() (podinfo.Source, error) {
-			return apiSource(conf, log, renew)
+			return apiSource(conf, log, rw)
 		}}
 		if sock := conf.AgentSocketPath(); !skipAgent && fileExists(sock) {
 			ac := podinfo.NewAgentClient(sock, agentTimeout)
@@ -234,42 +234,91 @@ func defaultSource(log *slog.Logger, skipAgent, renew bool) func(*Config, string
 // refused looks for the next agent's kubeconfig.
 var kubeconfigPoll = 100 * time.Millisecond
 
-// renewWithin is how recently the agent must have been running (its
-// records' beat) for a refused token to be waited on: an agent replaced in
-// a rollout was, and one gone for longer is not coming back soon, so its
-// pods fail at once, as they did, and are retried by the kubelet.
+// renewWithin is how recently a node agent must have stopped leaving the
+// plugin in place (cnirelay.StoppedName) for a refused token to be waited
+// on: an agent replaced in a rollout did, and with none that recent no
+// new token is coming soon, so the pod fails at once, as it did, and the
+// kubelet retries it.
 const renewWithin = 5 * time.Minute
+
+// rolloutWatch is what a fallback ADD learns of a rollout of the node
+// agent: the agent socket as it was before the first API request, and
+// whether the API server refused the old agent's token and a new
+// kubeconfig came.
+type rolloutWatch struct {
+	start   time.Time
+	sock    string
+	before  os.FileInfo
+	renewed bool
+}
+
+func newRolloutWatch(runDir string) *rolloutWatch {
+	rw := &rolloutWatch{start: time.Now(), sock: filepath.Join(runDir, cnirelay.SocketName)}
+	rw.before, _ = os.Stat(rw.sock)
+	return rw
+}
+
+// agentCame says whether an agent's socket is there now that was not
+// (missing, or a dead agent's) when the watch began.
+func (rw *rolloutWatch) agentCame() bool {
+	fi, err := os.Stat(rw.sock)
+	return err == nil && (rw.before == nil || !os.SameFile(fi, rw.before))
+}
+
+// waitAgent waits, within ctx, for a new agent's socket; errAgentStarted
+// when it comes, so that the relay asks that agent.
+func (rw *rolloutWatch) waitAgent(ctx context.Context) error {
+	t := time.NewTicker(kubeconfigPoll)
+	defer t.Stop()
+	for !rw.agentCame() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return errAgentStarted
+}
+
+// rolloutRecent says whether a node agent stopped leaving the plugin in
+// place within renewWithin.
+func rolloutRecent(runDir string) (bool, string) {
+	fi, err := os.Stat(filepath.Join(runDir, cnirelay.StoppedName))
+	switch {
+	case err != nil:
+		return false, "no node agent stopped for a rollout (" + cnirelay.StoppedName + " is missing)"
+	case time.Since(fi.ModTime()) > renewWithin:
+		return false, fmt.Sprintf("the last node agent stopped %s ago, so no rollout is under way", time.Since(fi.ModTime()).Round(time.Second))
+	}
+	return true, ""
+}
 
 // errAgentStarted ends the wait for a kubeconfig when a node agent
 // started meanwhile: the relay that ran this fallback asks it instead.
 var errAgentStarted = errors.New("a node agent started meanwhile (the plugin asks it)")
 
 // apiSource reads pods from the API server with the agent's kubeconfig,
-// bounded by the config's timeout and budget. With renew, a token the API
-// server refuses (its agent's pod is gone: istio-cni-node is being
-// replaced) is replaced by the next kubeconfig written within the budget:
-// the next agent writes its own before it serves anything, and the pod
-// starts then rather than at the kubelet's next try of a failed sandbox.
-func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, error) {
+// bounded by the config's timeout and budget. With rw (an ADD), a token
+// the API server refuses (its agent's pod is gone: istio-cni-node is
+// being replaced) is replaced by the next kubeconfig written within the
+// budget: the next agent writes its own before it serves anything, and
+// the pod starts then rather than at the kubelet's next try of a failed
+// sandbox. A new agent's socket ends the wait too: an agent that could
+// not write the kubeconfig may still serve, and the relay asks it.
+func apiSource(conf *Config, log *slog.Logger, rw *rolloutWatch) (podinfo.Source, error) {
 	path := conf.KubeconfigPath()
-	// A new agent's socket ends a wait for a kubeconfig too: an agent
-	// that could not write one may still serve. Seen from here, before
-	// the first request, an agent starting while the request is refused
-	// is new.
-	sock := filepath.Join(conf.CNIAgentRunDir, cnirelay.SocketName)
-	agent, _ := os.Stat(sock)
 	loaded, _ := os.Stat(path)
 	c, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
 	if err != nil {
 		return nil, err
 	}
 	r := &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}
-	if !renew {
+	if rw == nil {
 		return r, nil
 	}
 	r.Renew = func(ctx context.Context) (podinfo.Source, error) {
-		if seen, ok := prepared.AgentSeen(filepath.Join(conf.CNIAgentRunDir, prepared.DirName), time.Now()); ok && seen > renewWithin {
-			return nil, fmt.Errorf("the node agent was last seen %s ago, so no rollout is under way to bring a new token", seen.Round(time.Second))
+		if ok, why := rolloutRecent(conf.CNIAgentRunDir); !ok {
+			return nil, errors.New(why + "; no new token is coming")
 		}
 		log.Info("the API server refused the node agent's token, which ends with the agent's pod; waiting for the next agent's kubeconfig",
 			"kubeconfig", path, "within", conf.retryBudget.String())
@@ -281,25 +330,25 @@ func apiSource(conf *Config, log *slog.Logger, renew bool) (podinfo.Source, erro
 				return nil, ctx.Err()
 			case <-t.C:
 			}
-			if fi, err := os.Stat(sock); err == nil && (agent == nil || !os.SameFile(fi, agent)) {
+			// The kubeconfig first: the next agent writes it before its
+			// socket, and a relay of an older release asks no agent again.
+			if fi, err := os.Stat(path); err == nil && (loaded == nil || !sameVersion(fi, loaded)) {
+				loaded = fi
+				// A kubeconfig another writer left half-written parses at
+				// the next change.
+				next, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
+				if err == nil {
+					c.CloseIdleConnections()
+					c = next
+					rw.renewed = true
+					log.Info("asking the API server again with the next kubeconfig", "kubeconfig", path)
+					return next, nil
+				}
+				log.Debug("the next kubeconfig cannot be used yet", "error", err.Error())
+			}
+			if rw.agentCame() {
 				return nil, errAgentStarted
 			}
-			fi, err := os.Stat(path)
-			if err != nil || (loaded != nil && sameVersion(fi, loaded)) {
-				continue
-			}
-			loaded = fi
-			// A kubeconfig another writer left half-written parses at the
-			// next change.
-			next, err := podinfo.NewAPIClient(path, conf.CNIAgentRunDir)
-			if err != nil {
-				log.Debug("the next kubeconfig cannot be used yet", "error", err.Error())
-				continue
-			}
-			c.CloseIdleConnections()
-			c = next
-			log.Info("asking the API server again with the next kubeconfig", "kubeconfig", path)
-			return next, nil
 		}
 	}
 	return r, nil
@@ -421,7 +470,8 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 			return p.printResult(req.conf)
 		}
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, true))
+	rw := newRolloutWatch(req.conf.CNIAgentRunDir)
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, rw))
 	if errors.Is(err, errAgentStarted) {
 		// Not the pod's end: the relay that ran us asks the new agent.
 		req.log.Info("the node agent started while the ADD waited for its token; handing the ADD back to the relay", "error", err.Error())
@@ -432,8 +482,12 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return types.NewError(types.ErrTryAgainLater, err.Error(), "")
 	}
 	if req.conf.AmbientEnabled && p.Ambient == nil && d.Pod != nil {
-		if err := p.refuseAmbient(context.Background(), req.conf, d.Pod); err != nil {
-			req.log.Error("pod blocked", "error", err.Error())
+		if err := p.refuseAmbient(context.Background(), req.conf, d.Pod, rw); err != nil {
+			if errors.Is(err, errAgentStarted) {
+				req.log.Info("the node agent started while the ADD waited for it; handing the ADD back to the relay")
+			} else {
+				req.log.Error("pod blocked", "error", err.Error())
+			}
 			return types.NewError(types.ErrTryAgainLater, err.Error(), "")
 		}
 	}
@@ -714,7 +768,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 			return nil
 		}
 	}
-	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, false))
+	d, err := Decide(context.Background(), req.conf, req.args, p.source(req.log, nil))
 	if err != nil {
 		req.log.Warn("check skipped: the pod could not be read", "error", err.Error())
 		return nil
@@ -746,14 +800,14 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	return nil
 }
 
-// source is where the plugin reads the pod from; renew for an ADD,
-// which waits within the budget for another agent's token where its own
-// is refused. A CHECK does not wait: it passes a pod it cannot read.
-func (p *Plugin) source(log *slog.Logger, renew bool) func(*Config, string) (podinfo.Source, error) {
+// source is where the plugin reads the pod from; with rw (an ADD), it
+// waits within the budget for another agent's token where its own is
+// refused. A CHECK does not wait: it passes a pod it cannot read.
+func (p *Plugin) source(log *slog.Logger, rw *rolloutWatch) func(*Config, string) (podinfo.Source, error) {
 	if p.NewSource != nil {
 		return p.NewSource
 	}
-	return defaultSource(log, p.SkipAgentCache, renew)
+	return defaultSource(log, p.SkipAgentCache, rw)
 }
 
 // Status (CNI 1.1) fails only when an ADD could not be served; the

@@ -19,7 +19,6 @@ import (
 
 	"github.com/istio-cni-go/istio-cni/internal/cnirelay"
 	"github.com/istio-cni-go/istio-cni/internal/podinfo"
-	"github.com/istio-cni-go/istio-cni/internal/prepared"
 )
 
 // tokenServer is an HTTPS API server stand-in that serves one pod to the
@@ -106,13 +105,17 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		}
 		path := conf.KubeconfigPath()
 		ts.writeKubeconfig(t, path, "gone")
+		// The old agent stopped leaving the plugin: a rollout.
+		if err := os.WriteFile(filepath.Join(runDir, cnirelay.StoppedName), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
 		return ts, conf, path
 	}
 
 	t.Run("next kubeconfig", func(t *testing.T) {
 		ts, conf, path := setup(t, "30s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
-		src, err := apiSource(conf, log, true)
+		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -129,14 +132,14 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 	})
 
 	t.Run("none within the budget", func(t *testing.T) {
-		ts, conf, _ := setup(t, "300ms")
-		src, err := apiSource(conf, log, true)
+		ts, conf, _ := setup(t, "2s")
+		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
 		if err != nil {
 			t.Fatal(err)
 		}
 		_, err = src.GetPod(context.Background(), "default", "web")
 		var perm *podinfo.PermanentError
-		if !errors.As(err, &perm) || !strings.Contains(err.Error(), "HTTP 401") || !strings.Contains(err.Error(), "no other credentials came within 300ms") {
+		if !errors.As(err, &perm) || !strings.Contains(err.Error(), "HTTP 401") || !strings.Contains(err.Error(), "no other credentials came within 2s") {
 			t.Fatalf("GetPod with no next kubeconfig: %v", err)
 		}
 		if got := ts.seen(); len(got) != 1 {
@@ -147,9 +150,9 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 	t.Run("a rewrite of the refused token", func(t *testing.T) {
 		// The same refused token written again (an agent's resync) is
 		// asked with once more, then waited on again.
-		ts, conf, path := setup(t, "1s")
+		ts, conf, path := setup(t, "3s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "gone") }
-		src, err := apiSource(conf, log, true)
+		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,7 +163,7 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		if got := ts.seen(); len(got) != 2 || got[1] != "gone" {
 			t.Fatalf("tokens sent %q, want the refused one twice", got)
 		}
-		if !strings.Contains(err.Error(), "the other credentials that came within 1s (1) were refused as well") {
+		if !strings.Contains(err.Error(), "the other credentials that came within 3s (1) were refused as well") {
 			t.Fatalf("GetPod: %v, want it to say the next kubeconfig was refused too", err)
 		}
 	})
@@ -177,7 +180,7 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 			}
 			t.Cleanup(func() { l.Close() })
 		}
-		src, err := apiSource(conf, log, true)
+		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -186,38 +189,37 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		}
 	})
 
-	t.Run("the agent gone for long", func(t *testing.T) {
-		// Its records' beat is old: no rollout is under way, and the ADD
-		// fails at once.
-		ts, conf, path := setup(t, "30s")
-		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
-		dir := prepared.Dir(filepath.Join(conf.CNIAgentRunDir, prepared.DirName))
-		if err := os.Mkdir(string(dir), 0o700); err != nil {
-			t.Fatal(err)
-		}
-		if err := dir.Beat(); err != nil {
-			t.Fatal(err)
-		}
-		long := time.Now().Add(-renewWithin - time.Minute)
-		if err := os.Chtimes(filepath.Join(string(dir), ".agent-alive"), long, long); err != nil {
-			t.Fatal(err)
-		}
-		src, err := apiSource(conf, log, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "no rollout is under way") {
-			t.Fatalf("GetPod: %v", err)
-		}
-		if got := ts.seen(); len(got) != 1 {
-			t.Fatalf("tokens sent %q, want one", got)
+	t.Run("no rollout", func(t *testing.T) {
+		// No agent stopped leaving the plugin lately (none did, or long
+		// ago): no new token is coming, and the ADD fails at once.
+		for _, age := range []time.Duration{-1, renewWithin + time.Minute} {
+			ts, conf, path := setup(t, "30s")
+			ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
+			marker := filepath.Join(conf.CNIAgentRunDir, cnirelay.StoppedName)
+			if age < 0 {
+				if err := os.Remove(marker); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := os.Chtimes(marker, time.Now().Add(-age), time.Now().Add(-age)); err != nil {
+				t.Fatal(err)
+			}
+			src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "no new token is coming") {
+				t.Fatalf("GetPod, stop %v ago: %v", age, err)
+			}
+			if got := ts.seen(); len(got) != 1 {
+				t.Fatalf("tokens sent %q, want one", got)
+			}
 		}
 	})
 
 	t.Run("check does not wait", func(t *testing.T) {
 		ts, conf, path := setup(t, "30s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
-		src, err := apiSource(conf, log, false)
+		src, err := apiSource(conf, log, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -228,4 +230,65 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 			t.Fatalf("tokens sent %q, want one", got)
 		}
 	})
+}
+
+// staticNamespaces serves one namespace's labels.
+type staticNamespaces map[string]string
+
+func (s staticNamespaces) NamespaceLabels(context.Context, string) (map[string]string, error) {
+	return s, nil
+}
+
+// TestAmbientPodWaitsForTheNextAgent: the fallback, which must refuse an
+// ambient pod (only an agent enrols it), waits in a rollout of the agent
+// for the next agent's socket and hands the ADD back to the relay, which
+// asks that agent; with no rollout under way it refuses at once.
+func TestAmbientPodWaitsForTheNextAgent(t *testing.T) {
+	pod := &podinfo.Pod{Namespace: "apps", Name: "web", UID: "u1"}
+	for _, c := range []struct {
+		name            string
+		renewed, marker bool
+		agentStarts     bool
+		wantStarted     bool
+	}{
+		{name: "token renewed, agent starts", renewed: true, agentStarts: true, wantStarted: true},
+		{name: "agent stopped lately, agent starts", marker: true, agentStarts: true, wantStarted: true},
+		{name: "no rollout", agentStarts: true},
+		{name: "rollout, no agent within the budget", marker: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			runDir := t.TempDir()
+			conf, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"n","type":"istio-cni","ambient_enabled":true,"cni_agent_run_dir":"` + runDir +
+				`","k8s_retry_budget":"2s"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.marker {
+				if err := os.WriteFile(filepath.Join(runDir, cnirelay.StoppedName), nil, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rw := newRolloutWatch(runDir)
+			rw.renewed = c.renewed
+			if c.agentStarts {
+				// Bound once the wait is under way or not at all: either
+				// way the socket is new to the watch.
+				l, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(runDir, cnirelay.SocketName), Net: "unix"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { l.Close() })
+			}
+			p := &Plugin{Namespaces: staticNamespaces{"istio.io/dataplane-mode": "ambient"}}
+			err = p.refuseAmbient(context.Background(), conf, pod, rw)
+			switch {
+			case err == nil:
+				t.Fatal("an ambient pod was not refused")
+			case c.wantStarted != errors.Is(err, errAgentStarted):
+				t.Fatalf("refusal %v; want the agent's start %v", err, c.wantStarted)
+			case !c.wantStarted && !strings.Contains(err.Error(), "only the istio-cni node agent can enrol it"):
+				t.Fatalf("refusal %v", err)
+			}
+		})
+	}
 }

@@ -34,7 +34,7 @@ func TestSkipAgentCache(t *testing.T) {
 			t.Fatal(err)
 		}
 		p := &Plugin{SkipAgentCache: skip}
-		src, err := p.source(slog.New(slog.NewTextHandler(io.Discard, nil)), true)(conf, "u1")
+		src, err := p.source(slog.New(slog.NewTextHandler(io.Discard, nil)), newRolloutWatch(runDir))(conf, "u1")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -436,7 +436,12 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		// since) still redirect: the pod did not race the plugin, and
 		// Istio never rewrites a running pod's rules.
 		holds, herr := podrules.HoldsRules(netns)
-		inPlace = herr == nil && holds
+		if herr != nil {
+			// As the start-up scan: rules it cannot read may well be
+			// there, and a second set beside them would not help.
+			return fail(fmt.Errorf("cannot tell whether the pod's namespace holds redirect rules of another form: %w", herr))
+		}
+		inPlace = holds
 	}
 	if inPlace {
 		if failed := c.lastFailure(pod); !failed.IsZero() && failed.Before(c.started) {

@@ -368,6 +368,11 @@ func TestAgentUpgradeKeepsPlugin(t *testing.T) {
 	if !strings.Contains(h.LogText(), "leaving the plugin in place") {
 		t.Fatal("no log line explaining why the plugin stayed")
 	}
+	// The fallback's ADDs wait for the next agent's token in a while of
+	// this.
+	if fi, err := os.Stat(filepath.Join(h.RunDir, cnirelay.StoppedName)); err != nil || time.Since(fi.ModTime()) > time.Minute {
+		t.Fatalf("the agent did not record its stop for the fallback: %v", err)
+	}
 }
 
 // TestAgentLeavesANodeItsDaemonSetNoLongerTargets: a helm upgrade that
@@ -406,6 +411,10 @@ func TestAgentLeavesANodeItsDaemonSetNoLongerTargets(t *testing.T) {
 			}
 			if !c.kept && !strings.Contains(h.LogText(), "no longer targets this node") {
 				t.Fatalf("the removal's reason is not logged:\n%s", h.LogText())
+			}
+			// Only a rollout makes the fallback wait for a new token.
+			if _, err := os.Stat(filepath.Join(h.RunDir, cnirelay.StoppedName)); (err == nil) != c.kept {
+				t.Fatalf("%s after a stop that kept the plugin %v: %v", cnirelay.StoppedName, c.kept, err)
 			}
 		})
 	}

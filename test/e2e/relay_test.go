@@ -214,6 +214,10 @@ func refusedKubeconfig(t *testing.T, e *env) string {
 	if err := testenv.WriteKubeconfig(kubeconfig, cluster.URL, cluster.CAFile, tr.Status.Token); err != nil {
 		t.Fatal(err)
 	}
+	// The old agent stops, leaving the plugin, as in a rollout.
+	if err := os.WriteFile(filepath.Join(e.node.RunDir, cnirelay.StoppedName), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	if err := cluster.Client.CoreV1().Pods("kube-system").Delete(ctx, old.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
 	}
