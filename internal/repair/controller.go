@@ -41,12 +41,15 @@ const (
 
 // Controller watches the node's pods and acts on broken ones.
 type Controller struct {
-	cfg      Config
-	cs       kubeclient.Interface
-	log      *slog.Logger
-	rules    plugin.Rules
-	procDir  string
-	recorder record.EventRecorder
+	cfg     Config
+	cs      kubeclient.Interface
+	log     *slog.Logger
+	rules   plugin.Rules
+	procDir string
+	// holdsRules says whether a namespace holds redirect rules of any
+	// form (podrules.HoldsRules).
+	holdsRules func(netnsPath string) (bool, error)
+	recorder   record.EventRecorder
 	// events is the recorder's broadcaster: it sends to the API only
 	// while Run runs, and Run shuts it down before returning.
 	events  record.EventBroadcaster
@@ -86,7 +89,7 @@ func NewMetric() *prometheus.CounterVec {
 // New returns a controller; rules is the backend repair programs with.
 func New(cfg Config, cs kubeclient.Interface, rules plugin.Rules, procDir string, counter *prometheus.CounterVec, log *slog.Logger) *Controller {
 	b := record.NewBroadcaster()
-	return &Controller{cfg: cfg, cs: cs, log: log.With("component", "repair"), rules: rules, procDir: procDir,
+	return &Controller{cfg: cfg, cs: cs, log: log.With("component", "repair"), rules: rules, procDir: procDir, holdsRules: podrules.HoldsRules,
 		recorder: b.NewRecorder(kubeclient.Scheme, corev1.EventSource{Component: "cni-repair"}), events: b,
 		counter: counter,
 		queue: workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[k8stypes.NamespacedName](
@@ -246,7 +249,7 @@ func (c *Controller) scanPod(ctx context.Context, pod *corev1.Pod, index map[str
 	// Rules other than this agent's plan still redirect: an earlier
 	// agent's form of them, or the plan of annotations since changed.
 	// Istio never rewrites a running pod's rules; neither does the scan.
-	holds, err := podrules.HoldsRules(netns)
+	holds, err := c.holdsRules(netns)
 	switch {
 	case err != nil:
 		c.log.Warn("start-up scan: cannot tell whether the pod holds redirect rules; leaving it to its validation",
@@ -435,7 +438,7 @@ func (c *Controller) repair(pod *corev1.Pod, reason string) error {
 		// them, another backend's, or the plan of annotations changed
 		// since) still redirect: the pod did not race the plugin, and
 		// Istio never rewrites a running pod's rules.
-		holds, herr := podrules.HoldsRules(netns)
+		holds, herr := c.holdsRules(netns)
 		if herr != nil {
 			// As the start-up scan: rules it cannot read may well be
 			// there, and a second set beside them would not help.
