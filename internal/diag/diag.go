@@ -196,6 +196,13 @@ func (r *report) run(podRef, netnsPath, runDir, kubeconfig, procDir string) (int
 		r.say("VERDICT: OK: the pod is not redirected (%s) and has no rules", skip)
 		return ExitOK, nil
 	}
+	if haveIPT && len(nftLines) > 0 {
+		// Both redirect; the plugin writes one backend's, so one set is
+		// another writer's or an earlier config's, and checking either
+		// alone would pass a pod whose traffic goes through both.
+		r.say("VERDICT: MISMATCH: the pod holds redirect rules of both iptables and nftables; the plugin writes one backend's (native_nftables says which)")
+		return ExitMismatch, nil
+	}
 	var rules plugin.Rules = ipt
 	backend := "iptables"
 	if haveNFT && !haveIPT {

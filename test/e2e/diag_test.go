@@ -42,6 +42,26 @@ func TestDiag(t *testing.T) {
 			if code != 0 || !strings.Contains(out, "VERDICT: OK") || !strings.Contains(out, backend+" rules") {
 				t.Fatalf("redirected pod: exit %d:\n%s", code, out)
 			}
+			if backend != "nftables" {
+				return
+			}
+			// iptables rules beside the plugin's nftables ones: traffic goes
+			// through both, whichever checks out.
+			if err := sb.pod.InPod(func() error {
+				for _, args := range [][]string{{"-t", "nat", "-N", "ISTIO_REDIRECT"},
+					{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"}} {
+					if out, err := exec.Command("iptables-nft", args...).CombinedOutput(); err != nil {
+						return fmt.Errorf("iptables-nft %v: %w: %s", args, err, out)
+					}
+				}
+				return nil
+			}); err != nil {
+				t.Fatal(err)
+			}
+			code, out = runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
+			if code != 1 || !strings.Contains(out, "both iptables and nftables") {
+				t.Fatalf("a pod with both backends' rules: exit %d:\n%s", code, out)
+			}
 		})
 	}
 	e := newEnv(t, nil)
