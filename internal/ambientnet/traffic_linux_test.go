@@ -328,6 +328,20 @@ type trafficCase struct {
 	run  func(t *testing.T, w *world)
 }
 
+// hboneReachesZtunnel: inbound HBONE on 15008 is not redirected; it
+// reaches ztunnel's own listener as addressed.
+var hboneReachesZtunnel = trafficCase{"inbound HBONE on 15008 is not redirected", func(t *testing.T, w *world) {
+	got, err := w.exchange(w.client, ap(w.fam.pod, 15008), dialOpts{})
+	w.expect(t, got, err, want{by: "ztunnel-hbone", peer: w.fam.client})
+}}
+
+// transparentInbound: ztunnel's transparent dial to the app, from the
+// client's address with ztunnel's mark, gets the app's replies back.
+var transparentInbound = trafficCase{"ztunnel's transparent inbound dials the app as the client and gets the replies", func(t *testing.T, w *world) {
+	got, err := w.exchange(w.pod, ap(w.fam.pod, 8080), dialOpts{mark: 1337, src: w.fam.client, transparent: true})
+	w.expect(t, got, err, want{by: "app", peer: w.fam.client})
+}}
+
 // captured are the paths of an enrolled pod with DNS capture, on a node
 // with the probe SNAT and the pod's address in the probe set.
 var captured = []trafficCase{
@@ -345,10 +359,7 @@ var captured = []trafficCase{
 		got, err := w.exchange(w.client, dst, dialOpts{})
 		w.expect(t, got, err, want{by: "ztunnel-inbound", origDst: dst.String(), peer: w.fam.client})
 	}},
-	{"inbound HBONE on 15008 is not redirected", func(t *testing.T, w *world) {
-		got, err := w.exchange(w.client, ap(w.fam.pod, 15008), dialOpts{})
-		w.expect(t, got, err, want{by: "ztunnel-hbone", peer: w.fam.client})
-	}},
+	hboneReachesZtunnel,
 	{"a connection from the probe source reaches the app", func(t *testing.T, w *world) {
 		got, err := w.exchange(w.node, ap(w.fam.pod, 8080), dialOpts{src: w.fam.probe})
 		w.expect(t, got, err, want{by: "app", peer: w.fam.probe})
@@ -357,10 +368,7 @@ var captured = []trafficCase{
 		got, err := w.exchange(w.node, ap(w.fam.pod, 8080), dialOpts{})
 		w.expect(t, got, err, want{by: "app", peer: w.fam.probe})
 	}},
-	{"ztunnel's transparent inbound dials the app as the client and gets the replies", func(t *testing.T, w *world) {
-		got, err := w.exchange(w.pod, ap(w.fam.pod, 8080), dialOpts{mark: 1337, src: w.fam.client, transparent: true})
-		w.expect(t, got, err, want{by: "app", peer: w.fam.client})
-	}},
+	transparentInbound,
 	{"DNS over UDP reaches ztunnel's DNS proxy", func(t *testing.T, w *world) {
 		got, err := w.exchange(w.pod, ap(w.fam.client, 53), dialOpts{udp: true})
 		w.expect(t, got, err, want{by: "ztunnel-dns"})
@@ -398,14 +406,8 @@ var bypassed = []trafficCase{
 		got, err := w.exchange(w.client, ap(w.fam.pod, 8080), dialOpts{})
 		w.expect(t, got, err, want{by: "app", peer: w.fam.client})
 	}},
-	{"inbound HBONE on 15008 reaches ztunnel", func(t *testing.T, w *world) {
-		got, err := w.exchange(w.client, ap(w.fam.pod, 15008), dialOpts{})
-		w.expect(t, got, err, want{by: "ztunnel-hbone", peer: w.fam.client})
-	}},
-	{"ztunnel's transparent inbound dials the app as the client and gets the replies", func(t *testing.T, w *world) {
-		got, err := w.exchange(w.pod, ap(w.fam.pod, 8080), dialOpts{mark: 1337, src: w.fam.client, transparent: true})
-		w.expect(t, got, err, want{by: "app", peer: w.fam.client})
-	}},
+	hboneReachesZtunnel,
+	transparentInbound,
 	{"outbound TCP still reaches ztunnel's outbound listener", func(t *testing.T, w *world) {
 		dst := ap(w.fam.client, 9090)
 		got, err := w.exchange(w.pod, dst, dialOpts{})

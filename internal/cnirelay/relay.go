@@ -154,7 +154,7 @@ func (r *Relay) Run(a *Args) error {
 		return r.status(err.Error())
 	case errors.Is(err, errNoAgent):
 		ferr := r.fallback(err.Error(), a)
-		if ferr != nil && a.Command == "ADD" && agentCame(sock, agentBefore) {
+		if ferr != nil && a.Command == "ADD" && AgentCame(sock, agentBefore) {
 			return r.askTheNewAgent(sock, a, netns, ferr)
 		}
 		return ferr
@@ -183,9 +183,10 @@ func (r *Relay) finish(resp *Response, conn *agentConn, a *Args, netns *os.File)
 	return err
 }
 
-// agentCame says whether an agent's socket is at path now that was not
-// (missing, or a dead agent's) when the relay first looked.
-func agentCame(path string, before os.FileInfo) bool {
+// AgentCame says whether an agent's socket is at path now that was not
+// (missing, or a dead agent's, as before found it) when the caller first
+// looked.
+func AgentCame(path string, before os.FileInfo) bool {
 	fi, err := os.Stat(path)
 	return err == nil && (before == nil || !os.SameFile(fi, before))
 }

@@ -226,6 +226,6 @@ func ParseArgs(s string) (*K8sArgs, error) {
 
 // Bounded wraps an API source of pods in the config's bounds: each
 // request within k8s_request_timeout, all attempts within k8s_retry_budget.
-func (c *Config) Bounded(api podinfo.Source) podinfo.Source {
+func (c *Config) Bounded(api podinfo.Source) *podinfo.Retrying {
 	return &podinfo.Retrying{Source: api, RequestTimeout: c.requestTimeout, Budget: c.retryBudget}
 }

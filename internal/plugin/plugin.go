@@ -209,7 +209,7 @@ const agentTimeout = 500 * time.Millisecond
 
 // defaultSource asks the node agent's cache first (no API request per
 // pod; not with skipAgent), then the API server with the agent's
-// kubeconfig, bounded by the config's timeout and budget; with renew, a
+// kubeconfig, bounded by the config's timeout and budget; with rw, a
 // refused token is replaced by the next agent's (apiSource).
 func defaultSource(log *slog.Logger, skipAgent bool, rw *rolloutWatch) func(*Config, string) (podinfo.Source, error) {
 	return func(conf *Config, uid string) (podinfo.Source, error) {
@@ -260,10 +260,7 @@ func newRolloutWatch(runDir string) *rolloutWatch {
 
 // agentCame says whether an agent's socket is there now that was not
 // (missing, or a dead agent's) when the watch began.
-func (rw *rolloutWatch) agentCame() bool {
-	fi, err := os.Stat(rw.sock)
-	return err == nil && (rw.before == nil || !os.SameFile(fi, rw.before))
-}
+func (rw *rolloutWatch) agentCame() bool { return cnirelay.AgentCame(rw.sock, rw.before) }
 
 // waitAgent waits, within ctx, for a new agent's socket; errAgentStarted
 // when it comes, so that the relay asks that agent.
@@ -312,7 +309,7 @@ func apiSource(conf *Config, log *slog.Logger, rw *rolloutWatch) (podinfo.Source
 	if err != nil {
 		return nil, err
 	}
-	r := &podinfo.Retrying{Source: c, RequestTimeout: conf.requestTimeout, Budget: conf.retryBudget}
+	r := conf.Bounded(c)
 	if rw == nil {
 		return r, nil
 	}

@@ -111,14 +111,24 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		}
 		return ts, conf, path
 	}
+	// open is the fallback's API source for an ADD (rollout) or a CHECK.
+	open := func(t *testing.T, conf *Config, rollout bool) podinfo.Source {
+		t.Helper()
+		var rw *rolloutWatch
+		if rollout {
+			rw = newRolloutWatch(conf.CNIAgentRunDir)
+		}
+		src, err := apiSource(conf, log, rw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return src
+	}
 
 	t.Run("next kubeconfig", func(t *testing.T) {
 		ts, conf, path := setup(t, "30s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
-		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
-		if err != nil {
-			t.Fatal(err)
-		}
+		src := open(t, conf, true)
 		pod, err := src.GetPod(context.Background(), "default", "web")
 		if err != nil {
 			t.Fatalf("GetPod after the next kubeconfig came: %v", err)
@@ -133,11 +143,8 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 
 	t.Run("none within the budget", func(t *testing.T) {
 		ts, conf, _ := setup(t, "2s")
-		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = src.GetPod(context.Background(), "default", "web")
+		src := open(t, conf, true)
+		_, err := src.GetPod(context.Background(), "default", "web")
 		var perm *podinfo.PermanentError
 		if !errors.As(err, &perm) || !strings.Contains(err.Error(), "HTTP 401") || !strings.Contains(err.Error(), "no other credentials came within 2s") {
 			t.Fatalf("GetPod with no next kubeconfig: %v", err)
@@ -152,11 +159,8 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 		// asked with once more, then waited on again.
 		ts, conf, path := setup(t, "3s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "gone") }
-		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = src.GetPod(context.Background(), "default", "web")
+		src := open(t, conf, true)
+		_, err := src.GetPod(context.Background(), "default", "web")
 		if err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 			t.Fatalf("GetPod: %v", err)
 		}
@@ -180,10 +184,7 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 			}
 			t.Cleanup(func() { l.Close() })
 		}
-		src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
-		if err != nil {
-			t.Fatal(err)
-		}
+		src := open(t, conf, true)
 		if _, err := src.GetPod(context.Background(), "default", "web"); !errors.Is(err, errAgentStarted) || !strings.Contains(err.Error(), "HTTP 401") {
 			t.Fatalf("GetPod: %v, want the refusal and the agent's start", err)
 		}
@@ -203,10 +204,7 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 			} else if err := os.Chtimes(marker, time.Now().Add(-age), time.Now().Add(-age)); err != nil {
 				t.Fatal(err)
 			}
-			src, err := apiSource(conf, log, newRolloutWatch(conf.CNIAgentRunDir))
-			if err != nil {
-				t.Fatal(err)
-			}
+			src := open(t, conf, true)
 			if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "no new token is coming") {
 				t.Fatalf("GetPod, stop %v ago: %v", age, err)
 			}
@@ -219,10 +217,7 @@ func TestRefusedTokenWaitsForTheNextKubeconfig(t *testing.T) {
 	t.Run("check does not wait", func(t *testing.T) {
 		ts, conf, path := setup(t, "30s")
 		ts.onRefused = func() { ts.writeKubeconfig(t, path, "next") }
-		src, err := apiSource(conf, log, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		src := open(t, conf, false)
 		if _, err := src.GetPod(context.Background(), "default", "web"); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 			t.Fatalf("GetPod: %v", err)
 		}

@@ -33,6 +33,22 @@ func runDiagIn(t *testing.T, runDir string, args ...string) (int, string) {
 	return 0, string(out)
 }
 
+// iptablesInPod runs iptables-nft in the pod's namespace with each set of
+// arguments in turn, as another writer of its rules would.
+func iptablesInPod(t *testing.T, pod *testenv.Pod, commands ...[]string) {
+	t.Helper()
+	if err := pod.InPod(func() error {
+		for _, args := range commands {
+			if out, err := exec.Command("iptables-nft", args...).CombinedOutput(); err != nil {
+				return fmt.Errorf("iptables-nft %v: %w: %s", args, err, out)
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestDiag(t *testing.T) {
 	for _, backend := range []string{"iptables", "nftables"} {
 		t.Run(backend, func(t *testing.T) {
@@ -47,17 +63,8 @@ func TestDiag(t *testing.T) {
 			}
 			// iptables rules beside the plugin's nftables ones: traffic goes
 			// through both, whichever checks out.
-			if err := sb.pod.InPod(func() error {
-				for _, args := range [][]string{{"-t", "nat", "-N", "ISTIO_REDIRECT"},
-					{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"}} {
-					if out, err := exec.Command("iptables-nft", args...).CombinedOutput(); err != nil {
-						return fmt.Errorf("iptables-nft %v: %w: %s", args, err, out)
-					}
-				}
-				return nil
-			}); err != nil {
-				t.Fatal(err)
-			}
+			iptablesInPod(t, sb.pod, []string{"-t", "nat", "-N", "ISTIO_REDIRECT"},
+				[]string{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"})
 			code, out = runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
 			if code != 1 || !strings.Contains(out, "both iptables and nftables") {
 				t.Fatalf("a pod with both backends' rules: exit %d:\n%s", code, out)
@@ -93,18 +100,9 @@ func TestDiag(t *testing.T) {
 		if code != 1 || !strings.Contains(out, "istio-init container but no redirect rules") {
 			t.Fatalf("istio-init pod before istio-init ran: exit %d:\n%s", code, out)
 		}
-		if err := sb.pod.InPod(func() error {
-			for _, args := range [][]string{{"-t", "nat", "-N", "ISTIO_REDIRECT"},
-				{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"},
-				{"-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "ISTIO_REDIRECT"}} {
-				if out, err := exec.Command("iptables-nft", args...).CombinedOutput(); err != nil {
-					return fmt.Errorf("iptables-nft %v: %w: %s", args, err, out)
-				}
-			}
-			return nil
-		}); err != nil {
-			t.Fatal(err)
-		}
+		iptablesInPod(t, sb.pod, []string{"-t", "nat", "-N", "ISTIO_REDIRECT"},
+			[]string{"-t", "nat", "-A", "ISTIO_REDIRECT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001"},
+			[]string{"-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "ISTIO_REDIRECT"})
 		code, out = runDiag(t, e, "--pod", testNS+"/"+sb.pod.Name, "--netns", sb.pod.NetNS.Path())
 		if code != 0 || !strings.Contains(out, "VERDICT: OK") || !strings.Contains(out, "istio-init") {
 			t.Fatalf("istio-init pod: exit %d:\n%s", code, out)
